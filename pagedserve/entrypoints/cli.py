@@ -1,0 +1,58 @@
+"""`pagedserve serve | generate | bench ...`"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_generate_parser(subparsers) -> None:
+    from pagedserve.config import EngineArgs
+
+    p = subparsers.add_parser("generate", help="complete one prompt offline and print the text")
+    p.add_argument("model", nargs="?", default=None, help="local checkpoint dir or hub id (default: embedded demo model)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from pagedserve.config import EngineArgs
+    from pagedserve.entrypoints.llm import LLM
+    from pagedserve.sampling_params import SamplingParams
+
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
+        print(out.outputs[0].text)
+    else:
+        out = llm.generate([args.prompt], params, use_tqdm=False)[0]
+        print(args.prompt + out.outputs[0].text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_generate_parser(subparsers)
+    from pagedserve.entrypoints.openai.api_server import add_serve_parser
+    from pagedserve.benchmarks.cli import add_bench_parser
+
+    add_serve_parser(subparsers)
+    add_bench_parser(subparsers)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""Engine-wide statistics, one snapshot per step (plain data: the metrics layer turns it into Prometheus)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use (ref count > 0), 0..1
+    num_kv_blocks: int = 0
+    num_used_blocks: int = 0
+    num_stored_tokens: int = 0  # tokens whose K/V sit in blocks held by running requests
+    num_allocated_slots: int = 0  # block slots held by running requests (>= stored tokens)
+    # cumulative counters since start
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found cached
+    prefix_cache_evictions: int = 0  # cached blocks whose hash was dropped to reuse the block
+    num_preemptions: int = 0
+
+
+@dataclass
+class IterationStats:
+    """What one engine step did."""
+    num_scheduled_tokens: int = 0
+    num_prompt_tokens: int = 0  # prefill tokens computed this step (prompt or recompute)
+    num_generation_tokens: int = 0  # tokens sampled this step
+    num_scheduled_reqs: int = 0
+    forward_time: float = 0.0  # seconds in the model forward + sampling
+    step_time: float = 0.0  # seconds for the whole step (schedule + forward + update + detokenize)
