@@ -1,0 +1,254 @@
+"""The iteration-level scheduler (vLLM V1 style).
+
+Every step spends a token budget: running requests first (one decode token each, or the next chunk of an
+unfinished prefill), then waiting requests in policy order while budget, seats and KV blocks allow. When a
+running request cannot get a block, the last request of the running list is preempted (KV freed, tokens
+recomputed later). The running list is kept in policy order, so "last" is the most recently admitted
+(FCFS) or the lowest priority (priority policy), and it has not been scheduled yet this step.
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0: a chunk is limited by the budget only
+    policy: str = "fcfs"  # fcfs | priority
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the known tokens, so its last position yields a new token."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # requests finished or aborted since the previous step, so the runner can drop their state
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class WaitingQueue:
+    """FCFS: a deque (preempted requests return to the front). Priority: a heap on (priority, arrival)."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._counter = itertools.count()
+
+    def add(self, request: Request, front: bool = False) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._counter), request))
+        elif front:
+            self._fifo.appendleft(request)
+        else:
+            self._fifo.append(request)
+
+    def peek(self) -> Request:
+        return self._heap[0][3] if self.policy == "priority" else self._fifo[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fifo.popleft()
+
+    def remove(self, request: Request) -> None:
+        if self.policy == "priority":
+            self._heap = [e for e in self._heap if e[3] is not request]
+            heapq.heapify(self._heap)
+        else:
+            self._fifo.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.policy == "priority" else len(self._fifo)
+
+    def __iter__(self):
+        return (e[3] for e in sorted(self._heap)) if self.policy == "priority" else iter(self._fifo)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting = WaitingQueue(config.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_since_last_step: list[str] = []
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- queue management
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> list[Request]:
+        """Finish (stop string) or abort requests wherever they are; their KV is freed at once."""
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        finished = []
+        for request_id in ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._free(request, status)
+            finished.append(request)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ----------------------------------------------------------------- the step
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        out = SchedulerOutput(finished_request_ids=self._finished_since_last_step)
+        self._finished_since_last_step = []
+        budget = cfg.max_num_batched_tokens
+        if cfg.policy == "priority":
+            self._preempt_for_higher_priority(out)
+
+        # 1. Running requests, in order; a request that cannot get a block preempts the tail of the list.
+        num_preempted_before = len(out.preempted_request_ids)
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._chunk_size(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # unchunked prefill that does not fit the remaining budget
+                index += 1
+                continue
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id)))
+                budget -= num_new
+                index += 1
+
+        # 2. Waiting requests, in policy order, while budget, seats and blocks allow. Not after the running
+        #    requests had to preempt: the pool is short, and admitting would only cause more preemption.
+        running_preempted = len(out.preempted_request_ids) > num_preempted_before
+        while len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs and not running_preempted:
+            request = self.waiting.peek()
+            hit = self.kv.get_computed_blocks(request)
+            num_new = self._chunk_size(request.num_tokens - hit.num_tokens, budget)
+            if num_new <= 0:
+                break
+            if self.kv.allocate_slots(request, num_new, hit) is None:
+                break
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = hit.num_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = hit.num_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
+            self._insert_running(request)
+            out.scheduled.append(ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id)))
+            budget -= num_new
+
+        out.num_scheduled_tokens = cfg.max_num_batched_tokens - budget
+        return out
+
+    def _chunk_size(self, num_remaining: int, budget: int) -> int:
+        cfg = self.config
+        if cfg.long_prefill_token_threshold:
+            num_remaining = min(num_remaining, cfg.long_prefill_token_threshold)
+        if not cfg.enable_chunked_prefill and num_remaining > budget:
+            return 0
+        return min(num_remaining, budget)
+
+    def _insert_running(self, request: Request) -> None:
+        if self.config.policy == "priority":
+            keys = [(r.priority, r.arrival_time) for r in self.running]
+            self.running.insert(bisect.bisect_right(keys, (request.priority, request.arrival_time)), request)
+        else:
+            self.running.append(request)
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add(request, front=True)
+        out.preempted_request_ids.append(request.request_id)
+
+    def _preempt_for_higher_priority(self, out: SchedulerOutput) -> None:
+        """Under the priority policy a waiting request that outranks the lowest running one and cannot get
+        its blocks takes them from it (before anything is scheduled this step)."""
+        while len(self.waiting) and self.running:
+            head, lowest = self.waiting.peek(), self.running[-1]
+            if (head.priority, head.arrival_time) >= (lowest.priority, lowest.arrival_time):
+                return
+            needed = -(-(head.num_tokens + 1) // self.kv.block_size)
+            if needed <= self.kv.num_free_blocks and len(self.running) < self.config.max_num_seqs:
+                return
+            self._preempt(lowest, out)
+
+    # ----------------------------------------------------------------- after the forward
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance progress by the scheduled tokens, append sampled tokens, finish stopped requests.
+
+        Returns the requests that received a new token this step.
+        """
+        progressed = []
+        for item in out.scheduled:
+            request = item.request
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_output_token(token)
+            progressed.append(request)
+            status = request.check_stop(self.config.max_model_len)
+            if status is not None:
+                self.running.remove(request)
+                self._free(request, status)
+        return progressed
+
+    def _free(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        self._finished_since_last_step.append(request.request_id)
+        del self.requests[request.request_id]

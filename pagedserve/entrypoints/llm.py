@@ -1,0 +1,128 @@
+"""The offline API, as in vLLM: LLM(model=...).generate(prompts, SamplingParams(...))."""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from pagedserve.config import EngineArgs
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+
+PromptType = str | dict | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_kwargs) -> None:
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_kwargs))
+        self._counter = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.llm_engine = LLMEngine.from_engine_args(args)
+        llm._counter = itertools.count()
+        return llm
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompt_token_ids: list[int] | list[list[int]] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in the order of the prompts."""
+        inputs = self._normalize_prompts(prompts, prompt_token_ids)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(inputs)
+        if len(params) != len(inputs):
+            raise ValueError(f"got {len(params)} sampling params for {len(inputs)} prompts.")
+        if priority is not None and len(priority) != len(inputs):
+            raise ValueError(f"got {len(priority)} priorities for {len(inputs)} prompts.")
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(inputs, params)):
+                request_id = str(next(self._counter))
+                p = _with_kind(p, RequestOutputKind.FINAL_ONLY)
+                self.llm_engine.add_request(request_id, prompt, p, priority=priority[i] if priority else 0)
+                ids.append(request_id)
+        except ValueError:
+            self.llm_engine.abort_request(ids)
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            if not conversation:
+                raise ValueError("messages must not be empty.")
+            prompts.append(tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
+                                                         add_generation_prompt=add_generation_prompt))
+        # the template already holds the special tokens
+        token_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate(prompt_token_ids=token_ids, sampling_params=sampling_params, use_tqdm=use_tqdm)
+
+    def _normalize_prompts(self, prompts, prompt_token_ids) -> list[str | list[int]]:
+        if prompt_token_ids is not None:
+            if prompt_token_ids and isinstance(prompt_token_ids[0], int):
+                prompt_token_ids = [prompt_token_ids]
+            return [list(ids) for ids in prompt_token_ids]
+        if prompts is None:
+            raise ValueError("either prompts or prompt_token_ids is required.")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        elif prompts and isinstance(prompts[0], int):
+            prompts = [prompts]
+        out = []
+        for p in prompts:
+            if isinstance(p, dict):
+                if "prompt_token_ids" in p:
+                    out.append(list(p["prompt_token_ids"]))
+                elif "prompt" in p:
+                    out.append(p["prompt"])
+                else:
+                    raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'.")
+            else:
+                out.append(p)
+        return out
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True) if use_tqdm else None
+        t0 = time.perf_counter()
+        num_in = num_out = 0
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    results[output.request_id] = output
+                    if bar is not None:
+                        num_in += len(output.prompt_token_ids)
+                        num_out += sum(len(c.token_ids) for c in output.outputs)
+                        elapsed = time.perf_counter() - t0
+                        bar.set_postfix_str(f"est. speed input: {num_in / elapsed:.1f} toks/s, "
+                                            f"output: {num_out / elapsed:.1f} toks/s")
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [results[i] for i in request_ids if i in results]
+
+
+def _with_kind(params: SamplingParams, kind: RequestOutputKind) -> SamplingParams:
+    if params.output_kind == kind:
+        return params
+    import dataclasses
+
+    return dataclasses.replace(params, output_kind=kind)

@@ -1,0 +1,71 @@
+"""Paged attention over a flattened batch: prefill chunks and decodes in one forward.
+
+KV cache of one layer: [num_blocks, block_size, num_kv_heads, head_dim] for K and for V. New K/V are
+written at `slot_mapping` (slot = block_id * block_size + offset) before any attention of the layer
+reads, so a request may attend to blocks that another request of the same step is filling.
+
+Token order in the batch: all decode tokens first (one per request), then prefill chunks.
+  * decodes: one batched SDPA over each request's blocks, gathered through the padded block table;
+  * prefill chunks: one SDPA per chunk; a chunk with no earlier context attends to its own new K/V
+    (causal), a later chunk gathers its context through its block table (causal with an offset).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    start: int  # index of the chunk's first token in the flattened batch
+    num_tokens: int  # new tokens in this chunk
+    context_len: int  # tokens attended to by the chunk's last token (earlier context + the chunk)
+    block_ids: torch.Tensor  # [num_blocks_of_request] long
+    causal_mask: torch.Tensor | None  # [num_tokens, context_len] bool when context_len > num_tokens
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] long
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long, padded with block 0
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool: True = attend
+    prefills: list[PrefillSpan]
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    kvh, hd = k.shape[1], k.shape[2]
+    k_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, H, D], k/v: [T, KVH, D] (this step's new tokens). Returns [T, H, D]."""
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    d = meta.num_decodes
+    if d:
+        bt = meta.decode_block_tables
+        keys = k_cache[bt].view(d, -1, num_kv_heads, head_dim).transpose(1, 2)
+        values = v_cache[bt].view(d, -1, num_kv_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
+                                           scale=scale, enable_gqa=True)
+        out[:d] = o.squeeze(2)
+    for span in meta.prefills:
+        sl = slice(span.start, span.start + span.num_tokens)
+        qs = q[sl].transpose(0, 1).unsqueeze(0)
+        if span.causal_mask is None:  # the chunk is the whole context so far
+            keys, values = k[sl], v[sl]
+        else:
+            keys = k_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[:span.context_len]
+            values = v_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[:span.context_len]
+        o = F.scaled_dot_product_attention(qs, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
+                                           attn_mask=span.causal_mask, is_causal=span.causal_mask is None,
+                                           scale=scale, enable_gqa=True)
+        out[sl] = o.squeeze(0).transpose(0, 1)
+    return out

@@ -1,0 +1,109 @@
+"""What the engine needs from a checkpoint's config.json, read directly (old and new transformers layouts)."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass
+class ModelConfig:
+    model_dir: Path
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
+    checkpoint_dtype: str | None
+    eos_token_ids: frozenset[int]
+    bos_token_id: int | None
+    max_model_len: int = 0  # resolved by the engine
+    served_model_name: str = ""
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> "ModelConfig":
+        cfg = json.loads((model_dir / "config.json").read_text())
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"Model architecture {archs or cfg.get('model_type')} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}.")
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        num_heads = cfg["num_attention_heads"]
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "MistralForCausalLM") else None
+        max_pos = cfg.get("max_position_embeddings", 2048)
+        if sliding:  # we implement full attention only: stay inside the window, where the two agree
+            max_pos = min(max_pos, sliding)
+        return cls(
+            model_dir=model_dir,
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            eos_token_ids=_eos_ids(model_dir, cfg),
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+    @property
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        per_layer = attn + 3 * h * i + 2 * h
+        return self.num_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+
+
+def _eos_ids(model_dir: Path, cfg: dict) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (cfg, _read_json(model_dir / "generation_config.json")):
+        eos = source.get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def resolve_model_dir(model: str, revision: str | None = None) -> Path:
+    """A local checkpoint directory, or a hub id downloaded (or found in the local HF cache) via huggingface_hub."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"{path} has no config.json: not a Hugging Face checkpoint directory.")
+        return path
+    if path.exists() or os.sep in model and model.count("/") > 1:
+        raise ValueError(f"Model path {model!r} is not a checkpoint directory.")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model, revision=revision,
+                                      allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]))
+    except Exception as exc:  # offline, unknown repo, gated ...
+        raise ValueError(f"Could not load model {model!r}: not a local directory and the hub download failed "
+                         f"({type(exc).__name__}: {exc}).") from exc

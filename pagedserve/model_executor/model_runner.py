@@ -1,0 +1,198 @@
+"""Owns the model and the KV cache tensors; turns a SchedulerOutput into one flat forward and samples.
+
+The only place that knows tensor layouts: token ids, positions and slot mapping of the flattened batch,
+block tables and context lengths for attention, and which rows produce logits.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagedserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagedserve.model_executor.attention import AttentionMetadata, PrefillSpan
+from pagedserve.model_executor.model_config import ModelConfig
+from pagedserve.model_executor.models.llama import LlamaForCausalLM
+from pagedserve.model_executor.sampler import Sampler, SamplingMetadata
+from pagedserve.outputs import Logprob
+
+logger = logging.getLogger("pagedserve")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":  # float32 where bf16 matmuls are slow or emulated (CPU); bf16 on GPUs
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
+    logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)  # for requests that asked
+    forward_time: float = 0.0
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype, block_size: int,
+                 seed: int = 0) -> None:
+        self.config = model_config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        t0 = time.perf_counter()
+        with torch.device(device):
+            model = LlamaForCausalLM(model_config)
+        model.load_weights(model_config.model_dir)
+        self.model = model.to(dtype).eval()
+        self.model.requires_grad_(False)
+        logger.info("Loaded %s (%s, %.1fM params, %s on %s) in %.1f s", model_config.model_dir,
+                    model_config.architecture, model_config.num_params / 1e6, str(dtype).removeprefix("torch."),
+                    device, time.perf_counter() - t0)
+        self.sampler = Sampler()
+        self.default_generator = torch.Generator(device=device).manual_seed(seed)
+        self.generators: dict[str, torch.Generator] = {}
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    # ------------------------------------------------------------------ KV cache
+    @property
+    def kv_bytes_per_block(self) -> int:
+        c = self.config
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+
+    def available_memory(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.device)[0]
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        c = self.config
+        shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(c.num_layers)]
+
+    # ------------------------------------------------------------------ the step
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in out.finished_request_ids:
+            self.generators.pop(request_id, None)
+        t0 = time.perf_counter()
+        # decodes first: attention batches them together
+        items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        input_ids, positions, meta, logits_indices, sampling_items = self._prepare_inputs(items)
+        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+        result = ModelRunnerOutput()
+        if sampling_items:
+            self._sample(logits, sampling_items, result)
+        result.forward_time = time.perf_counter() - t0
+        return result
+
+    def _prepare_inputs(self, items: list[ScheduledRequest]):
+        bs = self.block_size
+        tokens: list[int] = []
+        positions, slots = [], []
+        decode_tables, decode_lens = [], []
+        prefills: list[PrefillSpan] = []
+        logits_indices, sampling_items = [], []
+        start = 0
+        for item in items:
+            r, n = item.request, item.num_new_tokens
+            first = r.num_computed_tokens
+            context_len = first + n
+            tokens.extend(r.all_token_ids[first:context_len])
+            pos = np.arange(first, context_len)
+            table = np.asarray(item.block_ids, dtype=np.int64)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            used_blocks = item.block_ids[:-(-context_len // bs)]
+            if n == 1:
+                decode_tables.append(used_blocks)
+                decode_lens.append(context_len)
+            else:
+                mask = None
+                if first > 0:  # a later chunk: causal over the whole context, offset by what came before
+                    mask = torch.arange(context_len, device=self.device)[None, :] <= \
+                        torch.arange(first, context_len, device=self.device)[:, None]
+                prefills.append(PrefillSpan(start, n, context_len,
+                                            torch.tensor(used_blocks, dtype=torch.long, device=self.device), mask))
+            start += n
+            if item.samples:
+                logits_indices.append(start - 1)
+                sampling_items.append(item)
+        dev = self.device
+        decode_bt = decode_mask = None
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            table = np.zeros((len(decode_tables), width), dtype=np.int64)
+            for i, t in enumerate(decode_tables):
+                table[i, :len(t)] = t
+            decode_bt = torch.from_numpy(table).to(dev)
+            lens = torch.tensor(decode_lens, device=dev)
+            decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            num_decodes=len(decode_tables),
+            decode_block_tables=decode_bt,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
+        pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
+        return input_ids, pos_t, meta, torch.tensor(logits_indices, dtype=torch.long, device=dev), sampling_items
+
+    def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest], result: ModelRunnerOutput) -> None:
+        requests = [item.request for item in items]
+        params = [r.sampling_params for r in requests]
+        generators = {}
+        banned = {}
+        for row, r in enumerate(requests):
+            p = r.sampling_params
+            if p.seed is not None and not p.greedy:
+                g = self.generators.get(r.request_id)
+                if g is None:  # each of the n samples of a request gets its own stream: seed + index
+                    g = torch.Generator(device=self.device).manual_seed(p.seed + r.sample_index)
+                    self.generators[r.request_id] = g
+                generators[row] = g
+            if r.num_output_tokens < p.min_tokens:
+                banned[row] = sorted(r.eos_token_ids | set(p.stop_token_ids))
+        any_penalty = any(p.needs_penalties for p in params)
+        meta = SamplingMetadata.build(
+            params, generators,
+            [r.prompt_token_ids for r in requests] if any_penalty else [],
+            [r.output_token_ids for r in requests] if any_penalty else [],
+            banned, self.device)
+        out = self.sampler(logits, meta, self.default_generator)
+        token_ids = out.sampled_token_ids.tolist()
+        for r, token in zip(requests, token_ids):
+            result.sampled[r.request_id] = token
+        if out.logprobs is None:
+            return
+        lp = out.logprobs
+        top_ids, top_lps = lp.top_token_ids.tolist(), lp.top_logprobs.tolist()
+        sampled_lps, sampled_ranks = lp.sampled_logprobs.tolist(), lp.sampled_ranks.tolist()
+        for row, r in enumerate(requests):
+            k = r.sampling_params.logprobs
+            if k is None:
+                continue
+            entry = {token_ids[row]: Logprob(sampled_lps[row], sampled_ranks[row])}
+            for rank, (tid, tlp) in enumerate(zip(top_ids[row][:k], top_lps[row][:k]), start=1):
+                entry.setdefault(tid, Logprob(tlp, rank))
+            result.logprobs[r.request_id] = entry
+
+
+def configure_threads(num_threads: int | None) -> None:
+    """Intra-op threads = cores by default; one pool, no oversubscription."""
+    torch.set_num_threads(num_threads or os.cpu_count() or 1)

@@ -1,0 +1,146 @@
+"""One decoder for Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
+
+Q, K and V are one fused projection, and so are gate and up: one GEMM each instead of three and two.
+The model sees a flat batch of tokens; everything about KV layout is behind `paged_attention`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from pagedserve.model_executor.attention import AttentionMetadata, paged_attention
+from pagedserve.model_executor.layers import Linear, RMSNorm, RotaryEmbedding
+from pagedserve.model_executor.model_config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, positions, x, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Returns float32 logits for the rows in `logits_indices` only."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(positions, x, kv_cache, meta)
+        x = self.norm(x[logits_indices])
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, weight).float()
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, model_dir: Path) -> None:
+        """Read safetensors shards (single file or index) into the fused parameters."""
+        params = dict(self.named_parameters())
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        loaded: set[str] = set()
+        for name, tensor in _iter_safetensors(model_dir):
+            name = name.removeprefix("model.")
+            if name.startswith("lm_head.") and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in fused:
+                target, shard = fused[parts[-2]]
+                pname = ".".join(parts[:-2] + [target, parts[-1]])
+                param = params[pname]
+                sizes = self._shard_sizes(target)
+                offset = sum(sizes[:shard])
+                param.data[offset:offset + sizes[shard]].copy_(tensor)
+                loaded.add(f"{pname}#{shard}")
+            elif name in params:
+                params[name].data.copy_(tensor)
+                loaded.add(name)
+            elif "rotary_emb" not in name:
+                raise ValueError(f"Unexpected weight {name!r} in checkpoint {model_dir}.")
+        expected = set()
+        for n in params:
+            num_shards = 3 if ".qkv_proj." in n else 2 if ".gate_up_proj." in n else 0
+            if num_shards:
+                expected.update(f"{n}#{i}" for i in range(num_shards))
+            else:
+                expected.add(n)
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"Checkpoint {model_dir} lacks weights: {sorted(missing)[:5]} ...")
+
+    def _shard_sizes(self, target: str) -> list[int]:
+        cfg = self.cfg
+        if target == "qkv_proj":
+            return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+        return [cfg.intermediate_size, cfg.intermediate_size]
+
+
+def _iter_safetensors(model_dir: Path):
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"No *.safetensors weights in {model_dir}.")
+    for file in files:
+        with safe_open(str(model_dir / file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
