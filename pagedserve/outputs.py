@@ -53,3 +53,17 @@ class RequestOutput:
     prompt_logprobs: None = None
     # Set when the engine failed this request alone (e.g. a tokenizer error); finish_reason is "abort".
     error: str | None = None
+
+
+@dataclass
+class BeamSearchSequence:
+    tokens: list[int]  # prompt + generated, as in vLLM
+    logprobs: list[float]  # of each generated token
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None  # "stop" (EOS) or "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first

@@ -9,8 +9,8 @@ from tqdm.auto import tqdm
 
 from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.outputs import RequestOutput
-from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 PromptType = str | dict | list[int]
 
@@ -49,10 +49,11 @@ class LLM:
             raise ValueError(f"got {len(priority)} priorities for {len(inputs)} prompts.")
         ids = []
         try:
-            for i, (prompt, p) in enumerate(zip(inputs, params)):
+            for i, ((prompt, cache_salt), p) in enumerate(zip(inputs, params)):
                 request_id = str(next(self._counter))
                 p = _with_kind(p, RequestOutputKind.FINAL_ONLY)
-                self.llm_engine.add_request(request_id, prompt, p, priority=priority[i] if priority else 0)
+                self.llm_engine.add_request(request_id, prompt, p, priority=priority[i] if priority else 0,
+                                            cache_salt=cache_salt)
                 ids.append(request_id)
         except ValueError:
             self.llm_engine.abort_request(ids)
@@ -74,11 +75,58 @@ class LLM:
         token_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         return self.generate(prompt_token_ids=token_ids, sampling_params=sampling_params, use_tqdm=use_tqdm)
 
-    def _normalize_prompts(self, prompts, prompt_token_ids) -> list[str | list[int]]:
+    def beam_search(self, prompts: Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Deterministic beam search, as in vLLM: every step, each live beam is one request for one token with
+        the top 2*beam_width logprobs; the best beam_width continuations survive. A beam's request repeats its
+        parent's tokens, so the prefix cache hands it the parent's full KV blocks (ref count +1, no copy);
+        only the partly filled last block is recomputed."""
+        engine = self.llm_engine
+        width = params.beam_width
+        step_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=min(2 * width, engine.model_config.vocab_size),
+                                     ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+        eos = engine.model_config.eos_token_ids
+        beams = [[BeamSearchSequence(engine.tokenize(p) if not isinstance(p, dict) else list(p["prompt_token_ids"]), [])]
+                 for p in ([prompts] if isinstance(prompts, str) else prompts)]
+        done: list[list[BeamSearchSequence]] = [[] for _ in beams]
+        for _ in range(params.max_tokens):
+            live = [(i, b) for i, group in enumerate(beams) for b in group]
+            if not live:
+                break
+            outs = self.generate(prompt_token_ids=[b.tokens for _, b in live], sampling_params=step_params,
+                                 use_tqdm=False)
+            candidates: list[list[BeamSearchSequence]] = [[] for _ in beams]
+            for (i, beam), out in zip(live, outs):
+                for token, lp in out.outputs[0].logprobs[0].items():
+                    candidates[i].append(BeamSearchSequence(beam.tokens + [token], beam.logprobs + [lp.logprob],
+                                                            beam.cum_logprob + lp.logprob))
+            for i, group in enumerate(candidates):
+                group.sort(key=lambda b: b.cum_logprob, reverse=True)
+                beams[i] = []
+                for cand in group[:2 * width]:
+                    if not params.ignore_eos and cand.tokens[-1] in eos:
+                        cand.finish_reason = "stop"
+                        done[i].append(cand)
+                    elif len(beams[i]) < width:
+                        beams[i].append(cand)
+        results = []
+        tokenizer = self.get_tokenizer()
+        for prompt_beams, finished in zip(beams, done):
+            for b in prompt_beams:
+                b.finish_reason = "length"
+            pool = finished + prompt_beams
+            pool.sort(key=lambda b: b.cum_logprob / max(len(b.logprobs), 1) ** params.length_penalty, reverse=True)
+            for b in pool[:width]:
+                b.text = tokenizer.decode(b.tokens[len(b.tokens) - len(b.logprobs):], skip_special_tokens=True)
+            results.append(BeamSearchOutput(pool[:width]))
+        return results
+
+    @staticmethod
+    def _normalize_prompts(prompts, prompt_token_ids) -> list[tuple[str | list[int], str | None]]:
+        """-> [(prompt text or token ids, cache_salt)]. Dicts follow vLLM's TextPrompt / TokensPrompt."""
         if prompt_token_ids is not None:
             if prompt_token_ids and isinstance(prompt_token_ids[0], int):
                 prompt_token_ids = [prompt_token_ids]
-            return [list(ids) for ids in prompt_token_ids]
+            return [(list(ids), None) for ids in prompt_token_ids]
         if prompts is None:
             raise ValueError("either prompts or prompt_token_ids is required.")
         if isinstance(prompts, (str, dict)):
@@ -87,15 +135,14 @@ class LLM:
             prompts = [prompts]
         out = []
         for p in prompts:
-            if isinstance(p, dict):
-                if "prompt_token_ids" in p:
-                    out.append(list(p["prompt_token_ids"]))
-                elif "prompt" in p:
-                    out.append(p["prompt"])
-                else:
-                    raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'.")
+            if not isinstance(p, dict):
+                out.append((p, None))
+            elif "prompt_token_ids" in p:
+                out.append((list(p["prompt_token_ids"]), p.get("cache_salt")))
+            elif "prompt" in p:
+                out.append((p["prompt"], p.get("cache_salt")))
             else:
-                out.append(p)
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'.")
         return out
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -1,0 +1,58 @@
+"""Shared fixtures: the home-made tiny tokenizer and tiny random-weight checkpoints.
+
+    def test_x(tiny_model_dir, tiny_tokenizer):
+        path = tiny_model_dir("qwen3")                  # built once per session (per arch+overrides)
+        prompts = mixed_prompts(tiny_tokenizer, n=8)
+
+See tests/tiny_models.py (checkpoints) and tests/hf_reference.py (HF greedy reference + matcher).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import tiny_models` / `hf_reference`
+
+from tiny_models import ARCHS, build_tiny_tokenizer, make_tiny_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    """Directory holding the tiny tokenizer files (tokenizer.json, tokenizer_config.json, chat template)."""
+    d = tmp_path_factory.mktemp("tiny_tokenizer")
+    build_tiny_tokenizer().save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_tokenizer_dir):
+    """The tiny tokenizer as the engine sees it: AutoTokenizer.from_pretrained(saved dir)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
+    """Factory: ``tiny_model_dir(arch, **kwargs) -> Path`` of a checkpoint, built once per session.
+
+    ``arch`` in ``tiny_models.ARCHS``; kwargs go to ``make_tiny_checkpoint`` (config overrides,
+    ``seed``, ``max_shard_size``, ``legacy_rope_config``).  Cached per (arch, kwargs).
+    Treat the directories as read-only (copy one before editing it).
+    """
+    cache: dict[tuple, Path] = {}
+
+    def get(arch: str, **kwargs) -> Path:
+        if arch not in ARCHS:
+            raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
+        key = (arch, json.dumps(kwargs, sort_keys=True, default=repr))
+        if key not in cache:
+            name = arch if not kwargs else f"{arch}-{len(cache)}"
+            out = tmp_path_factory.mktemp(f"tiny_{name}")
+            cache[key] = make_tiny_checkpoint(arch, out, tokenizer=tiny_tokenizer, **kwargs)
+        return cache[key]
+
+    return get
