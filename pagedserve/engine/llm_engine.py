@@ -212,7 +212,13 @@ class LLMEngine:
                 lp.decoded_token = self.tokenizer.decode([tid])
             sample.logprobs.append(logprobs)
             sample.cumulative_logprob += logprobs[token].logprob
-        stop = sample.detokenizer.update([token])
+        # A stop token's text is not part of the output (as in vLLM), unless asked for.
+        stopped_by_token = request.status == RequestStatus.FINISHED_STOPPED and request.stop_reason is None \
+            or isinstance(request.stop_reason, int)
+        if stopped_by_token and not user.params.include_stop_str_in_output:
+            stop = None
+        else:
+            stop = sample.detokenizer.update([token])
         if stop is not None and not request.is_finished:
             request.stop_reason = stop
             self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_STOPPED)

@@ -1,0 +1,254 @@
+"""Turns one step's logits into next tokens for a batch of sequences (semantics follow vLLM V1).
+
+Order: logprobs from the raw logits -> penalties -> banned tokens -> greedy argmax | temperature, top-k, top-p,
+min-p, exponential race. Penalties and bans apply to greedy rows too.
+
+Random rows sample with the exponential race: argmax(p / q) with q ~ Exp(1) per token is an exact draw from p.
+Every random row draws a full row of noise each step, so a seeded row's noise comes from its own generator only
+and its tokens do not depend on the batch it runs in or its row index.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from pagedserve.sampling_params import SamplingParams
+
+# Temperatures below this are greedy; the same bound as SamplingParams.greedy.
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step sampling inputs, one row per sequence that samples this step."""
+
+    temperature: torch.Tensor  # [N] float32, 0 => greedy row
+    top_p: torch.Tensor  # [N] float32, 1.0 = off
+    top_k: torch.Tensor  # [N] int64, 0 = off
+    min_p: torch.Tensor  # [N] float32, 0 = off
+    all_greedy: bool
+    # Fast paths: True when no random row uses the filter.
+    no_top_p: bool
+    no_top_k: bool
+    no_min_p: bool
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> generator of a seeded random row
+    # Penalties: all None when no row uses any penalty.
+    presence_penalty: torch.Tensor | None = None  # [N] float32
+    frequency_penalty: torch.Tensor | None = None  # [N] float32
+    repetition_penalty: torch.Tensor | None = None  # [N] float32
+    prompt_token_ids: list[Sequence[int]] | None = None  # per row, for the repetition penalty
+    output_token_ids: list[Sequence[int]] | None = None  # per row, tokens generated so far
+    banned_token_ids: dict[int, list[int]] = field(default_factory=dict)  # row -> ids forced to -inf
+    max_num_logprobs: int | None = None  # None: no logprobs; k >= 0: top-k plus the sampled token
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        generators: dict[int, torch.Generator],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        banned_token_ids: dict[int, list[int]],
+        device: torch.device | str,
+    ) -> SamplingMetadata:
+        """Row i samples for params[i]; generators maps rows of seeded requests to their generators."""
+        greedy = [p.greedy for p in params]
+        random_params = [p for p, g in zip(params, greedy) if not g]
+        # Filters of greedy rows are neutralised so that they never defeat the fast paths.
+        temperature = [0.0 if g else p.temperature for p, g in zip(params, greedy)]
+        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+        top_k = [0 if g else p.top_k for p, g in zip(params, greedy)]
+        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+        needs_penalties = any(p.needs_penalties for p in params)
+
+        def tensor(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        def penalty(values: list[float]) -> torch.Tensor | None:
+            return tensor(values, torch.float32) if needs_penalties else None
+
+        return cls(
+            temperature=tensor(temperature, torch.float32),
+            top_p=tensor(top_p, torch.float32),
+            top_k=tensor(top_k, torch.int64),
+            min_p=tensor(min_p, torch.float32),
+            all_greedy=not random_params,
+            no_top_p=all(p.top_p >= 1.0 for p in random_params),
+            no_top_k=all(p.top_k == 0 for p in random_params),
+            no_min_p=all(p.min_p == 0.0 for p in random_params),
+            # A greedy row never draws noise, so its generator must not advance.
+            generators={row: g for row, g in generators.items() if not greedy[row]},
+            presence_penalty=penalty([p.presence_penalty for p in params]),
+            frequency_penalty=penalty([p.frequency_penalty for p in params]),
+            repetition_penalty=penalty([p.repetition_penalty for p in params]),
+            # References, not copies: prompts can be long, and the lists are only read during this step.
+            prompt_token_ids=list(prompt_token_ids) if needs_penalties else None,
+            output_token_ids=list(output_token_ids) if needs_penalties else None,
+            banned_token_ids={row: list(ids) for row, ids in banned_token_ids.items() if ids},
+            max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
+        )
+
+
+@dataclass
+class LogprobsTensors:
+    top_token_ids: torch.Tensor  # [N, k] int64
+    top_logprobs: torch.Tensor  # [N, k] float32
+    sampled_logprobs: torch.Tensor  # [N] float32
+    sampled_ranks: torch.Tensor  # [N] int64, 1 = most likely
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [N] int64
+    logprobs: LogprobsTensors | None
+
+
+class Sampler:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        metadata: SamplingMetadata,
+        default_generator: torch.Generator | None = None,
+    ) -> SamplerOutput:
+        """logits: [N, V]. default_generator feeds the unseeded random rows (None: torch's global RNG)."""
+        # A float32 copy: the steps below work in place, and bf16 is too coarse for top-p/min-p cut-offs.
+        logits = logits.to(torch.float32, copy=True)
+        raw_logprobs = None if metadata.max_num_logprobs is None else torch.log_softmax(logits, dim=-1)
+        logits = apply_penalties(logits, metadata)
+        logits = apply_banned_tokens(logits, metadata.banned_token_ids)
+        sampled = _sample(logits, metadata, default_generator)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+
+def _sample(
+    logits: torch.Tensor, metadata: SamplingMetadata, default_generator: torch.Generator | None
+) -> torch.Tensor:
+    greedy_ids = logits.argmax(dim=-1)
+    if metadata.all_greedy:
+        return greedy_ids
+    is_greedy = metadata.temperature < _SAMPLING_EPS
+    logits.div_(torch.where(is_greedy, 1.0, metadata.temperature).unsqueeze(1))
+    logits = apply_top_k_top_p(
+        logits,
+        None if metadata.no_top_k else metadata.top_k,
+        None if metadata.no_top_p else metadata.top_p,
+    )
+    probs = logits.softmax(dim=-1)
+    if not metadata.no_min_p:
+        probs = apply_min_p(probs, metadata.min_p)
+    random_ids = exponential_race(probs, metadata.generators, default_generator)
+    return torch.where(is_greedy, greedy_ids, random_ids)
+
+
+def token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[N, V] float32: how often each token occurs in each row's list."""
+    rows = [torch.tensor(ids, dtype=torch.int64) for ids in token_ids]
+    # Padding points at an extra column that is dropped afterwards.
+    padded = pad_sequence(rows, batch_first=True, padding_value=vocab_size).to(device)
+    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, padded, torch.ones(padded.shape, dtype=torch.float32, device=device))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Repetition penalty over prompt + output tokens, then frequency and presence penalties over output tokens."""
+    if metadata.repetition_penalty is None:
+        return logits
+    assert metadata.presence_penalty is not None and metadata.frequency_penalty is not None
+    assert metadata.prompt_token_ids is not None and metadata.output_token_ids is not None
+    vocab_size = logits.shape[-1]
+    output_counts = token_counts(metadata.output_token_ids, vocab_size, logits.device)
+    in_output = output_counts > 0
+    seen = in_output | (token_counts(metadata.prompt_token_ids, vocab_size, logits.device) > 0)
+    scale = torch.where(seen, metadata.repetition_penalty.unsqueeze(1), 1.0)
+    # Dividing a positive logit and multiplying a negative one both make the token less likely for penalty > 1.
+    logits = torch.where(logits > 0, logits / scale, logits * scale)
+    logits -= metadata.frequency_penalty.unsqueeze(1) * output_counts
+    logits -= metadata.presence_penalty.unsqueeze(1) * in_output
+    return logits
+
+
+def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: dict[int, list[int]]) -> torch.Tensor:
+    """Sets banned (row, token) entries to -inf in place, with one indexing op for the whole batch."""
+    if not banned_token_ids:
+        return logits
+    rows = torch.cat([torch.full((len(ids),), row, dtype=torch.int64) for row, ids in banned_token_ids.items()])
+    cols = torch.cat([torch.tensor(ids, dtype=torch.int64) for ids in banned_token_ids.values()])
+    logits[rows.to(logits.device), cols.to(logits.device)] = float("-inf")
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Sets tokens outside each row's top-k, then outside its top-p nucleus, to -inf (in place).
+
+    top_k 0 (or >= V) and top_p 1.0 leave a row alone. Tokens tied with the k-th logit are kept. The nucleus is
+    the smallest most-likely-first set whose probability reaches top_p; the most likely token always stays.
+    """
+    if top_p is None:
+        return logits if top_k is None else _apply_top_k_only(logits, top_k)
+    vocab_size = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        k = torch.where((top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)
+        kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 for the top token
+    # Rows with top_p = 1 are exempt: rounding can push the cumulative sum to 1 before the tail.
+    drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    return logits.scatter_(1, order, sorted_logits)
+
+
+def _apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Top-k without a full sort of the vocabulary."""
+    vocab_size = logits.shape[-1]
+    off = (top_k <= 0) | (top_k >= vocab_size)
+    k = top_k.masked_fill(off, 1)
+    max_k = int(k.max())  # torch.topk needs a Python int: one host sync
+    kth = logits.topk(max_k, dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+    kth.masked_fill_(off.unsqueeze(1), float("-inf"))
+    return logits.masked_fill_(logits < kth, float("-inf"))
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zeroes (in place) tokens less likely than min_p times the row's top probability; not renormalised, which
+    the exponential race does not need."""
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return probs.masked_fill_(probs < threshold, 0.0)
+
+
+def exponential_race(
+    probs: torch.Tensor,
+    generators: dict[int, torch.Generator],
+    default_generator: torch.Generator | None,
+) -> torch.Tensor:
+    """argmax(probs / q), q ~ Exp(1): an exact sample from each row of (unnormalised) probs. Consumes probs."""
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        q.exponential_(generator=default_generator)
+    # Seeded rows draw a full row from their own generator (per-row loop: one generator per request).
+    for row, generator in generators.items():
+        q[row].exponential_(generator=generator)
+    # Exp(1) can return exactly 0; 0 / 0 = nan would win the argmax for a masked token.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)
+
+
+def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
+    """Top num_logprobs tokens of each row plus the sampled token's logprob and rank (1 + number more likely)."""
+    sampled_logprobs = raw_logprobs.gather(1, sampled.unsqueeze(1))
+    ranks = (raw_logprobs > sampled_logprobs).sum(dim=-1) + 1
+    top_logprobs, top_token_ids = raw_logprobs.topk(num_logprobs, dim=-1)
+    return LogprobsTensors(
+        top_token_ids=top_token_ids,
+        top_logprobs=top_logprobs,
+        sampled_logprobs=sampled_logprobs.squeeze(1),
+        sampled_ranks=ranks,
+    )
