@@ -5,16 +5,21 @@ written at `slot_mapping` (slot = block_id * block_size + offset) before any att
 reads, so a request may attend to blocks that another request of the same step is filling.
 
 Token order in the batch: all decode tokens first (one per request), then prefill chunks.
-  * decodes: one batched SDPA over each request's blocks, gathered through the padded block table;
+  * decodes: on CPU, a native kernel reads each request's blocks in place through its block table
+    (kernels/paged_attention.cpp); elsewhere, one batched SDPA over blocks gathered through the
+    padded block table;
   * prefill chunks: one SDPA per chunk; a chunk with no earlier context attends to its own new K/V
     (causal), a later chunk gathers its context through its block table (causal with an offset).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
+
+from pagedserve.model_executor.kernels import cpu_kernels
 
 
 @dataclass
@@ -31,8 +36,16 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long, padded with block 0
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool: True = attend
+    decode_context_lens: torch.Tensor | None  # [num_decodes] long
+    block_size: int
     prefills: list[PrefillSpan]
+
+    @cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """[num_decodes, 1, 1, max_blocks * block_size] bool, True = attend (for the gathered SDPA path)."""
+        width = self.decode_block_tables.shape[1] * self.block_size
+        positions = torch.arange(width, device=self.decode_context_lens.device)
+        return (positions[None, :] < self.decode_context_lens[:, None])[:, None, None, :]
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -49,7 +62,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty_like(q)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     d = meta.num_decodes
-    if d:
+    kernels = cpu_kernels() if q.device.type == "cpu" else None
+    if d and kernels is not None:
+        out[:d] = kernels.paged_decode_attention(q[:d].contiguous(), k_cache, v_cache, meta.decode_block_tables,
+                                                 meta.decode_context_lens, scale)
+    elif d:
         bt = meta.decode_block_tables
         keys = k_cache[bt].view(d, -1, num_kv_heads, head_dim).transpose(1, 2)
         values = v_cache[bt].view(d, -1, num_kv_heads, head_dim).transpose(1, 2)

@@ -133,20 +133,20 @@ class ModelRunner:
                 logits_indices.append(start - 1)
                 sampling_items.append(item)
         dev = self.device
-        decode_bt = decode_mask = None
+        decode_bt = decode_lens_t = None
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             table = np.zeros((len(decode_tables), width), dtype=np.int64)
             for i, t in enumerate(decode_tables):
                 table[i, :len(t)] = t
             decode_bt = torch.from_numpy(table).to(dev)
-            lens = torch.tensor(decode_lens, device=dev)
-            decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+            decode_lens_t = torch.tensor(decode_lens, dtype=torch.long, device=dev)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
             num_decodes=len(decode_tables),
             decode_block_tables=decode_bt,
-            decode_mask=decode_mask,
+            decode_context_lens=decode_lens_t,
+            block_size=bs,
             prefills=prefills,
         )
         input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
