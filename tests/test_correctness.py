@@ -17,7 +17,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
 
 
 def run(model_dir, prompts, **engine_kwargs):
-    llm = LLM(str(model_dir), **engine_kwargs)
+    llm = LLM(str(model_dir), num_threads=1, **engine_kwargs)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
     return llm, [o.outputs[0] for o in outs]
 
@@ -48,13 +48,18 @@ def _configs(prompts):
         "block-size-8": dict(num_kv_blocks=1024, block_size=8),
         "block-size-32": dict(num_kv_blocks=256, block_size=32),
         "chunk-threshold-48": dict(num_kv_blocks=512, long_prefill_token_threshold=48),
+        "linear-onednn": dict(num_kv_blocks=512, linear_backend="onednn"),
+        "torch-attention": dict(num_kv_blocks=512),  # run with the native kernel disabled, below
     }
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("config", ["prefix-caching-off", "budget-32-chunked", "pool-fits-longest-only",
-                                    "block-size-8", "block-size-32", "chunk-threshold-48"])
-def test_greedy_same_in_every_config(arch, config, tiny_model_dir, tiny_tokenizer):
+                                    "block-size-8", "block-size-32", "chunk-threshold-48", "linear-onednn",
+                                    "torch-attention"])
+def test_greedy_same_in_every_config(arch, config, tiny_model_dir, tiny_tokenizer, monkeypatch):
+    if config == "torch-attention":
+        monkeypatch.setattr("pagedserve.model_executor.attention.cpu_kernels", lambda: None)
     model_dir = tiny_model_dir(arch)
     prompts = mixed_prompts(tiny_tokenizer, n=8)
     llm, ours = run(model_dir, prompts, **_configs(prompts)[config])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -19,14 +20,46 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). One class so the GEMM backend can be chosen in one place."""
+    """y = x W^T (+ b). One class, so the GEMM backend is chosen in one place (`set_backend`).
+
+    Backends (CPU):
+      * "torch": F.linear (MKL on x86);
+      * "onednn": the weight pre-packed once for oneDNN (`mkldnn._linear_pointwise`), which picks much
+        better kernels than MKL for the small-M products of decode on some CPUs;
+      * "int8": weight-only int8, per-output-channel scales, activations quantized per call (fbgemm
+        dynamic quantization) - a quarter of the weight bytes, for memory-bound decode.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.backend = "torch"
+        self._packed = None
+
+    def set_backend(self, backend: str) -> None:
+        w = self.weight.detach()
+        if backend == "onednn":
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        elif backend == "int8":
+            scales = w.abs().amax(dim=1).clamp(min=1e-8).double() / 127.0
+            with warnings.catch_warnings():  # torch flags quantized dtypes as deprecated; fbgemm still runs them
+                warnings.simplefilter("ignore")
+                qweight = torch.quantize_per_channel(w.float(), scales, torch.zeros_like(scales, dtype=torch.long),
+                                                     0, torch.qint8)
+            bias = None if self.bias is None else self.bias.detach().float()
+            self._packed = torch.ops.quantized.linear_prepack(qweight, bias)
+        elif backend != "torch":
+            raise ValueError(f"unknown linear backend {backend!r}")
+        self.backend = backend
+        if backend == "int8":  # the float weight is no longer needed: keep only the packed int8 copy
+            self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        if self.backend == "int8":
+            return torch.ops.quantized.linear_dynamic(x.float(), self._packed, True).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
 

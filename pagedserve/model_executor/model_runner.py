@@ -22,6 +22,9 @@ from pagedserve.outputs import Logprob
 
 logger = logging.getLogger("pagedserve")
 
+# Measured in BENCHMARKS.md ("GEMM path"): the faster of F.linear (MKL) and pre-packed oneDNN on these machines.
+AUTO_CPU_LINEAR_BACKEND = "torch"
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -46,7 +49,7 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype, block_size: int,
-                 seed: int = 0) -> None:
+                 seed: int = 0, linear_backend: str = "auto", quantization: str | None = None) -> None:
         self.config = model_config
         self.device = device
         self.dtype = dtype
@@ -57,6 +60,8 @@ class ModelRunner:
         model.load_weights(model_config.model_dir)
         self.model = model.to(dtype).eval()
         self.model.requires_grad_(False)
+        self.linear_backend = self._pick_linear_backend(linear_backend, quantization)
+        self.model.set_linear_backend(self.linear_backend)
         logger.info("Loaded %s (%s, %.1fM params, %s on %s) in %.1f s", model_config.model_dir,
                     model_config.architecture, model_config.num_params / 1e6, str(dtype).removeprefix("torch."),
                     device, time.perf_counter() - t0)
@@ -64,6 +69,17 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _pick_linear_backend(self, requested: str, quantization: str | None) -> str:
+        if quantization == "int8":
+            if self.device.type != "cpu":
+                raise ValueError("quantization='int8' is implemented for the CPU only.")
+            return "int8"
+        if self.device.type != "cpu":
+            return "torch"
+        if requested == "auto":
+            return AUTO_CPU_LINEAR_BACKEND
+        return requested
 
     # ------------------------------------------------------------------ KV cache
     @property

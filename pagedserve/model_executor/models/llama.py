@@ -77,7 +77,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -85,9 +87,12 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(positions, x, kv_cache, meta)
-        x = self.norm(x[logits_indices])
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight).float()
+        return self.lm_head(self.norm(x[logits_indices])).float()
+
+    def set_linear_backend(self, backend: str) -> None:
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.set_backend(backend)
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, model_dir: Path) -> None:
@@ -98,7 +103,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         for name, tensor in _iter_safetensors(model_dir):
             name = name.removeprefix("model.")
-            if name.startswith("lm_head.") and self.lm_head is None:
+            if name.startswith("lm_head.") and self.cfg.tie_word_embeddings:
                 continue  # tied: the embedding is the head
             parts = name.split(".")
             if len(parts) >= 2 and parts[-2] in fused:
