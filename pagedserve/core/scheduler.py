@@ -165,8 +165,11 @@ class Scheduler:
         # 2. Waiting requests, in policy order, while budget, seats and blocks allow. Not after the running
         #    requests had to preempt: the pool is short, and admitting would only cause more preemption.
         running_preempted = len(out.preempted_request_ids) > num_preempted_before
+        preempted_now = set(out.preempted_request_ids)
         while len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs and not running_preempted:
             request = self.waiting.peek()
+            if request.request_id in preempted_now:  # it just gave its KV away; all behind it rank lower
+                break
             hit = self.kv.get_computed_blocks(request)
             num_new = self._chunk_size(request.num_tokens - hit.num_tokens, budget)
             if num_new <= 0:
@@ -189,10 +192,10 @@ class Scheduler:
 
     def _chunk_size(self, num_remaining: int, budget: int) -> int:
         cfg = self.config
+        if not cfg.enable_chunked_prefill:  # all or nothing; the threshold only shapes chunks
+            return num_remaining if num_remaining <= budget else 0
         if cfg.long_prefill_token_threshold:
             num_remaining = min(num_remaining, cfg.long_prefill_token_threshold)
-        if not cfg.enable_chunked_prefill and num_remaining > budget:
-            return 0
         return min(num_remaining, budget)
 
     def _insert_running(self, request: Request) -> None:
@@ -219,7 +222,8 @@ class Scheduler:
             head, lowest = self.waiting.peek(), self.running[-1]
             if (head.priority, head.arrival_time) >= (lowest.priority, lowest.arrival_time):
                 return
-            needed = -(-(head.num_tokens + 1) // self.kv.block_size)
+            first_chunk = self._chunk_size(head.num_tokens, self.config.max_num_batched_tokens)
+            needed = -(-first_chunk // self.kv.block_size)
             if needed <= self.kv.num_free_blocks and len(self.running) < self.config.max_num_seqs:
                 return
             self._preempt(lowest, out)
