@@ -115,6 +115,12 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}.")
         return list(prompt)
 
+    def default_max_tokens(self, num_prompt_tokens: int) -> int:
+        """max_tokens when a request gives none: what max_model_len leaves, capped by what the whole KV pool
+        holds, so that the default never makes a request that could never run."""
+        pool_tokens = self.kv_cache_manager.num_blocks * self.args.block_size
+        return max(min(self.model_config.max_model_len, pool_tokens) - num_prompt_tokens, 1)
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
         if request_id in self.requests:
@@ -129,7 +135,7 @@ class LLMEngine:
         if room < 1:
             raise ValueError(f"The prompt has {len(token_ids)} tokens; max_model_len is {max_len}, which leaves no "
                              f"room to generate.")
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.default_max_tokens(len(token_ids))
         if max_tokens > room:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = "
                              f"{len(token_ids) + max_tokens} exceeds max_model_len ({max_len}).")

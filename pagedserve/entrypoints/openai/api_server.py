@@ -1,0 +1,316 @@
+"""`pagedserve serve [MODEL]`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+    app = build_app(async_llm, args)     # tests / embedding
+    run_server(args)                     # load the model, bind, serve until SIGINT/SIGTERM
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
+GET /health, GET /version, POST /tokenize, POST /detokenize, GET /metrics.  See docs/SERVING.md.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pagedserve.engine.async_llm import AsyncLLM, EngineRequestError, EngineShuttingDown
+from pagedserve.entrypoints.openai.errors import (BadRequest, OpenAIError, error_response, exception_to_openai,
+                                                  install_error_handlers)
+from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                    DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+                                                    TokenizeResponse)
+from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.serving_engine import ClientDisconnected, OpenAIServing
+
+logger = logging.getLogger("pagedserve.api")
+
+# Reachable without the API key (load balancers and Prometheus scrapers carry no token).
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    from pagedserve.config import EngineArgs
+
+    p = subparsers.add_parser("serve", help="start the OpenAI-compatible server",
+                              description="OpenAI-compatible HTTP server (flags follow vLLM's names).")
+    p.add_argument("model", nargs="?", default=None,
+                   help="local checkpoint dir or hub id (default: the embedded demo model)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (use 0.0.0.0 to listen on all interfaces)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer <key>' on every endpoint except /health and /metrics "
+                        "(default: $PAGEDSERVE_API_KEY)")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    p.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput / KV usage line")
+    p.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between stats lines")
+    p.add_argument("--enable-log-requests", action="store_true", help="log every request (sizes and params)")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are ended "
+                        "with an error")
+    EngineArgs.add_cli_args(p)  # --served-model-name, --max-num-seqs, --num-kv-blocks, ... (vLLM names)
+    p.set_defaults(func=run_server)
+    return p
+
+
+# ------------------------------------------------------------------------------------------ API key
+class APIKeyMiddleware:
+    """Pure ASGI (no BaseHTTPMiddleware: it would get in the way of streaming and disconnects)."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or scope.get("path") in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        got = b""
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                got = value
+                break
+        if not secrets.compare_digest(got, self.expected):
+            message = ("Missing API key: send 'Authorization: Bearer <key>'." if not got else
+                       "Incorrect API key provided.")
+            await error_response(OpenAIError(401, message, code="invalid_api_key"))(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+# ------------------------------------------------------------------------------------------------ app
+def _arg(args: Any, name: str, default: Any = None) -> Any:
+    return getattr(args, name, default) if args is not None else default
+
+
+def build_app(async_llm: AsyncLLM, args: Any = None, *, shutdown_engine_on_exit: bool = True) -> FastAPI:
+    """The FastAPI app around a running AsyncLLM.  Each app has its own Prometheus registry."""
+    from prometheus_client import CollectorRegistry
+
+    from pagedserve.metrics.prometheus import CONTENT_TYPE_LATEST, PrometheusStatLogger, render
+
+    engine = async_llm.engine
+    mc = async_llm.model_config
+    served = _arg(args, "served_model_name") or getattr(mc, "served_model_name", None) or \
+        _arg(args, "model") or "pagedserve-demo"
+    max_model_len = int(mc.max_model_len)
+    log_requests = bool(_arg(args, "enable_log_requests", False))
+    completion = OpenAIServingCompletion(async_llm, served, max_model_len, log_requests)
+    chat = OpenAIServingChat(async_llm, served, max_model_len, log_requests)
+    base = OpenAIServing(async_llm, served, max_model_len, log_requests)
+
+    registry = CollectorRegistry()
+    engine_args = getattr(engine, "args", None)
+    kv = getattr(engine, "kv_cache_manager", None)
+    cache_info = {
+        "block_size": getattr(engine_args, "block_size", _arg(args, "block_size", "")),
+        "num_gpu_blocks": getattr(kv, "num_blocks", _arg(args, "num_kv_blocks", "")),
+        "enable_prefix_caching": getattr(engine_args, "enable_prefix_caching", _arg(args, "enable_prefix_caching", "")),
+    }
+    async_llm.add_stat_logger(PrometheusStatLogger(
+        registry, served, max_model_len=max_model_len,
+        max_num_batched_tokens=int(getattr(engine_args, "max_num_batched_tokens", 0)
+                                   or _arg(args, "max_num_batched_tokens", 2048) or 2048),
+        cache_config=cache_info))
+
+    is_demo = bool(getattr(engine, "is_default_model", False))
+    model_root = getattr(engine_args, "model", None) or _arg(args, "model")
+    if is_demo:
+        try:
+            from pagedserve.demo_model_path import default_model_path
+
+            model_root = default_model_path()
+        except Exception:  # pragma: no cover
+            pass
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        if shutdown_engine_on_exit:
+            await asyncio.to_thread(async_llm.shutdown)
+
+    app = FastAPI(title="pagedserve OpenAI-compatible API", lifespan=lifespan)
+    app.state.async_llm = async_llm
+    app.state.registry = registry
+    app.state.served_model_name = served
+    install_error_handlers(app)
+
+    async def guarded(coro):
+        """Every failure becomes an OpenAI error body; a gone client gets nothing (and no traceback)."""
+        try:
+            return await coro
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except OpenAIError as exc:
+            return error_response(exc)
+        except Exception as exc:
+            err = exception_to_openai(exc)
+            if isinstance(exc, EngineRequestError):
+                logger.warning("request failed in the engine: %s", exc)  # the engine loop logged the traceback
+            elif err.status_code >= 500 and not isinstance(exc, EngineShuttingDown):
+                logger.exception("request failed")
+            return error_response(err)
+
+    # ---------------------------------------------------------------------------- OpenAI routes
+    @app.post("/v1/completions")
+    async def create_completion(req: CompletionRequest, raw_request: Request):
+        return await guarded(completion.create_completion(req, raw_request))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
+        return await guarded(chat.create_chat_completion(req, raw_request))
+
+    def model_card() -> ModelCard:
+        card = ModelCard(id=served, created=created, root=model_root, max_model_len=max_model_len)
+        card.demo_model = is_demo  # type: ignore[attr-defined]  (extra field)
+        if is_demo:
+            card.description = ("the small demo model embedded in the pagedserve package "  # type: ignore[attr-defined]
+                                "(pagedserve/demo_model): for trying the server, not for real use")
+        return card
+
+    @app.get("/v1/models")
+    async def list_models():
+        return JSONResponse(ModelList(data=[model_card()]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        if model_id != served:
+            return error_response(OpenAIError(404, f"The model `{model_id}` does not exist.", param="model",
+                                              code="model_not_found"))
+        return JSONResponse(model_card().model_dump())
+
+    # ------------------------------------------------------------------------------ utilities
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        async def run():
+            base.check_model(req.model)
+            if (req.prompt is None) == (req.messages is None):
+                raise BadRequest("Send exactly one of 'prompt' or 'messages'.",
+                                 param="prompt" if req.prompt is None else "messages")
+            if req.prompt is not None:
+                tokens = await base.encode(req.prompt, add_special_tokens=req.add_special_tokens
+                                           if req.add_special_tokens is not None else True)
+            else:
+                _, tokens = await base.encode_chat(req.messages or [], req.add_generation_prompt,
+                                                   req.continue_final_message, req.chat_template_kwargs,
+                                                   add_special_tokens=bool(req.add_special_tokens))
+            return JSONResponse(TokenizeResponse(tokens=tokens, count=len(tokens),
+                                                 max_model_len=max_model_len).model_dump())
+        return await guarded(run())
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        async def run():
+            base.check_model(req.model)
+            base.check_token_ids(req.tokens, "tokens")
+            return JSONResponse(DetokenizeResponse(prompt=base.tokenizer.decode(req.tokens)).model_dump())
+        return await guarded(run())
+
+    @app.get("/health")
+    async def health():
+        if async_llm.accepting:
+            return Response(status_code=200)
+        reason = "shutting down" if async_llm.is_running else "engine not running"
+        return error_response(OpenAIError(503, f"Unhealthy: {reason}.", code="service_unavailable"))
+
+    @app.get("/version")
+    async def version():
+        from pagedserve import __version__
+
+        return JSONResponse({"version": __version__})
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(render(registry), media_type=CONTENT_TYPE_LATEST)
+
+    api_key = _arg(args, "api_key")
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app
+
+
+# --------------------------------------------------------------------------------------------- server
+class GracefulServer(uvicorn.Server):
+    """uvicorn.Server that, on SIGINT/SIGTERM, stops accepting, gives in-flight requests `grace` seconds,
+    then ends the rest with an error chunk / 503, stops the engine thread and exits 0 without a traceback."""
+
+    def __init__(self, config: uvicorn.Config, async_llm: AsyncLLM, grace: float) -> None:
+        super().__init__(config)
+        self.async_llm = async_llm
+        self.grace = grace
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        if first:
+            logger.info("Received %s: draining (%.1f s for in-flight requests)", signal.Signals(sig).name, self.grace)
+            self.async_llm.begin_drain()
+            timer = threading.Timer(self.grace, self.async_llm.fail_all,
+                                    [EngineShuttingDown("The server is shutting down.")])
+            timer.daemon = True
+            timer.start()
+        else:  # second signal: end everything now
+            self.async_llm.fail_all(EngineShuttingDown("The server is shutting down."))
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # Like uvicorn's, minus re-raising the signal afterwards (which prints a KeyboardInterrupt
+        # traceback, or kills the process with SIGTERM, after an otherwise clean shutdown).
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        originals = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in originals.items():
+                signal.signal(s, handler)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    from pagedserve.config import EngineArgs
+
+    engine_args = EngineArgs.from_cli_args(args)
+    async_llm = AsyncLLM.from_engine_args(engine_args, log_stats=not args.disable_log_stats,
+                                          log_interval_s=args.log_stats_interval)
+    app = build_app(async_llm, args)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            access_log=not args.disable_uvicorn_access_log,
+                            timeout_graceful_shutdown=max(1.0, args.shutdown_timeout + 5.0),
+                            timeout_keep_alive=5)
+    server = GracefulServer(config, async_llm, args.shutdown_timeout)
+    logger.info("Serving %s on http://%s:%d (OpenAI-compatible API under /v1)", app.state.served_model_name,
+                args.host, args.port)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # pragma: no cover - a signal before uvicorn installed its handlers
+        pass
+    finally:
+        async_llm.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:  # `python -m pagedserve.entrypoints.openai.api_server`
+    parser = argparse.ArgumentParser(prog="pagedserve")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

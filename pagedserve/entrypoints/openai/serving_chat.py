@@ -1,0 +1,134 @@
+"""POST /v1/chat/completions: messages -> tokenizer.apply_chat_template(add_generation_prompt=True) -> one
+engine request with n samples."""
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from pagedserve.engine.async_llm import RequestStream
+from pagedserve.entrypoints.openai.errors import BadRequest, exception_to_openai, sse_error
+from pagedserve.entrypoints.openai.protocol import (ChatCompletionLogProbs, ChatCompletionRequest,
+                                                    ChatCompletionResponse, ChatCompletionResponseChoice,
+                                                    ChatCompletionStreamChoice, ChatCompletionStreamResponse,
+                                                    ChatResponseMessage, DeltaMessage, PromptTokensDetails,
+                                                    UsageInfo)
+from pagedserve.entrypoints.openai.serving_engine import (SSE_DONE, ChoiceState, OpenAIServing, SSEResponse,
+                                                          chat_logprobs,
+                                                          merge_streams, new_request_id, run_unless_disconnected)
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request | None = None):
+        self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise BadRequest("top_logprobs requires logprobs=true.", param="top_logprobs")
+        if req.stream_options is not None and not req.stream:
+            raise BadRequest("stream_options is only allowed with stream=true.", param="stream_options")
+        if (req.max_tokens is not None and req.max_completion_tokens is not None
+                and req.max_tokens != req.max_completion_tokens):
+            raise BadRequest("max_tokens and max_completion_tokens disagree; send only max_completion_tokens.",
+                             param="max_tokens")
+        _, prompt = await self.encode_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                           req.chat_template_kwargs)
+        if not prompt:
+            raise BadRequest("The messages render to zero tokens.", param="messages")
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = self.check_length(len(prompt), requested, "messages", "messages")
+        num_top = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(req, max_tokens, num_top)
+        request_id = new_request_id("chatcmpl")
+        created = int(time.time())
+        model = self.served_model_name
+        streams = await self.submit(request_id, [prompt], params, req)
+        if req.stream:
+            return SSEResponse(self._stream(req, request_id, created, model, prompt, streams[0]),
+                               on_close=lambda: self.abort_streams(streams))
+        return await run_unless_disconnected(raw_request, self._full(req, request_id, created, model, prompt,
+                                                                      streams[0]),
+                                             lambda: self.abort_streams(streams))
+
+    async def _full(self, req: ChatCompletionRequest, request_id: str, created: int, model: str,
+                    prompt: list[int], stream: RequestStream) -> JSONResponse:
+        states = [ChoiceState(index=i) for i in range(req.n)]
+        cached = 0
+        try:
+            async for _, out in merge_streams([stream]):
+                for c in out.outputs:
+                    st = states[c.index]
+                    st.text += c.text
+                    st.token_ids.extend(c.token_ids)
+                    if c.logprobs:
+                        st.logprobs.extend(c.logprobs)
+                    if c.finish_reason is not None:
+                        st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
+                if out.finished:
+                    cached = out.num_cached_tokens or 0
+        finally:
+            self.abort_streams([stream])
+        num_top = req.top_logprobs or 0
+        choices = [ChatCompletionResponseChoice(
+            index=st.index, message=ChatResponseMessage(role="assistant", content=st.text),
+            logprobs=ChatCompletionLogProbs(content=chat_logprobs(self.tokenizer, st.token_ids, st.logprobs, num_top))
+            if req.logprobs else None,
+            finish_reason=st.finish_reason, stop_reason=st.stop_reason) for st in states]
+        completion_tokens = sum(len(st.token_ids) for st in states)
+        usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=completion_tokens,
+                          total_tokens=len(prompt) + completion_tokens,
+                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+        resp = ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
+        return JSONResponse(resp.model_dump())
+
+    async def _stream(self, req: ChatCompletionRequest, request_id: str, created: int, model: str,
+                      prompt: list[int], stream: RequestStream) -> AsyncIterator[str]:
+        states = [ChoiceState(index=i) for i in range(req.n)]
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        num_top = req.top_logprobs or 0
+        cached = 0
+
+        def chunk(choice: ChatCompletionStreamChoice) -> str:
+            resp = ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
+            if continuous:
+                done = sum(len(s.token_ids) for s in states)
+                resp.usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=done,
+                                       total_tokens=len(prompt) + done)
+            return f"data: {resp.model_dump_json()}\n\n"
+
+        try:
+            # OpenAI's first chunk per choice: the role, empty content.
+            for st in states:
+                yield chunk(ChatCompletionStreamChoice(index=st.index, delta=DeltaMessage(role="assistant", content="")))
+            async for _, out in merge_streams([stream]):
+                for c in out.outputs:
+                    st = states[c.index]
+                    st.token_ids.extend(c.token_ids)
+                    if c.finish_reason is not None:
+                        st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
+                    if not c.text and c.finish_reason is None and not (req.logprobs and c.token_ids):
+                        continue
+                    logprobs = None
+                    if req.logprobs:
+                        logprobs = ChatCompletionLogProbs(
+                            content=chat_logprobs(self.tokenizer, c.token_ids, c.logprobs or [], num_top))
+                    delta = DeltaMessage(content=c.text) if c.text or c.finish_reason is None else DeltaMessage()
+                    yield chunk(ChatCompletionStreamChoice(index=st.index, delta=delta, logprobs=logprobs,
+                                                           finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                if out.finished:
+                    cached = out.num_cached_tokens or 0
+            if include_usage:
+                completion_tokens = sum(len(s.token_ids) for s in states)
+                final = ChatCompletionStreamResponse(
+                    id=request_id, created=created, model=model, choices=[],
+                    usage=UsageInfo(prompt_tokens=len(prompt), completion_tokens=completion_tokens,
+                                    total_tokens=len(prompt) + completion_tokens,
+                                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached)))
+                yield f"data: {final.model_dump_json()}\n\n"
+            yield SSE_DONE
+        except Exception as exc:
+            yield sse_error(exception_to_openai(exc))
+            yield SSE_DONE
+        finally:
+            self.abort_streams([stream])

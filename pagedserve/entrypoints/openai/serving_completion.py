@@ -1,0 +1,168 @@
+"""POST /v1/completions: one engine request per prompt, choices indexed prompt_idx * n + sample index."""
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from pagedserve.entrypoints.openai.errors import BadRequest, exception_to_openai, sse_error
+from pagedserve.entrypoints.openai.protocol import (CompletionRequest, CompletionResponse, CompletionResponseChoice,
+                                                    CompletionStreamChoice, CompletionStreamResponse,
+                                                    PromptTokensDetails, UsageInfo)
+from pagedserve.entrypoints.openai.serving_engine import (SSE_DONE, ChoiceState, OpenAIServing, SSEResponse,
+                                                          completion_logprobs, merge_streams, new_request_id,
+                                                          run_unless_disconnected)
+from pagedserve.engine.async_llm import RequestStream
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def prepare(self, req: CompletionRequest) -> tuple[list[str], list[list[int]]]:
+        """-> (prompt texts for echo, prompt token ids) with every check that needs the tokenizer."""
+        p = req.prompt
+        if isinstance(p, str):
+            texts: list[str | None] = [p]
+            ids: list[list[int] | None] = [None]
+        elif len(p) == 0:
+            raise BadRequest("'prompt' must not be empty.", param="prompt")
+        elif isinstance(p[0], str):
+            texts, ids = list(p), [None] * len(p)  # type: ignore[arg-type]
+        elif isinstance(p[0], int):
+            texts, ids = [None], [list(p)]  # type: ignore[list-item]
+        else:
+            texts, ids = [None] * len(p), [list(x) for x in p]  # type: ignore[union-attr]
+        out_texts, out_ids = [], []
+        for i, (text, tok) in enumerate(zip(texts, ids)):
+            param = "prompt" if len(texts) == 1 else f"prompt[{i}]"
+            if text is not None:
+                if text == "":
+                    raise BadRequest("The prompt must not be empty.", param=param)
+                tok = await self.encode(text)
+                if not tok:
+                    raise BadRequest("The prompt tokenizes to zero tokens.", param=param)
+            else:
+                assert tok is not None
+                if not tok:
+                    raise BadRequest("A token-id prompt must not be empty.", param=param)
+                self.check_token_ids(tok, param)
+                text = self.tokenizer.decode(tok) if req.echo else ""
+            out_texts.append(text)
+            out_ids.append(tok)
+        return out_texts, out_ids
+
+    async def create_completion(self, req: CompletionRequest, raw_request: Request | None = None):
+        self.check_model(req.model)
+        if req.best_of is not None and req.best_of != req.n:
+            raise BadRequest(f"best_of ({req.best_of}) != n ({req.n}) is not supported: this server returns "
+                             f"every sample it generates.", param="best_of", code="unsupported_parameter")
+        if req.echo and req.logprobs is not None:
+            raise BadRequest("echo together with logprobs needs prompt logprobs, which this server does not "
+                             "compute.", param="echo", code="unsupported_parameter")
+        if req.stream_options is not None and not req.stream:
+            raise BadRequest("stream_options is only allowed with stream=true.", param="stream_options")
+        texts, prompts = await self.prepare(req)
+        # max_tokens=null: "up to max_model_len", worked out per prompt.
+        params = [self.sampling_params(req, self.check_length(len(tok), req.max_tokens, "prompt",
+                                                              "prompt" if len(prompts) == 1 else f"prompt[{i}]"),
+                                       req.logprobs)
+                  for i, tok in enumerate(prompts)]
+        request_id = new_request_id("cmpl")
+        created = int(time.time())
+        model = self.served_model_name
+        streams = await self.submit(request_id, prompts, params, req)
+        if req.stream:
+            gen = self._stream(req, request_id, created, model, texts, prompts, streams)
+            return SSEResponse(gen, on_close=lambda: self.abort_streams(streams))
+        return await run_unless_disconnected(
+            raw_request, self._full(req, request_id, created, model, texts, prompts, streams),
+            lambda: self.abort_streams(streams))
+
+    # -------------------------------------------------------------------------------- non-streaming
+    async def _full(self, req: CompletionRequest, request_id: str, created: int, model: str, texts: list[str],
+                    prompts: list[list[int]], streams: list[RequestStream]) -> JSONResponse:
+        n = req.n
+        states = [ChoiceState(index=i) for i in range(len(prompts) * n)]
+        cached = 0
+        try:
+            async for idx, out in merge_streams(streams):
+                for c in out.outputs:
+                    st = states[idx * n + c.index]
+                    st.text += c.text
+                    st.token_ids.extend(c.token_ids)
+                    if c.logprobs:
+                        st.logprobs.extend(c.logprobs)
+                    if c.finish_reason is not None:
+                        st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
+                if out.finished:
+                    cached += out.num_cached_tokens or 0
+        finally:
+            self.abort_streams(streams)
+        choices = []
+        for st in states:
+            prompt_idx = st.index // n
+            text = (texts[prompt_idx] + st.text) if req.echo else st.text
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs, _ = completion_logprobs(self.tokenizer, st.token_ids, st.logprobs, req.logprobs, 0)
+            choices.append(CompletionResponseChoice(index=st.index, text=text, logprobs=logprobs,
+                                                    finish_reason=st.finish_reason, stop_reason=st.stop_reason))
+        prompt_tokens = sum(len(p) for p in prompts)
+        completion_tokens = sum(len(st.token_ids) for st in states)
+        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                          total_tokens=prompt_tokens + completion_tokens,
+                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+        resp = CompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
+        return JSONResponse(resp.model_dump())
+
+    # ------------------------------------------------------------------------------------ streaming
+    async def _stream(self, req: CompletionRequest, request_id: str, created: int, model: str, texts: list[str],
+                      prompts: list[list[int]], streams: list[RequestStream]) -> AsyncIterator[str]:
+        n = req.n
+        states = [ChoiceState(index=i) for i in range(len(prompts) * n)]
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        prompt_tokens = sum(len(p) for p in prompts)
+        cached = 0
+        try:
+            async for idx, out in merge_streams(streams):
+                for c in out.outputs:
+                    st = states[idx * n + c.index]
+                    delta = c.text
+                    if req.echo and not st.started:
+                        delta = texts[idx] + delta
+                    st.token_ids.extend(c.token_ids)
+                    if c.finish_reason is not None:
+                        st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
+                    if not delta and c.finish_reason is None and not (req.logprobs is not None and c.token_ids):
+                        continue  # nothing to say yet (e.g. text held back while matching a stop string)
+                    logprobs = None
+                    if req.logprobs is not None:
+                        logprobs, st.text_offset = completion_logprobs(
+                            self.tokenizer, c.token_ids, c.logprobs or [], req.logprobs, st.text_offset)
+                    st.started = True
+                    chunk = CompletionStreamResponse(
+                        id=request_id, created=created, model=model,
+                        choices=[CompletionStreamChoice(index=st.index, text=delta, logprobs=logprobs,
+                                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                    if continuous:
+                        done = sum(len(s.token_ids) for s in states)
+                        chunk.usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=done,
+                                                total_tokens=prompt_tokens + done)
+                    yield f"data: {chunk.model_dump_json()}\n\n"
+                if out.finished:
+                    cached += out.num_cached_tokens or 0
+            if include_usage:
+                completion_tokens = sum(len(s.token_ids) for s in states)
+                usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                  total_tokens=prompt_tokens + completion_tokens,
+                                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                final = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
+                                                 usage=usage)
+                yield f"data: {final.model_dump_json()}\n\n"
+            yield SSE_DONE
+        except Exception as exc:  # the engine failed this request / server shutting down
+            yield sse_error(exception_to_openai(exc))
+            yield SSE_DONE
+        finally:
+            self.abort_streams(streams)  # no-op when all finished; frees KV at once on disconnect

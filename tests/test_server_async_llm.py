@@ -1,0 +1,390 @@
+"""AsyncLLM and the app around it, with a fake engine (no model, fast): failure isolation, no busy
+spin when idle, abort on early exit, shutdown; plus error mapping, SSE error chunks, metrics loggers."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from pagedserve.engine.async_llm import (AsyncLLM, EngineRequestError, EngineShuttingDown, RequestStream,
+                                         merge_delta)
+from pagedserve.entrypoints.openai.api_server import build_app
+from pagedserve.entrypoints.openai.errors import loc_to_param, validation_error_to_openai
+from pagedserve.metrics.loggers import FinishedRequestStats, LoggingStatLogger, StepStats
+from pagedserve.metrics.prometheus import PrometheusStatLogger, build_1_2_5_buckets, render
+from pagedserve.metrics.stats import IterationStats, SchedulerStats
+from pagedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+class FakeTokenizer:
+    chat_template = "fake"
+
+    def encode(self, text, add_special_tokens=True):
+        return ([0] if add_special_tokens else []) + [3 + (ord(ch) % 90) for ch in text]
+
+    def decode(self, ids, **_):
+        return "".join(chr(ord("a") + (i % 26)) for i in ids)
+
+    def apply_chat_template(self, conversation, tokenize=False, add_generation_prompt=True, **_):
+        return "".join(f"<{m['role']}>{m['content']}" for m in conversation) + ("<assistant>" if add_generation_prompt else "")
+
+    def __len__(self):
+        return 100
+
+
+class FakeEngine:
+    """Generates token 5, 6, 7, ... one per step per sample; knobs to fail things."""
+
+    def __init__(self, step_sleep: float = 0.002) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.model_config = SimpleNamespace(max_model_len=64, served_model_name="fake-model", vocab_size=100)
+        self.args = SimpleNamespace(block_size=16, enable_prefix_caching=False, max_num_batched_tokens=64,
+                                    model="fake-model")
+        self.requests: dict[str, dict] = {}
+        self.step_sleep = step_sleep
+        self.fail_next_step = False
+        self.error_ids: set[str] = set()
+        self.num_steps = 0
+        self.aborted: list[str] = []
+        self.thread_ids: set[int] = set()
+
+    def add_request(self, request_id, prompt, params, arrival_time=None, priority=0, cache_salt=None):
+        self.thread_ids.add(threading.get_ident())
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if params.max_tokens is not None and len(ids) + params.max_tokens > 64:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len (64).")
+        self.requests[request_id] = {"ids": ids, "params": params, "n": 0, "t": arrival_time or time.time()}
+
+    def step(self):
+        self.thread_ids.add(threading.get_ident())
+        self.num_steps += 1
+        time.sleep(self.step_sleep)
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("CUDA error: device-side assert (simulated)")
+        outs = []
+        for rid, r in list(self.requests.items()):
+            params = r["params"]
+            tok = 5 + r["n"]
+            r["n"] += 1
+            done = r["n"] >= (params.max_tokens or 8)
+            comps = [CompletionOutput(index=i, text=self.tokenizer.decode([tok]), token_ids=[tok],
+                                      finish_reason="length" if done else None) for i in range(params.n)]
+            error = None
+            if rid in self.error_ids:
+                error, done = "detokenizer exploded (simulated)", True
+                comps = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort") for i in range(params.n)]
+            m = RequestMetrics(arrival_time=r["t"], first_scheduled_time=r["t"], first_token_time=r["t"],
+                               last_token_time=time.time(), num_prompt_tokens=len(r["ids"]))
+            outs.append(RequestOutput(rid, None, r["ids"], comps, done, m, 0, error=error))
+            if done:
+                del self.requests[rid]
+        return outs
+
+    def abort_request(self, request_id):
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            if self.requests.pop(rid, None) is not None:
+                self.aborted.append(rid)
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def get_stats(self):
+        return (SchedulerStats(num_running_reqs=len(self.requests), kv_cache_usage=0.1 * len(self.requests)),
+                IterationStats(num_generation_tokens=len(self.requests)))
+
+
+def params(max_tokens=4, n=1):
+    return SamplingParams(max_tokens=max_tokens, n=n, output_kind=RequestOutputKind.DELTA)
+
+
+async def collect(llm, rid, max_tokens=4, n=1, prompt=(1, 2, 3)):
+    tokens: dict[int, list[int]] = {}
+    async for out in llm.generate(list(prompt), params(max_tokens, n), rid):
+        for c in out.outputs:
+            tokens.setdefault(c.index, []).extend(c.token_ids)
+    return tokens
+
+
+@pytest.fixture
+def fake():
+    engine = FakeEngine()
+    llm = AsyncLLM(engine, log_stats=False)
+    yield engine, llm
+    llm.shutdown()
+
+
+def test_generate_and_engine_runs_on_its_own_thread(fake):
+    engine, llm = fake
+    tokens = asyncio.run(collect(llm, "a", max_tokens=5, n=2))
+    assert tokens == {0: [5, 6, 7, 8, 9], 1: [5, 6, 7, 8, 9]}
+    assert engine.thread_ids == {llm._thread.ident} and threading.get_ident() not in engine.thread_ids
+
+
+def test_add_request_value_error_surfaces(fake):
+    _, llm = fake
+
+    async def run():
+        with pytest.raises(ValueError, match="max_model_len"):
+            await llm.add_request("x", [1] * 60, params(max_tokens=10))
+        return await collect(llm, "y")  # and the loop still serves
+
+    assert asyncio.run(run()) == {0: [5, 6, 7, 8]}
+
+
+def test_step_exception_fails_inflight_only_and_loop_keeps_serving(fake):
+    engine, llm = fake
+
+    async def run():
+        s1 = await llm.add_request("r1", [1], params(max_tokens=30))
+        s2 = await llm.add_request("r2", [1], params(max_tokens=30))
+        await s1.get()
+        engine.fail_next_step = True
+        for s in (s1, s2):
+            with pytest.raises(EngineRequestError, match="engine step failed"):
+                while True:
+                    await s.get()
+        assert sorted(engine.aborted) == ["r1", "r2"] and not engine.requests
+        return await collect(llm, "r3")
+
+    assert asyncio.run(run()) == {0: [5, 6, 7, 8]}
+    assert llm.is_running and llm.num_step_failures == 1
+
+
+def test_output_error_fails_that_request_only(fake):
+    engine, llm = fake
+    engine.error_ids.add("bad")
+
+    async def run():
+        good = asyncio.ensure_future(collect(llm, "good", max_tokens=6))
+        with pytest.raises(EngineRequestError, match="detokenizer exploded"):
+            await collect(llm, "bad", max_tokens=6)
+        return await good
+
+    assert asyncio.run(run()) == {0: [5, 6, 7, 8, 9, 10]}
+
+
+def test_idle_loop_sleeps_instead_of_spinning(fake):
+    engine, llm = fake
+    asyncio.run(collect(llm, "a"))
+    steps = engine.num_steps
+    calls = []
+    orig = engine.has_unfinished_requests
+    engine.has_unfinished_requests = lambda: calls.append(1) or orig()
+    time.sleep(0.3)
+    assert engine.num_steps == steps and len(calls) <= 2  # asleep on the condition variable
+    assert asyncio.run(collect(llm, "b")) == {0: [5, 6, 7, 8]}  # and wakes up for new work
+
+
+def test_leaving_early_aborts_the_request(fake):
+    engine, llm = fake
+
+    async def run():
+        agen = llm.generate([1], params(max_tokens=40), "early")
+        async for _ in agen:
+            break
+        await agen.aclose()
+        for _ in range(200):
+            if "early" in engine.aborted:
+                return
+            await asyncio.sleep(0.005)
+
+    asyncio.run(run())
+    assert engine.aborted == ["early"] and not engine.requests
+
+
+def test_cancelled_consumer_aborts(fake):
+    engine, llm = fake
+
+    async def run():
+        task = asyncio.ensure_future(collect(llm, "c", max_tokens=50))
+        await asyncio.sleep(0.03)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if engine.aborted:
+                break
+            await asyncio.sleep(0.005)
+
+    asyncio.run(run())
+    assert engine.aborted == ["c"]
+
+
+def test_shutdown_ends_inflight_requests_and_rejects_new(fake):
+    engine, llm = fake
+
+    async def run():
+        s = await llm.add_request("s", [1], params(max_tokens=60))
+        await s.get()
+        await asyncio.to_thread(llm.shutdown)
+        with pytest.raises(EngineShuttingDown):
+            while True:
+                await s.get()
+        with pytest.raises(EngineShuttingDown):
+            await llm.add_request("t", [1], params())
+
+    asyncio.run(run())
+    assert not llm._thread.is_alive()
+
+
+def test_merge_delta_concatenates():
+    a = RequestOutput("r", None, [1], [CompletionOutput(0, "ab", [1, 2], logprobs=[{}, {}])], False)
+    b = RequestOutput("r", None, [1], [CompletionOutput(0, "c", [3], logprobs=[{}], finish_reason="stop"),
+                                       CompletionOutput(1, "x", [9])], True)
+    m = merge_delta(a, b)
+    assert m.outputs[0].text == "abc" and m.outputs[0].token_ids == [1, 2, 3] and len(m.outputs[0].logprobs) == 3
+    assert m.outputs[0].finish_reason == "stop" and m.outputs[1].text == "x" and m.finished
+
+
+def test_stream_merges_when_consumer_lags():
+    async def run():
+        loop = asyncio.get_running_loop()
+        s = RequestStream("r", loop, RequestOutputKind.DELTA)
+        first = RequestOutput("r", None, [1], [CompletionOutput(0, "a", [1])], False)
+        s._put(first)
+        s._put(RequestOutput("r", None, [1], [CompletionOutput(0, "b", [2])], False))
+        s._put(RequestOutput("r", None, [1], [CompletionOutput(0, "c", [3], finish_reason="length")], True))
+        out = await s.get()
+        assert out.outputs[0].text == "abc" and out.outputs[0].token_ids == [1, 2, 3] and out.finished
+        assert first.outputs[0].text == "a"  # the engine's object was not mutated
+        assert s.finished and s.closed
+
+    asyncio.run(run())
+
+
+# ------------------------------------------------------------------------------------ the app, in-process
+def _client(app):
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def test_app_engine_failure_is_500_or_error_chunk_then_recovers():
+    engine = FakeEngine(step_sleep=0.01)
+    llm = AsyncLLM(engine, log_stats=False)
+    app = build_app(llm, SimpleNamespace(api_key=None), shutdown_engine_on_exit=False)
+
+    async def run():
+        async with _client(app) as c:
+            async def fail_soon():
+                while not engine.requests:
+                    await asyncio.sleep(0.001)
+                engine.fail_next_step = True
+
+            asyncio.ensure_future(fail_soon())
+            r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 30})
+            assert r.status_code == 500
+            err = r.json()["error"]
+            assert err["type"] == "server_error" and "engine step failed" in err["message"]
+
+            asyncio.ensure_future(fail_soon())
+            r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 30, "stream": True})
+            assert r.status_code == 200
+            events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]" and '"error"' in events[-2] and "engine step failed" in events[-2]
+
+            r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+            r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 62})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+    try:
+        asyncio.run(run())
+    finally:
+        llm.shutdown()
+
+
+def test_two_apps_in_one_process_have_separate_registries():
+    llms = [AsyncLLM(FakeEngine(), log_stats=False) for _ in range(2)]
+    try:
+        apps = [build_app(llm, None, shutdown_engine_on_exit=False) for llm in llms]
+        assert apps[0].state.registry is not apps[1].state.registry
+        asyncio.run(collect(llms[0], "only-first", max_tokens=3))
+
+        async def scrape(app):
+            async with _client(app) as c:
+                return (await c.get("/metrics")).text
+
+        t0, t1 = asyncio.run(scrape(apps[0])), asyncio.run(scrape(apps[1]))
+        assert 'pagedserve:request_success_total{engine="0",finished_reason="length",model_name="fake-model"} 1.0' in t0
+        assert 'pagedserve:request_success_total{engine="0",finished_reason="length",model_name="fake-model"} 0.0' in t1
+    finally:
+        for llm in llms:
+            llm.shutdown()
+
+
+# ------------------------------------------------------------------------------------ errors / metrics
+def test_loc_to_param():
+    assert loc_to_param(("body", "messages", 0, "content")) == "messages[0].content"
+    assert loc_to_param(("body", "prompt", "list[int]", 3)) == "prompt[3]"
+    assert loc_to_param(("body", "stop", "str")) == "stop"
+    assert loc_to_param(("body",)) is None
+
+
+def test_validation_error_mapping():
+    e = validation_error_to_openai([{"type": "extra_forbidden", "loc": ("body", "tools"), "msg": "x"}])
+    assert (e.status_code, e.param, e.code) == (400, "tools", "unsupported_parameter") and "tools" in e.message
+    e = validation_error_to_openai([{"type": "json_invalid", "loc": ("body", 5), "msg": "x", "ctx": {"error": "bad"}}])
+    assert (e.status_code, e.param, e.code) == (400, None, "invalid_json")
+    e = validation_error_to_openai([{"type": "less_than_equal", "loc": ("body", "temperature"),
+                                     "msg": "Input should be less than or equal to 2"}])
+    assert e.param == "temperature" and "less than or equal to 2" in e.message
+
+
+def test_logging_stat_logger_line():
+    lg = LoggingStatLogger(interval_s=10.0)
+    lg.record(StepStats(scheduler=SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.25,
+                                                 prefix_cache_queries=100, prefix_cache_hits=40),
+                        iteration=IterationStats(num_prompt_tokens=500, num_generation_tokens=30)))
+    lg.log(lg._last_log + 10.0)
+    line = lg.last_line
+    assert "Avg prompt throughput: 50.0 tokens/s" in line and "Avg generation throughput: 3.0 tokens/s" in line
+    assert "Running: 3 reqs, Waiting: 2 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 40.0%" in line
+    lg.record(StepStats(scheduler=SchedulerStats()))
+    lg.log(lg._last_log + 10.0)
+    idle = lg.last_line
+    assert "Running: 0 reqs" in idle
+    lg.log(lg._last_log + 10.0)
+    assert lg.last_line is idle and not lg.has_pending_activity()  # idle: one line, then quiet
+
+
+def test_prometheus_logger_counts_deltas_of_cumulative_counters():
+    reg = CollectorRegistry()
+    pl = PrometheusStatLogger(reg, "m", max_model_len=100, max_num_batched_tokens=64)
+    for q, h, p in ((10, 4, 0), (30, 10, 2)):
+        pl.record(StepStats(scheduler=SchedulerStats(prefix_cache_queries=q, prefix_cache_hits=h, num_preemptions=p),
+                            iteration=IterationStats(num_prompt_tokens=5, num_generation_tokens=1), ttfts=[0.1]))
+    pl.record(StepStats(finished=[FinishedRequestStats(["stop", "length"], 1.5, 10, 7, queue_time=0.1)]))
+    text = render(reg).decode()
+    assert 'pagedserve:prefix_cache_queries_total{engine="0",model_name="m"} 30.0' in text
+    assert 'pagedserve:prefix_cache_hits_total{engine="0",model_name="m"} 10.0' in text
+    assert 'pagedserve:num_preemptions_total{engine="0",model_name="m"} 2.0' in text
+    assert 'pagedserve:prompt_tokens_total{engine="0",model_name="m"} 10.0' in text
+    assert 'pagedserve:request_success_total{engine="0",finished_reason="stop",model_name="m"} 1.0' in text
+    assert 'pagedserve:time_to_first_token_seconds_count{engine="0",model_name="m"} 2.0' in text
+    assert "_created" not in text
+    assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+
+
+def test_models_card_flags_the_embedded_demo_model():
+    engine = FakeEngine()
+    engine.is_default_model = True
+    llm = AsyncLLM(engine, log_stats=False)
+    try:
+        app = build_app(llm, None, shutdown_engine_on_exit=False)
+
+        async def get():
+            async with _client(app) as c:
+                return (await c.get("/v1/models")).json()
+
+        card = asyncio.run(get())["data"][0]
+        assert card["id"] == "fake-model" and card["demo_model"] is True and "demo" in card["description"]
+        assert card["root"].endswith("demo_model")
+    finally:
+        llm.shutdown()

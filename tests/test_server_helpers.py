@@ -1,0 +1,124 @@
+"""Helpers for the server tests: start `pagedserve serve` in a subprocess on a free port, wait for
+/health, stop it with SIGTERM (and check that it exits cleanly).
+
+Servers are cached per configuration for the whole pytest session (several test modules share the
+main one; pytest would otherwise build one per importing module).  No tests live here.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+API_KEY = "test-key-123"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# The main server: shared by test_server_openai / test_server_errors / test_server_load.
+MAIN_ARGS = ("--num-kv-blocks", "256", "--max-model-len", "512", "--max-num-seqs", "64",
+             "--max-num-batched-tokens", "1024", "--api-key", API_KEY)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model_dir: str | Path, args: tuple[str, ...] = (), startup_timeout: float = 180.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(tempfile.mkstemp(prefix="pagedserve-server-", suffix=".log")[1])
+        self._log = open(self.log_path, "wb")
+        cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", str(model_dir),
+               "--host", "127.0.0.1", "--port", str(self.port), "--num-threads", "1", "--seed", "0",
+               "--disable-uvicorn-access-log", "--log-stats-interval", "2", *args]
+        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        env.pop("PAGEDSERVE_API_KEY", None)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT))
+        self.exit_code: int | None = None
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during startup:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server did not become healthy in {startup_timeout} s:\n{self.log()}")
+            time.sleep(0.25)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Signal the server and wait for it; returns the exit code (kills it after `timeout`)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.exit_code = self.proc.returncode
+        self._log.flush()
+        return self.exit_code
+
+
+_SERVERS: dict[tuple, ServerProcess] = {}
+
+
+def get_server(model_dir: str | Path, args: tuple[str, ...] = MAIN_ARGS) -> ServerProcess:
+    """One live server per (model, args) for the session."""
+    key = (str(model_dir), tuple(args))
+    server = _SERVERS.get(key)
+    if server is None or not server.alive():
+        server = _SERVERS[key] = ServerProcess(model_dir, args)
+    return server
+
+
+def stop_all() -> None:
+    for server in list(_SERVERS.values()):
+        server.stop()
+    _SERVERS.clear()
+
+
+atexit.register(stop_all)
+
+
+def auth_headers(key: str = API_KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` (exact metric name) whose labels include `labels`."""
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, rest = head.partition("{")
+        if metric != name:
+            continue
+        if all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += float(value)
+            found = True
+    if not found:
+        raise KeyError(f"metric {name} {labels} not found")
+    return total
