@@ -2,6 +2,7 @@
 import logging as _logging
 
 from pagedserve.config import EngineArgs
+from pagedserve.demo_model_path import default_model_path
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -26,4 +27,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["LLM", "EngineArgs", "SamplingParams", "BeamSearchParams", "RequestOutputKind", "RequestOutput",
-           "CompletionOutput", "Logprob", "__version__"]
+           "CompletionOutput", "Logprob", "default_model_path", "__version__"]

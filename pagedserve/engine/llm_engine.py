@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from pagedserve.config import EngineArgs
@@ -49,7 +50,7 @@ class LLMEngine:
 
         configure_threads(args.num_threads)
         self.args = args
-        model_dir = default_model_path() if args.model is None else resolve_model_dir(args.model, args.revision)
+        model_dir = Path(default_model_path()) if args.model is None else resolve_model_dir(args.model, args.revision)
         cfg = ModelConfig.from_dir(model_dir)
         cfg.max_model_len = args.max_model_len or cfg.max_position_embeddings
         if cfg.max_model_len > cfg.max_position_embeddings:
