@@ -18,6 +18,7 @@ def cpu_kernels():
     """The compiled module, or None when unavailable."""
     if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") == "0":
         return None
+    logger.info("Loading the native CPU attention kernel (compiled on first use, then cached by torch).")
     try:
         from torch.utils.cpp_extension import load
 
