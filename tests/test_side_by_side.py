@@ -1,0 +1,45 @@
+"""benchmarks/side_by_side.py end to end on a tiny model: pagedserve (server + `bench serve` + batch-1 decode via
+`bench latency`), both transformers baselines, the roofline block; llama-server absent, so it must be skipped
+with a message (CI never needs llama.cpp)."""
+import json
+import os
+import subprocess
+import sys
+
+from tiny_models import make_tiny_checkpoint
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "benchmarks", "side_by_side.py")
+
+
+def test_side_by_side_tiny_without_llama_cpp(tmp_path):
+    model = make_tiny_checkpoint("llama", tmp_path / "tiny")
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("LLAMA_SERVER", None)
+    cmd = [sys.executable, SCRIPT, "--model", str(model), "--llama-server", str(tmp_path / "no-such-llama-server"),
+           "--dataset", "random", "--random-input-len", "16", "--random-output-len", "6", "--num-prompts", "4",
+           "--concurrency", "2", "--threads", "1", "--max-model-len", "128",
+           "--roofline-sizes", "64", "--roofline-bw-mib", "4", "--roofline-repeats", "1",
+           "--batch1-input-len", "8", "--batch1-output-len", "6", "--output-dir", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "SKIP llama.cpp: llama-server not found" in r.stdout
+
+    res = json.loads((out / "side_by_side.json").read_text())
+    assert "llama.cpp" in res["skipped"]
+    rows = {(x["engine"], x["concurrency"]): x for x in res["rows"]}
+    assert set(rows) == {("pagedserve", 2), ("hf-naive", 1), ("hf-static", 2)}
+    for row in rows.values():
+        assert row["completed"] == 4 and row["failed"] == 0
+        assert row["exact_lengths"], row  # ignore_eos + max_tokens honoured: 6 tokens each
+        assert row["total_output_tokens"] == 24 and row["total_input_tokens"] == 64
+        assert row["output_tok_s"] > 0 and row["ttft_p50_ms"] > 0
+        assert 0 < row["fraction_of_matmul_peak"] and row["achieved_flops"] > 0
+    assert (out / "pagedserve-c2.json").is_file()  # the `bench serve --save-result` JSON
+    vs = {q["vs_engine"] for q in res["ratios"]}
+    assert vs == {"hf-naive", "hf-static"}
+    assert res["machine"]["matmul_flops"] > 0 and res["batch1_bound_ms"] > 0
+    assert res["batch1_decode"]["pagedserve"]["ms_per_token"] > 0
+    md = (out / "side_by_side.md").read_text()
+    assert "| engine | C |" in md and "output tok/s" in md and "Roofline" in md and "batch-1 decode" in md
