@@ -91,7 +91,7 @@ async def send_request(client, api_url: str, body: dict[str, Any], prompt_len: i
     text_parts: list[str] = []
     st = time.perf_counter()
     out.start_time = st
-    last = st
+    last = end = st
     try:
         async with client.stream("POST", api_url, json=body) as resp:
             if resp.status_code != 200:
@@ -110,18 +110,21 @@ async def send_request(client, api_url: str, body: dict[str, Any], prompt_len: i
                     return out
                 if choices := data.get("choices"):
                     now = time.perf_counter()
-                    if chunks == 0:
-                        out.ttft = now - st
-                    else:
-                        out.itl.append(now - last)
-                    last = now
-                    chunks += 1
                     c = choices[0]
                     piece = (c.get("delta") or {}).get("content") if chat else c.get("text")
-                    text_parts.append(piece or "")
+                    end = now
+                    # an empty closing chunk (llama-server sends one) carries no token: not an ITL sample
+                    if piece or not c.get("finish_reason") or not chunks:
+                        if chunks == 0:
+                            out.ttft = now - st
+                        else:
+                            out.itl.append(now - last)
+                        last = now
+                        chunks += 1
+                        text_parts.append(piece or "")
                 if usage := data.get("usage"):
                     out.output_tokens = int(usage.get("completion_tokens") or 0)
-        out.latency = last - st
+        out.latency = end - st
         out.generated_text = "".join(text_parts)
         if not out.output_tokens:
             out.output_tokens = chunks
