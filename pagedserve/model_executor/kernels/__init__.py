@@ -25,7 +25,7 @@ def cpu_kernels():
         return load(
             name="pagedserve_cpu_kernels",
             sources=[str(Path(__file__).with_name("paged_attention.cpp"))],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
