@@ -174,17 +174,22 @@ def _safe_engine_args(args) -> dict:
         return {}
 
 
+def _pct(value: float | None) -> str:
+    return "-" if value is None or value != value else f"{100 * value:.1f}%"
+
+
 def markdown_table(summaries: dict[str, dict], max_len: int | None) -> str:
     head = ("| mode | req/s | output tok/s | total tok/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | "
             "ITL p99 (ms) | KV waste (own allocator) | KV waste if contiguous max_len"
-            f"{f' ({max_len})' if max_len else ''} | preemptions | notes |")
-    lines = [head, "|" + "---|" * 12]
+            f"{f' ({max_len})' if max_len else ''} | engine overhead (all / >=32 running) | preemptions | notes |")
+    lines = [head, "|" + "---|" * 13]
     for m, s in summaries.items():
         lines.append(
             f"| {LABELS.get(m, m)} | {s['request_throughput']:.2f} | {s['output_throughput']:.1f} | "
             f"{s['total_token_throughput']:.1f} | {s['p50_ttft_ms']:.0f} | {s['p99_ttft_ms']:.0f} | "
             f"{s['p50_itl_ms']:.1f} | {s['p99_itl_ms']:.1f} | {100 * s['kv_waste_paged']:.1f}% | "
-            f"{100 * s['kv_waste_contiguous_max_len']:.1f}% | {s['num_preemptions']} | {s.get('notes', '')} |")
+            f"{100 * s['kv_waste_contiguous_max_len']:.1f}% | {_pct(s.get('engine_overhead_all'))} / "
+            f"{_pct(s.get('engine_overhead_ge32'))} | {s['num_preemptions']} | {s.get('notes', '')} |")
     return "\n".join(lines)
 
 

@@ -110,7 +110,17 @@ class TraceResult:
             for k, v in summarize(vals, percentiles).items():
                 s[f"{k}_{name}_ms"] = v
         s.update(self.kv_waste())
+        s.update(self.engine_overhead())
         return s
+
+    def engine_overhead(self, min_running: int = 32) -> dict[str, float]:
+        """Share of step time outside the model forward (schedule, input prep, sampling, detokenize, outputs),
+        over all steps and over steps with at least `min_running` running requests."""
+        out = {}
+        for key, steps in (("all", self.steps), (f"ge{min_running}", [s for s in self.steps if s.running >= min_running])):
+            total = sum(s.step_time for s in steps)
+            out[f"engine_overhead_{key}"] = 1 - sum(s.forward_time for s in steps) / total if total else float("nan")
+        return out
 
     def kv_waste(self) -> dict[str, float]:
         """Step-averaged KV waste (slots reserved but not holding K/V, over slots reserved)."""

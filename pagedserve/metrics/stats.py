@@ -27,5 +27,5 @@ class IterationStats:
     num_prompt_tokens: int = 0  # prefill tokens computed this step (prompt or recompute)
     num_generation_tokens: int = 0  # tokens sampled this step
     num_scheduled_reqs: int = 0
-    forward_time: float = 0.0  # seconds in the model forward + sampling
+    forward_time: float = 0.0  # seconds in the model forward alone (input prep and sampling are overhead)
     step_time: float = 0.0  # seconds for the whole step (schedule + forward + update + detokenize)

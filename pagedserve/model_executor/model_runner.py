@@ -45,7 +45,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
     logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)  # for requests that asked
-    forward_time: float = 0.0
+    forward_time: float = 0.0  # the model forward alone (no input prep, no sampling)
 
 
 class ModelRunner:
@@ -106,15 +106,14 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in out.finished_request_ids:
             self.generators.pop(request_id, None)
-        t0 = time.perf_counter()
         # decodes first: attention batches them together
         items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta, logits_indices, sampling_items = self._prepare_inputs(items)
+        t0 = time.perf_counter()
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
-        result = ModelRunnerOutput()
+        result = ModelRunnerOutput(forward_time=time.perf_counter() - t0)
         if sampling_items:
             self._sample(logits, sampling_items, result)
-        result.forward_time = time.perf_counter() - t0
         return result
 
     def _prepare_inputs(self, items: list[ScheduledRequest]):

@@ -1,0 +1,10 @@
+"""Weight-only int8 on the demo model: close perplexity, mostly the same greedy text."""
+from pagedserve.demo_model_path import default_model_path
+from pagedserve.tools.int8_quality import evaluate
+
+
+def test_int8_quality_on_demo_model():
+    r = evaluate(default_model_path(), max_tokens=4096, num_prompts=8, new_tokens=16)
+    assert r["ppl_int8"] > r["ppl_fp32"] * 0.98  # quantization does not help
+    assert r["ppl_delta_pct"] < 3.0, r
+    assert r["mean_common_prefix"] >= 0.5, r
