@@ -57,13 +57,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             async for _, out in merge_streams([stream]):
                 for c in out.outputs:
-                    st = states[c.index]
-                    st.text += c.text
-                    st.token_ids.extend(c.token_ids)
-                    if c.logprobs:
-                        st.logprobs.extend(c.logprobs)
-                    if c.finish_reason is not None:
-                        st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
+                    states[c.index].add(c)
                 if out.finished:
                     cached = out.num_cached_tokens or 0
         finally:

@@ -87,13 +87,7 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             async for idx, out in merge_streams(streams):
                 for c in out.outputs:
-                    st = states[idx * n + c.index]
-                    st.text += c.text
-                    st.token_ids.extend(c.token_ids)
-                    if c.logprobs:
-                        st.logprobs.extend(c.logprobs)
-                    if c.finish_reason is not None:
-                        st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
+                    states[idx * n + c.index].add(c)
                 if out.finished:
                     cached += out.num_cached_tokens or 0
         finally:

@@ -17,7 +17,7 @@ from pagedserve.engine.async_llm import AsyncLLM, RequestStream
 from pagedserve.entrypoints.openai.errors import BadRequest, OpenAIError
 from pagedserve.entrypoints.openai.protocol import (ChatLogProb, ChatLogProbsContent, CompletionLogProbs,
                                                     _SamplingFields)
-from pagedserve.outputs import Logprob, RequestOutput
+from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pagedserve.api")
@@ -75,6 +75,15 @@ class ChoiceState:
     text_offset: int = 0  # running character offset (completion logprobs)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     started: bool = False  # streaming: first chunk sent
+
+    def add(self, delta: CompletionOutput) -> None:
+        """Append one DELTA output of this choice."""
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
 class OpenAIServing:
