@@ -4,11 +4,10 @@ engine) and `bench chunked-itl` (seed 004's "one decode while 3 long prompts arr
 compare modes (one workload, one run, fresh engine per mode, each warmed up first):
 
   naive        one request at a time through the engine (submit, wait until it finishes, next)
-  static       static batching emulated on the engine: take up to --static-batch-size available
-               requests, wait until *all* of them finish, only then take the next batch.  The slots of
-               requests that finish early stay empty (that is the cost static batching pays).  The engine
-               itself does not pad, so the padding compute of classic static batching is NOT included
-               here - the hf-static baseline below has it.
+  static       classic static batching emulated on the engine: take up to --static-batch-size available
+               requests, wait until *all* of them finish, only then take the next batch, and compute
+               what padding costs: every prompt left-padded to the batch's longest, every request decoding
+               to the batch's longest output (only each request's own tokens are timed and counted).
   continuous   iteration-level scheduling, enable_chunked_prefill=False (a prompt is prefilled in one step)
   chunked      continuous + chunked prefill (budget = --max-num-batched-tokens)
   prefix       continuous + chunked + prefix caching (only useful when the workload shares prefixes;
@@ -105,10 +104,10 @@ def run_compare(args: argparse.Namespace) -> int:
         driver.warm_up(engine, vocab)
         static = {"naive": 1, "static": args.static_batch_size}.get(mode)
         pbar = tqdm(total=len(samples), desc=LABELS[mode], disable=args.disable_tqdm)
-        res = driver.run_trace(engine, samples, mode, arrivals, static_batch=static, pbar=pbar)
+        res = driver.run_trace(engine, samples, mode, arrivals, static_batch=static, pbar=pbar, pad_static=True)
         pbar.close()
         if static:
-            res.notes = f"static batches of {static}, no padding compute"
+            res.notes = f"static batches of {static}, padded (prompts to the longest, outputs to the longest)"
         results[mode] = res
         engine = None
         driver.release()

@@ -227,7 +227,7 @@ def _running_requests(engine) -> list:
 
 def run_trace(engine, samples: Sequence[SampleRequest], name: str, arrivals: Sequence[float | None] | None = None,
               static_batch: int | None = None, temperature: float = 0.0, record_steps: bool = True,
-              on_step=None, max_idle_steps: int = 1000, pbar=None) -> TraceResult:
+              on_step=None, max_idle_steps: int = 1000, pbar=None, pad_static: bool = False) -> TraceResult:
     """Run `samples` through `engine`.
 
     arrivals: seconds after start at which each request becomes available (None: all at 0). An entry of
@@ -235,6 +235,8 @@ def run_trace(engine, samples: Sequence[SampleRequest], name: str, arrivals: Seq
     static_batch: None = continuous (add requests to the engine as they arrive, the engine schedules
         every step); B = static batching: take up to B available requests, run them until *all* of them
         finish, only then form the next batch (the slots of early finishers stay empty).
+    pad_static: static batches compute like classic padded batching: every prompt left-padded to the
+        batch's longest, every request decoding for the batch's longest output.
     on_step(engine, step_index, elapsed, timings) -> indices to release now (continuous mode): optional hook
         called before each step; timings maps request id -> ReqTiming so far.
     """
@@ -254,14 +256,20 @@ def run_trace(engine, samples: Sequence[SampleRequest], name: str, arrivals: Seq
     idle_steps = 0
     t0 = time.perf_counter()
 
-    def add(i: int) -> None:
+    def add(i: int, pad_to: tuple[int, int] | None = None) -> None:
+        """pad_to = (prompt length, output length) of a padded static batch: the request computes that much
+        (left pad tokens, decoding past its own end) but only its own tokens are timed and counted."""
         s = samples[i]
         rid = s.request_id or f"req-{i}"
         if rid in timings:
             rid = f"{rid}-{i}"
-        params = SamplingParams(max_tokens=s.expected_output_len, ignore_eos=True, temperature=temperature,
+        prompt, max_tokens = list(s.prompt), s.expected_output_len
+        if pad_to is not None:
+            prompt = [prompt[0]] * (pad_to[0] - len(prompt)) + prompt
+            max_tokens = pad_to[1]
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature,
                                 output_kind=RequestOutputKind.DELTA)
-        engine.add_request(rid, list(s.prompt), params)
+        engine.add_request(rid, prompt, params)
         timings[rid] = ReqTiming(rid, s.prompt_len, s.expected_output_len, arrivals[i])
         in_batch.add(rid)
 
@@ -273,8 +281,14 @@ def run_trace(engine, samples: Sequence[SampleRequest], name: str, arrivals: Seq
                 add(pending.popleft())
         elif not engine.has_unfinished_requests():
             in_batch.clear()
-            while pending and arrivals[pending[0]] <= now and len(in_batch) < static_batch:
-                add(pending.popleft())
+            batch = []
+            while pending and arrivals[pending[0]] <= now and len(batch) < static_batch:
+                batch.append(pending.popleft())
+            pad_to = None
+            if pad_static and len(batch) > 1:
+                pad_to = (max(samples[i].prompt_len for i in batch), max(samples[i].expected_output_len for i in batch))
+            for i in batch:
+                add(i, pad_to)
         if on_step is not None:
             for i in on_step(engine, step_index, now, timings) or ():
                 if i in held:
@@ -296,6 +310,7 @@ def run_trace(engine, samples: Sequence[SampleRequest], name: str, arrivals: Seq
             if t is None:
                 continue
             n = len(o.outputs[0].token_ids) if o.outputs else 0
+            n = min(n, t.max_tokens - len(t.token_times))  # a padded request's extra tokens are not its output
             t.token_times.extend([rel] * n)
             if o.finished:
                 t.num_cached_tokens = int(getattr(o, "num_cached_tokens", 0) or 0)
