@@ -128,6 +128,13 @@ def test_compare_static_waits_for_the_whole_batch(model, tmp_path):
     end_first = max(q["token_times"][-1] for q in first)
     assert all(q["token_times"][0] > end_first for q in second)  # the next batch starts after the slowest
     assert max(s["running"] for s in r["traces"]["static"]["steps"]) <= 2
+    # padding is computed but not counted: each batch prefills 2 x its longest prompt and decodes to its longest
+    # output, while every request reports exactly its own output length
+    steps = r["traces"]["static"]["steps"]
+    assert all(len(q["token_times"]) == q["max_tokens"] for q in reqs)
+    computed = sum(st["scheduled_tokens"] for st in steps)
+    own = sum(q["prompt_len"] + q["max_tokens"] for q in reqs)
+    assert computed > own - len(reqs)
 
 
 def test_chunked_itl(model, tmp_path):
