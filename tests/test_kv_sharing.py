@@ -88,6 +88,10 @@ def test_cache_salt_isolates_tenants(model_dir):
     assert kv.prefix_cache_hits == hits, "no salt must not hit a salted block"
     assert greedy(llm, [prompt], ["tenant-a"]) == first
     assert kv.prefix_cache_hits > hits, "the same salt hits"
+    assert llm.reset_prefix_cache()
+    hits = kv.prefix_cache_hits
+    assert greedy(llm, [prompt], ["tenant-a"]) == first
+    assert kv.prefix_cache_hits == hits, "nothing is cached after a reset"
 
 
 def peak_blocks_during(llm: LLM, fn) -> int:

@@ -30,6 +30,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (e.g. between benchmark runs). False while requests hold blocks."""
+        return self.llm_engine.kv_cache_manager.block_pool.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType] | None = None,
