@@ -56,3 +56,13 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dir):
+    """One `pagedserve serve` process on the tiny llama, shared by the server test modules."""
+    from test_server_helpers import get_server, stop_all
+
+    srv = get_server(tiny_model_dir("llama"))
+    yield srv
+    stop_all()

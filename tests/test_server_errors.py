@@ -10,18 +10,12 @@ import random
 import httpx
 import pytest
 
-from test_server_helpers import API_KEY, auth_headers, get_server, stop_all
+from test_server_helpers import API_KEY, auth_headers
 
 C, CH = "/v1/completions", "/v1/chat/completions"
 MSG = [{"role": "user", "content": "the cat reads"}]
 LONG_TEXT = " ".join(["the cat reads a long letter"] * 120)  # ~700+ tokens > max_model_len 512
 
-
-@pytest.fixture(scope="session")
-def server(tiny_model_dir):
-    srv = get_server(tiny_model_dir("llama"))
-    yield srv
-    stop_all()
 
 
 @pytest.fixture(scope="session")

@@ -10,16 +10,10 @@ import time
 import httpx
 import pytest
 
-from test_server_helpers import API_KEY, ServerProcess, auth_headers, get_server, metric_value, stop_all
+from test_server_helpers import API_KEY, ServerProcess, auth_headers, metric_value
 
 C = "/v1/completions"
 
-
-@pytest.fixture(scope="session")
-def server(tiny_model_dir):
-    srv = get_server(tiny_model_dir("llama"))
-    yield srv
-    stop_all()
 
 
 @pytest.fixture(scope="module")

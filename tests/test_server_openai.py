@@ -9,17 +9,11 @@ import httpx
 import openai
 import pytest
 
-from test_server_helpers import API_KEY, auth_headers, get_server, metric_value, stop_all
+from test_server_helpers import API_KEY, auth_headers, metric_value
 
 PROMPT = "the cat reads a long letter"
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat reads"}]
 
-
-@pytest.fixture(scope="session")
-def server(tiny_model_dir):
-    srv = get_server(tiny_model_dir("llama"))
-    yield srv
-    stop_all()
 
 
 @pytest.fixture(scope="session")
