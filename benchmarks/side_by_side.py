@@ -1,4 +1,5 @@
-"""pagedserve vs llama.cpp vs transformers `generate`, side by side, on one workload (issue 7, parts 1 + 2).
+"""pagedserve vs llama.cpp vs transformers (`generate`, continuous batching), side by side, on one workload
+(issue 7, parts 1 + 2).
 
     python benchmarks/side_by_side.py --model /tmp/smollm2 --gguf /tmp/smollm2-f32.gguf \\
         --concurrency 16,32 --num-prompts 200 --threads 2 --output-dir bench_results/side_by_side
@@ -16,9 +17,17 @@ greedy, closed loop at concurrency C (`--max-concurrency C --request-rate inf`):
                llama-server or the GGUF is not found (CI never needs llama.cpp).
   HF naive     transformers `generate`, one request at a time (pagedserve/benchmarks/hf_baseline.py).
   HF static    transformers `generate`, left-padded static batches of C, each decoding to its longest output.
-               The HF rows run in this process with torch threads = T; their TTFT is measured from the start
-               of the `generate` call that served the request (what a closed-loop client would see), their
-               ITL is the gap between consecutive generated tokens.
+  HF CB        transformers' own continuous batching (`model.init_continuous_batching()`: a background
+               generation thread, paged KV cache, FIFO scheduler with chunked prefill), closed loop at C: C
+               requests submitted with `add_request(streaming=True)`, the next one as soon as one finishes
+               (`run_hf_continuous` in hf_baseline.py).  Attention as transformers keeps it on CPU ("sdpa": a
+               block-diagonal mask over the batch's keys/values gathered from the paged cache); KV blocks for C
+               of the workload's longest requests, `--hf-cb-max-batch-tokens` tokens per forward (default 2048,
+               pagedserve's default token budget).  A failure (e.g. no CB in this transformers) is a skip message.
+               The HF rows run in this process with torch threads = T; for naive / static their TTFT is measured
+               from the start of the `generate` call that served the request (what a closed-loop client would
+               see), for CB from the request's `add_request`; ITL is the gap between consecutive generated tokens.
+               `--skip-hf` skips all three.
 
 One table (output tok/s, TTFT p50/p99, ITL p50/p99, ratios pagedserve vs each other engine), plus roofline
 accounting from the same run (pagedserve/benchmarks/roofline.py): the machine's matmul FLOP/s and memory
@@ -74,9 +83,9 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 DEFAULT_LLAMA_SERVER_PATHS = ("/tmp/llamacpp/build/bin/llama-server",)
-ENGINES = ("pagedserve", "llamacpp", "hf-naive", "hf-static")
+ENGINES = ("pagedserve", "llamacpp", "hf-naive", "hf-static", "hf-cb")
 LABELS = {"pagedserve": "pagedserve", "llamacpp": "llama.cpp", "hf-naive": "HF generate (1 at a time)",
-          "hf-static": "HF generate (static padded)"}
+          "hf-static": "HF generate (static padded)", "hf-cb": "HF continuous batching"}
 
 # Runs llama.cpp's convert_hf_to_gguf.py unmodified, after two in-memory patches (see the module docstring).
 # argv: SRC_DIR convert-args...
@@ -135,7 +144,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=2048,
                    help="per-request context: pagedserve --max-model-len, llama.cpp context per slot")
     p.add_argument("--engines", default=",".join(ENGINES), help="comma list of " + ",".join(ENGINES))
-    p.add_argument("--skip-hf", action="store_true", help="skip both transformers baselines")
+    p.add_argument("--skip-hf", action="store_true",
+                   help="skip the transformers baselines (HF naive, HF static, HF continuous batching)")
+    p.add_argument("--hf-cb-max-batch-tokens", type=int, default=2048,
+                   help="HF continuous batching: max tokens per forward (prefill chunk budget; default 2048 = "
+                        "pagedserve's default --max-num-batched-tokens)")
+    p.add_argument("--hf-cb-page-size", type=int, default=None,
+                   help="HF continuous batching: tokens per KV block (default: transformers' default)")
     p.add_argument("--skip-llamacpp", action="store_true")
     p.add_argument("--llama-kv-type", default="f32", choices=["f32", "f16"],
                    help="llama-server --cache-type-k/-v (f32 = pagedserve's KV precision on CPU; f16 = llama.cpp's default)")
@@ -490,7 +505,7 @@ def run_llamacpp(args, server_bin: str, samples, roof, out_dir: str, rows: list,
             srv.stop()
 
 
-def hf_rows(args, samples, roof, rows: list, batch1: dict) -> None:
+def hf_rows(args, samples, roof, rows: list, batch1: dict, skipped: dict | None = None) -> None:
     import numpy as np
     import torch
 
@@ -523,7 +538,35 @@ def hf_rows(args, samples, roof, rows: list, batch1: dict) -> None:
             if itls:
                 batch1["hf"] = {"ms_per_token": float(np.median(itls)) * 1000,
                                 "how": "median ITL of the HF naive run (batch 1, the workload's contexts)"}
+    if "hf-cb" in args.engine_list:
+        for c in args.concurrencies:
+            row = hf_cb_row(args, model, samples, roof, c, skipped if skipped is not None else {})
+            if row is not None:
+                rows.append(row)
     del model
+
+
+def hf_cb_row(args, model, samples, roof, conc: int, skipped: dict) -> dict | None:
+    """transformers continuous batching, closed loop at `conc`; None (and a skip message) if it fails."""
+    from pagedserve.benchmarks.hf_baseline import run_hf_continuous
+
+    label = LABELS["hf-cb"]
+    log(f"[{label}] C={conc}: {len(samples)} requests, closed loop ...")
+    try:
+        res = run_hf_continuous(model, samples, concurrency=conc, max_batch_tokens=args.hf_cb_max_batch_tokens,
+                                page_size=args.hf_cb_page_size, max_model_len=args.max_model_len)
+    except Exception as e:  # no CB in this transformers, out of memory, a crash in its generation thread, ...
+        msg = f"{type(e).__name__}: {e}".splitlines()[0]
+        log(f"SKIP {label} C={conc}: {msg}")
+        skipped[f"{label} C={conc}"] = msg
+        return None
+    s = res.summary(percentiles=(50, 99))
+    return make_row("hf-cb", conc, completed=s["completed"], failed=len(samples) - s["completed"],
+                    duration=s["duration"], in_tok=s["total_input_tokens"], out_tok=s["total_output_tokens"],
+                    ttft=(s["median_ttft_ms"], s["p99_ttft_ms"]), itl=(s["median_itl_ms"], s["p99_itl_ms"]),
+                    tpot=s["median_tpot_ms"],
+                    exact=[r.output_len for r in res.requests] == [x.expected_output_len for x in samples],
+                    roof=roof, notes=res.notes)
 
 
 def rebase_to_batch_start(res) -> None:
@@ -548,7 +591,7 @@ def ratios(rows: list[dict]) -> list[dict]:
     ps = {r["concurrency"]: r for r in rows if r["engine"] == "pagedserve"}
     naive = next((r for r in rows if r["engine"] == "hf-naive"), None)
     for c, p in sorted(ps.items()):
-        others = [r for r in rows if r["engine"] in ("llamacpp", "hf-static") and r["concurrency"] == c]
+        others = [r for r in rows if r["engine"] in ("llamacpp", "hf-static", "hf-cb") and r["concurrency"] == c]
         if naive:
             others.append(naive)
         for o in others:
@@ -567,7 +610,7 @@ def format_report(args, workload: str, peaks, roof, rows, rats, batch1, skipped)
     g = 1e9
     order = {e: i for i, e in enumerate(ENGINES)}
     rows = sorted(rows, key=lambda r: (r["concurrency"], order[r["engine"]]))
-    L = [f"# side by side: pagedserve vs llama.cpp vs transformers generate",
+    L = [f"# side by side: pagedserve vs llama.cpp vs transformers (generate, continuous batching)",
          "",
          f"model `{args.model}` ({roof.params / 1e6:.1f}M params, fp32); GGUF `{args.gguf}` (F32); "
          f"{args.threads} threads per engine; workload {args.dataset}: {workload}; closed loop at concurrency C "
@@ -672,7 +715,7 @@ def main(argv=None) -> int:
             run_llamacpp(args, server_bin, samples, roof, out_dir, rows, skipped, batch1)
         if any(e.startswith("hf-") for e in args.engine_list):
             try:
-                hf_rows(args, samples, roof, rows, batch1)
+                hf_rows(args, samples, roof, rows, batch1, skipped)
             except Exception as e:  # e.g. out of memory on the padded batches: keep the other engines' results
                 log(f"[HF] failed: {type(e).__name__}: {e}")
                 skipped["HF"] = f"{type(e).__name__}: {e}"

@@ -11,6 +11,7 @@ class EngineArgs:
     model: str | None = None  # None: the embedded default model
     tokenizer: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | bfloat16 | float16 | float32
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     max_model_len: int | None = None
@@ -53,6 +54,8 @@ class EngineArgs:
             raise ValueError(f"linear_backend must be auto, torch or onednn, got {self.linear_backend!r}.")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}.")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}.")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -22,15 +22,16 @@ def reference(q, keys, values, first):
 
 
 @pytest.mark.parametrize("use_kernel", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_batch_matches_reference(use_kernel, dtype, monkeypatch):
+@pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.float32, torch.bfloat16)])
+def test_mixed_batch_matches_reference(use_kernel, dtype, kv_dtype, monkeypatch):
     if use_kernel and cpu_kernels() is None:
         pytest.fail("the native CPU kernel did not build (needs a C++ compiler and ninja)")
     if not use_kernel:
         monkeypatch.setattr("pagedserve.model_executor.attention.cpu_kernels", lambda: None)
     g = torch.Generator().manual_seed(0)
     num_blocks = 64
-    k_cache = torch.zeros(num_blocks, BS, KVH, HD, dtype=dtype)
+    k_cache = torch.zeros(num_blocks, BS, KVH, HD, dtype=kv_dtype)
     v_cache = torch.zeros_like(k_cache)
     # three decodes (contexts 1, 17, 40), a first prefill chunk (12 tokens) and a later chunk (20 after 35)
     seqs = [(0, 1), (16, 1), (39, 1), (0, 12), (35, 20)]  # (tokens already cached, new tokens)
@@ -43,8 +44,8 @@ def test_mixed_batch_matches_reference(use_kernel, dtype, monkeypatch):
         values = torch.randn(cached + new, KVH, HD, generator=g).to(dtype)
         pos = torch.arange(cached + new)
         slot = torch.tensor(table)[pos // BS] * BS + pos % BS
-        k_cache.view(-1, KVH, HD)[slot[:cached]] = keys[:cached]
-        v_cache.view(-1, KVH, HD)[slot[:cached]] = values[:cached]
+        k_cache.view(-1, KVH, HD)[slot[:cached]] = keys[:cached].to(kv_dtype)
+        v_cache.view(-1, KVH, HD)[slot[:cached]] = values[:cached].to(kv_dtype)
         tables.append(table)
         full_kv.append((keys, values))
         slots.append(slot[cached:])
@@ -63,8 +64,39 @@ def test_mixed_batch_matches_reference(use_kernel, dtype, monkeypatch):
     meta = AttentionMetadata(torch.cat(slots), 3, decode_bt, torch.tensor([c + n for c, n in seqs[:3]]), BS, prefills)
     out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, HD ** -0.5)
     offset = 0
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    tol = 1e-5 if kv_dtype == torch.float32 else 2e-2
+    assert out.dtype == dtype
     for (cached, new), (keys, values) in zip(seqs, full_kv):
         expected = reference(q[offset:offset + new].float(), keys.float(), values.float(), cached)
         torch.testing.assert_close(out[offset:offset + new].float(), expected, atol=tol, rtol=tol)
         offset += new
+
+
+@pytest.mark.parametrize("num_seqs, num_kv_heads, threads", [(1, 2, 2), (2, 4, 4), (5, 2, 2), (3, 4, 1)])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_every_task_split(num_seqs, num_kv_heads, threads, kv_dtype):
+    """The kernel splits work per sequence, per KV head or per query head depending on batch and threads
+    (cases chosen to hit each); every split gives plain attention over the sequence's blocks."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.fail("the native CPU kernel did not build (needs a C++ compiler and ninja)")
+    g = torch.Generator().manual_seed(num_seqs)
+    heads, num_blocks = 8, 40
+    k_cache = torch.randn(num_blocks, BS, num_kv_heads, HD, generator=g).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, BS, num_kv_heads, HD, generator=g).to(kv_dtype)
+    lens = torch.randint(1, 5 * BS, (num_seqs,), generator=g)
+    tables = torch.randperm(num_blocks, generator=g)[:num_seqs * 5].view(num_seqs, 5)
+    q = torch.randn(num_seqs, heads, HD, generator=g)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, HD ** -0.5)
+    finally:
+        torch.set_num_threads(old)
+    for i in range(num_seqs):
+        keys = k_cache[tables[i]].reshape(-1, num_kv_heads, HD)[:lens[i]].float()
+        values = v_cache[tables[i]].reshape(-1, num_kv_heads, HD)[:lens[i]].float()
+        k = keys.repeat_interleave(heads // num_kv_heads, dim=1).transpose(0, 1)
+        v = values.repeat_interleave(heads // num_kv_heads, dim=1).transpose(0, 1)
+        expected = ((q[i].unsqueeze(1) @ k.transpose(1, 2)) * HD ** -0.5).softmax(-1) @ v
+        torch.testing.assert_close(out[i], expected.squeeze(1), atol=1e-5, rtol=1e-5)

@@ -6,6 +6,7 @@ that fits only the longest request), block sizes 8 and 32, prefix caching on and
 from __future__ import annotations
 
 import pytest
+import torch
 from hf_reference import assert_greedy_match, hf_greedy, mixed_prompts
 from tiny_models import ARCHS
 
@@ -49,17 +50,18 @@ def _configs(prompts):
         "block-size-32": dict(num_kv_blocks=256, block_size=32),
         "chunk-threshold-48": dict(num_kv_blocks=512, long_prefill_token_threshold=48),
         "linear-onednn": dict(num_kv_blocks=512, linear_backend="onednn"),
-        "torch-attention": dict(num_kv_blocks=512),  # run with the native kernel disabled, below
+        "no-native-kernels": dict(num_kv_blocks=512),  # run with the C++ kernels disabled, below
     }
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("config", ["prefix-caching-off", "budget-32-chunked", "pool-fits-longest-only",
                                     "block-size-8", "block-size-32", "chunk-threshold-48", "linear-onednn",
-                                    "torch-attention"])
+                                    "no-native-kernels"])
 def test_greedy_same_in_every_config(arch, config, tiny_model_dir, tiny_tokenizer, monkeypatch):
-    if config == "torch-attention":
+    if config == "no-native-kernels":  # the pure PyTorch path: attention, norms, rotary, silu
         monkeypatch.setattr("pagedserve.model_executor.attention.cpu_kernels", lambda: None)
+        monkeypatch.setattr("pagedserve.model_executor.layers.cpu_kernels", lambda: None)
     model_dir = tiny_model_dir(arch)
     prompts = mixed_prompts(tiny_tokenizer, n=8)
     llm, ours = run(model_dir, prompts, **_configs(prompts)[config])
@@ -70,4 +72,18 @@ def test_greedy_same_in_every_config(arch, config, tiny_model_dir, tiny_tokenize
     stats, _ = llm.llm_engine.get_stats()
     if config == "pool-fits-longest-only":
         assert stats.num_preemptions > 0, "the small pool should have forced preemption"
+    check_engine_drained(llm)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bfloat16_kv_cache_matches_transformers(arch, tiny_model_dir, tiny_tokenizer):
+    """A float32 model over a bfloat16 KV cache: half the cache bytes, greedy still HF's up to near-ties."""
+    model_dir = tiny_model_dir(arch)
+    prompts = mixed_prompts(tiny_tokenizer, n=8)
+    llm, ours = run(model_dir, prompts, num_kv_blocks=512, kv_cache_dtype="bfloat16")
+    runner = llm.llm_engine.runner
+    assert runner.kv_caches[0][0].dtype == torch.bfloat16 and runner.dtype == torch.float32
+    fp32_llm = LLM(str(model_dir), num_threads=1, num_kv_blocks=4)
+    assert runner.kv_bytes_per_block * 2 == fp32_llm.llm_engine.runner.kv_bytes_per_block
+    assert_greedy_match(ours, hf_greedy(model_dir, prompts, MAX_TOKENS))
     check_engine_drained(llm)

@@ -156,3 +156,12 @@ def test_generate_cli(tiny_model_dir):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("def f(x):") and len(result.stdout) > len("def f(x):")
+
+
+@pytest.mark.parametrize("field, value", [("kv_cache_dtype", "fp4"), ("dtype", "int3"), ("linear_backend", "blas"),
+                                          ("block_size", 3), ("scheduling_policy", "lifo")])
+def test_invalid_engine_args(field, value):
+    from pagedserve.config import EngineArgs
+
+    with pytest.raises(ValueError, match=field):
+        EngineArgs(**{field: value})

@@ -254,11 +254,13 @@ def test_seeded_row_independent_of_batch(params: SamplingParams) -> None:
 
 
 def test_seeded_row_uses_only_its_generator() -> None:
-    """The row's noise is a full Exp(1) row drawn from its own generator, as documented."""
+    """The row's draw is one uniform from its own generator, inverted through the CDF, as documented."""
     logits = step_logits(0, 0)
     out = sampler(logits.unsqueeze(0), metadata([SamplingParams(seed=5)], {0: seeded(5)}))
-    q = torch.empty(VOCAB).exponential_(generator=seeded(5))
-    assert out.sampled_token_ids.item() == (logits.softmax(-1) / q).argmax().item()
+    u = torch.rand((), dtype=torch.float64, generator=seeded(5)).item()
+    cdf = logits.softmax(-1).double().cumsum(0)
+    expected = int((cdf <= u * cdf[-1].item()).sum())
+    assert out.sampled_token_ids.item() == expected
 
 
 def test_greedy_row_keeps_generator_untouched() -> None:

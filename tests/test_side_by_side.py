@@ -1,5 +1,5 @@
 """benchmarks/side_by_side.py end to end on a tiny model: pagedserve (server + `bench serve` + batch-1 decode via
-`bench latency`), both transformers baselines, the roofline block; llama-server absent, so it must be skipped
+`bench latency`), the three transformers baselines (naive, static, continuous batching), the roofline block; llama-server absent, so it must be skipped
 with a message (CI never needs llama.cpp)."""
 import json
 import os
@@ -29,7 +29,8 @@ def test_side_by_side_tiny_without_llama_cpp(tmp_path):
     res = json.loads((out / "side_by_side.json").read_text())
     assert "llama.cpp" in res["skipped"]
     rows = {(x["engine"], x["concurrency"]): x for x in res["rows"]}
-    assert set(rows) == {("pagedserve", 2), ("hf-naive", 1), ("hf-static", 2)}
+    assert set(rows) == {("pagedserve", 2), ("hf-naive", 1), ("hf-static", 2), ("hf-cb", 2)}
+    assert "closed loop C=2" in rows[("hf-cb", 2)]["notes"]
     for row in rows.values():
         assert row["completed"] == 4 and row["failed"] == 0
         assert row["exact_lengths"], row  # ignore_eos + max_tokens honoured: 6 tokens each
@@ -38,8 +39,9 @@ def test_side_by_side_tiny_without_llama_cpp(tmp_path):
         assert 0 < row["fraction_of_matmul_peak"] and row["achieved_flops"] > 0
     assert (out / "pagedserve-c2.json").is_file()  # the `bench serve --save-result` JSON
     vs = {q["vs_engine"] for q in res["ratios"]}
-    assert vs == {"hf-naive", "hf-static"}
+    assert vs == {"hf-naive", "hf-static", "hf-cb"}
     assert res["machine"]["matmul_flops"] > 0 and res["batch1_bound_ms"] > 0
     assert res["batch1_decode"]["pagedserve"]["ms_per_token"] > 0
     md = (out / "side_by_side.md").read_text()
     assert "| engine | C |" in md and "output tok/s" in md and "Roofline" in md and "batch-1 decode" in md
+    assert "| HF continuous batching | 2 |" in md

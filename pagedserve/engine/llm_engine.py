@@ -61,8 +61,10 @@ class LLMEngine:
         self.is_default_model = args.model is None
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
         device = resolve_device(args.device)
-        self.runner = ModelRunner(cfg, device, resolve_dtype(args.dtype, device), args.block_size, args.seed,
-                                  args.linear_backend, args.quantization)
+        dtype = resolve_dtype(args.dtype, device)
+        kv_dtype = dtype if args.kv_cache_dtype == "auto" else resolve_dtype(args.kv_cache_dtype, device)
+        self.runner = ModelRunner(cfg, device, dtype, args.block_size, args.seed, args.linear_backend,
+                                  args.quantization, kv_dtype)
         num_blocks = self._num_kv_blocks(args)
         self.runner.allocate_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,

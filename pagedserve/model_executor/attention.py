@@ -1,6 +1,7 @@
 """Paged attention over a flattened batch: prefill chunks and decodes in one forward.
 
-KV cache of one layer: [num_blocks, block_size, num_kv_heads, head_dim] for K and for V. New K/V are
+KV cache of one layer: [num_blocks, block_size, num_kv_heads, head_dim] for K and for V, in the cache dtype
+(the model's, or bfloat16/float16 to halve the bytes; read back into the query dtype). New K/V are
 written at `slot_mapping` (slot = block_id * block_size + offset) before any attention of the layer
 reads, so a request may attend to blocks that another request of the same step is filling.
 
@@ -51,8 +52,8 @@ class AttentionMetadata:
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     kvh, hd = k.shape[1], k.shape[2]
-    k_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -64,12 +65,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     d = meta.num_decodes
     kernels = cpu_kernels() if q.device.type == "cpu" else None
     if d and kernels is not None:
-        out[:d] = kernels.paged_decode_attention(q[:d].contiguous(), k_cache, v_cache, meta.decode_block_tables,
-                                                 meta.decode_context_lens, scale)
+        out[:d] = kernels.paged_decode_attention(q[:d].float().contiguous(), k_cache, v_cache,
+                                                 meta.decode_block_tables, meta.decode_context_lens, scale)
     elif d:
         bt = meta.decode_block_tables
-        keys = k_cache[bt].view(d, -1, num_kv_heads, head_dim).transpose(1, 2)
-        values = v_cache[bt].view(d, -1, num_kv_heads, head_dim).transpose(1, 2)
+        keys = k_cache[bt].view(d, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+        values = v_cache[bt].view(d, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
         o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
                                            scale=scale, enable_gqa=True)
         out[:d] = o.squeeze(2)
@@ -79,8 +80,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if span.causal_mask is None:  # the chunk is the whole context so far
             keys, values = k[sl], v[sl]
         else:
-            keys = k_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[:span.context_len]
-            values = v_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[:span.context_len]
+            keys = k_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[:span.context_len].to(q.dtype)
+            values = v_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[:span.context_len].to(q.dtype)
         o = F.scaled_dot_product_attention(qs, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
                                            attn_mask=span.causal_mask, is_causal=span.causal_mask is None,
                                            scale=scale, enable_gqa=True)

@@ -8,6 +8,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.model_executor.kernels import cpu_kernels
+
+
+def native_ops(x: torch.Tensor):
+    """The compiled fused ops (kernels/layer_ops.cpp) when they apply to x (float32 on CPU), else None.
+
+    On CPU at decode batch sizes these small ops cost more in per-op dispatch than in arithmetic: RMSNorm alone
+    is six ATen ops."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    return cpu_kernels()
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -15,10 +27,24 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # no casts: this runs twice per layer per step
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm(x); with `residual`: residual += x (in place), then RMSNorm(residual) - a decoder layer's
+        residual add fused with the norm after it."""
+        ops = native_ops(x) if x.dim() == 2 else None
+        if ops is not None:
+            if residual is None:
+                return ops.rms_norm(x, self.weight, self.eps)
+            return ops.add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x = residual.add_(x)
+        if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+# Measured in BENCHMARKS.md (section 6, "GEMM path"): on the decode step of a 135M model, MKL's F.linear beats
+# pre-packed oneDNN at 1-3 rows (batch-1 step 41 -> 34 ms) and loses from 4 rows on.
+ONEDNN_MIN_ROWS = 4
 
 
 class Linear(nn.Module):
@@ -27,7 +53,8 @@ class Linear(nn.Module):
     Backends (CPU):
       * "torch": F.linear (MKL on x86);
       * "onednn": the weight pre-packed once for oneDNN (`mkldnn._linear_pointwise`), which picks much
-        better kernels than MKL for the small-M products of decode on some CPUs;
+        better kernels than MKL for the small-M products of decode on some CPUs; below ONEDNN_MIN_ROWS rows
+        it hands over to F.linear, whose GEMV streams the weight faster (the weight is kept unpacked too);
       * "int8": weight-only int8, per-output-channel scales, activations quantized per call (fbgemm
         dynamic quantization) - a quarter of the weight bytes, for memory-bound decode.
     """
@@ -58,7 +85,7 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.backend == "onednn":
+        if self.backend == "onednn" and x.shape[0] >= ONEDNN_MIN_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         if self.backend == "int8":
             return torch.ops.quantized.linear_dynamic(x.float(), self._packed, True).to(x.dtype)
@@ -85,6 +112,15 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3)")
 
 
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused [gate | up] projection."""
+    ops = native_ops(gate_up)
+    if ops is not None:
+        return ops.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style rotation (rotate halves), as in HF Llama/Qwen/Mistral; cos/sin precomputed per position."""
 
@@ -102,6 +138,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x: [T, heads, D]. Returns x rotated (in place when the native op applies)."""
     cos, sin = cos_sin
+    ops = native_ops(x)
+    if ops is not None:
+        ops.rotary_inplace(x, cos, sin)
+        return x
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

@@ -50,10 +50,12 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype, block_size: int,
-                 seed: int = 0, linear_backend: str = "auto", quantization: str | None = None) -> None:
+                 seed: int = 0, linear_backend: str = "auto", quantization: str | None = None,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.config = model_config
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype  # a bfloat16 cache halves what decode attention streams
         self.block_size = block_size
         t0 = time.perf_counter()
         with torch.device(device):
@@ -86,7 +88,7 @@ class ModelRunner:
     @property
     def kv_bytes_per_block(self) -> int:
         c = self.config
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * self.kv_dtype.itemsize
 
     def available_memory(self) -> int:
         if self.device.type == "cuda":
@@ -98,8 +100,8 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.config
         shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(c.num_layers)]
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(c.num_layers)]
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()

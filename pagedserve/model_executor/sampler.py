@@ -1,11 +1,13 @@
 """Turns one step's logits into next tokens for a batch of sequences (semantics follow vLLM V1).
 
 Order: logprobs from the raw logits -> penalties -> banned tokens -> greedy argmax | temperature, top-k, top-p,
-min-p, exponential race. Penalties and bans apply to greedy rows too.
+min-p, inverse-CDF draw. Penalties and bans apply to greedy rows too.
 
-Random rows sample with the exponential race: argmax(p / q) with q ~ Exp(1) per token is an exact draw from p.
-Every random row draws a full row of noise each step, so a seeded row's noise comes from its own generator only
-and its tokens do not depend on the batch it runs in or its row index.
+Random rows sample by inverse CDF: one uniform u per row, the token is the first whose cumulative probability
+exceeds u * (row total), an exact draw from p. A seeded row's uniform comes from its own generator only, so its
+tokens do not depend on the batch it runs in or its row index. (vLLM's exponential race, argmax(p / q) with
+q ~ Exp(1), needs a full row of noise per step: on CPU drawing 49k exponentials per row cost ~1.6 ms a row,
+50 ms per step at 32 rows; the CDF costs one cumulative sum.)
 """
 from __future__ import annotations
 
@@ -142,7 +144,7 @@ def _sample(
     probs = logits.softmax(dim=-1)
     if not metadata.no_min_p:
         probs = apply_min_p(probs, metadata.min_p)
-    random_ids = exponential_race(probs, metadata.generators, default_generator)
+    random_ids = inverse_cdf_sample(probs, metadata.generators, default_generator)
     return torch.where(is_greedy, greedy_ids, random_ids)
 
 
@@ -224,21 +226,23 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill_(probs < threshold, 0.0)
 
 
-def exponential_race(
+def inverse_cdf_sample(
     probs: torch.Tensor,
     generators: dict[int, torch.Generator],
     default_generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """argmax(probs / q), q ~ Exp(1): an exact sample from each row of (unnormalised) probs. Consumes probs."""
-    q = torch.empty_like(probs)
+    """An exact sample from each row of (unnormalised, non-negative) probs: one uniform per row."""
+    # float64 so that rounding in the running sum cannot hand mass to a zero-probability token
+    cdf = probs.double().cumsum_(dim=-1)
+    u = torch.empty(probs.shape[0], dtype=torch.float64, device=probs.device)
     if len(generators) < probs.shape[0]:
-        q.exponential_(generator=default_generator)
-    # Seeded rows draw a full row from their own generator (per-row loop: one generator per request).
-    for row, generator in generators.items():
-        q[row].exponential_(generator=generator)
-    # Exp(1) can return exactly 0; 0 / 0 = nan would win the argmax for a masked token.
-    q.clamp_min_(torch.finfo(q.dtype).tiny)
-    return probs.div_(q).argmax(dim=-1)
+        u.uniform_(generator=default_generator)
+    for row, generator in generators.items():  # per seeded request, not per token
+        u[row] = torch.rand((), dtype=torch.float64, generator=generator, device=probs.device)
+    # first index whose cumulative sum exceeds u * total: its own probability is > 0
+    threshold = (u * cdf[:, -1]).unsqueeze(1)
+    ids = torch.searchsorted(cdf, threshold, right=True).squeeze(1)
+    return ids.clamp_max_(probs.shape[1] - 1)
 
 
 def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: int) -> LogprobsTensors:

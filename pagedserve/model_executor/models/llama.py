@@ -9,12 +9,11 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
 from pagedserve.model_executor.attention import AttentionMetadata, paged_attention
-from pagedserve.model_executor.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from pagedserve.model_executor.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
 from pagedserve.model_executor.model_config import ModelConfig
 
 
@@ -52,8 +51,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -64,9 +62,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, cos_sin, x, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, cos_sin, x: torch.Tensor, residual: torch.Tensor | None, kv_cache,
+                meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before adding it): each residual add is fused
+        into the norm that follows it (the next layer's input norm, or the final norm)."""
+        if residual is None:  # first layer: the embeddings are the residual stream
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.self_attn(cos_sin, h, kv_cache, meta)
+        return self.mlp(self.post_attention_layernorm(h, residual)), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -84,11 +89,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """Returns float32 logits for the rows in `logits_indices` only."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         cos_sin = self.rotary.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(cos_sin, x, kv_cache, meta)
-        return self.lm_head(self.norm(x[logits_indices])).float()
+            x, residual = layer(cos_sin, x, residual, kv_cache, meta)
+        return self.lm_head(self.norm(x[logits_indices], residual[logits_indices])).float()
 
     def set_linear_backend(self, backend: str) -> None:
         for module in self.modules():

@@ -1,0 +1,92 @@
+"""Decode step time with each CPU-path change of issue 7 switched off and on, alternating in one process.
+
+    python benchmarks/cpu_path_ab.py --model /tmp/smollm2 --batch-sizes 1,32,64 --context 128 --rounds 4
+
+This machine's timings drift by 20% and more between processes and minutes, so a before/after pair is only
+meaningful when both are measured side by side: the variants below run round-robin on the same engine (same
+weights in memory, same KV contents), `--rounds` times, each round a median over `--steps` greedy decode steps;
+the table reports the median over rounds. Variants (each adds one change to the one before):
+
+  baseline      pre-packed oneDNN linears at every row count, PyTorch small ops (norm, rotary, silu*mul)
+  +mkl-small-m  F.linear (MKL) below ONEDNN_MIN_ROWS rows (layers.py)
+  +fused-ops    the compiled small ops (kernels/layer_ops.cpp): RMSNorm with the residual add, rotary in place,
+                silu*mul - the engine's default
+  +bf16-kv      the same on a second engine with --kv-cache-dtype bfloat16 (half the KV bytes)
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+import pagedserve.model_executor.layers as layers
+from pagedserve.entrypoints.llm import LLM
+from pagedserve.model_executor.kernels import cpu_kernels
+from pagedserve.sampling_params import SamplingParams
+
+VARIANTS = {  # name -> (ONEDNN_MIN_ROWS, native small ops, KV cache dtype)
+    "baseline": (1, False, "auto"),
+    "+mkl-small-m": (layers.ONEDNN_MIN_ROWS, False, "auto"),
+    "+fused-ops": (layers.ONEDNN_MIN_ROWS, True, "auto"),
+    "+bf16-kv": (layers.ONEDNN_MIN_ROWS, True, "bfloat16"),
+}
+
+
+def decoding_engine(model: str, batch: int, context: int, threads: int, kv_cache_dtype: str):
+    """An engine with `batch` requests past their prefill, each with `context` tokens in the cache."""
+    decode_budget = 4096  # plenty of decode steps before any request finishes
+    llm = LLM(model, num_threads=threads, max_model_len=context + decode_budget, kv_cache_dtype=kv_cache_dtype,
+              num_kv_blocks=batch * -(-(context + decode_budget) // 16))
+    engine = llm.llm_engine
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=decode_budget, ignore_eos=True, temperature=0.0)
+    for i in range(batch):
+        engine.add_request(str(i), rng.integers(100, 30000, context).tolist(), params)
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+        engine.step()
+    engine.step()
+    return engine
+
+
+def step_ms(engine, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e3
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--batch-sizes", default="1,32,64")
+    p.add_argument("--context", type=int, default=128, help="tokens in each request's KV cache")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    if cpu_kernels() is None:
+        raise SystemExit("the native CPU kernels did not build: nothing to compare")
+    print(f"| B | {' | '.join(VARIANTS)} | default vs baseline |")
+    print(f"|---:|{'---:|' * (len(VARIANTS) + 1)}")
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+        engines = {dtype: decoding_engine(args.model, batch, args.context, args.threads, dtype)
+                   for dtype in {v[2] for v in VARIANTS.values()}}
+        results: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        for _ in range(args.rounds):
+            for name, (min_rows, native, kv_dtype) in VARIANTS.items():
+                layers.ONEDNN_MIN_ROWS = min_rows
+                layers.cpu_kernels = cpu_kernels if native else (lambda: None)
+                engines[kv_dtype].step()  # the first step after a switch warms caches for the new path
+                results[name].append(step_ms(engines[kv_dtype], args.steps))
+        med = {name: float(np.median(v)) for name, v in results.items()}
+        cells = " | ".join(f"{med[n]:.1f}" for n in VARIANTS)
+        print(f"| {batch} | {cells} | {med['baseline'] / med['+fused-ops']:.2f}x |", flush=True)
+        del engines
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
