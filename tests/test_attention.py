@@ -72,11 +72,12 @@ def test_mixed_batch_matches_reference(use_kernel, dtype, kv_dtype, monkeypatch)
         offset += new
 
 
-@pytest.mark.parametrize("num_seqs, num_kv_heads, threads", [(1, 2, 2), (2, 4, 4), (5, 2, 2), (3, 4, 1)])
+@pytest.mark.parametrize("num_seqs, num_kv_heads, threads", [(1, 2, 2), (2, 4, 4), (1, 2, 3), (5, 2, 2), (3, 4, 1)])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_decode_kernel_every_task_split(num_seqs, num_kv_heads, threads, kv_dtype):
-    """The kernel splits work per sequence, per KV head or per query head depending on batch and threads
-    (cases chosen to hit each); every split gives plain attention over the sequence's blocks."""
+    """With at least as many sequences as threads the kernel runs one task per sequence; with fewer it splits each
+    context into ranges and merges their partial softmaxes (cases chosen to hit both, a 1-token context leaves a
+    range empty). Every split gives plain attention over the sequence's blocks."""
     kernels = cpu_kernels()
     if kernels is None:
         pytest.fail("the native CPU kernel did not build (needs a C++ compiler and ninja)")
@@ -85,12 +86,14 @@ def test_decode_kernel_every_task_split(num_seqs, num_kv_heads, threads, kv_dtyp
     k_cache = torch.randn(num_blocks, BS, num_kv_heads, HD, generator=g).to(kv_dtype)
     v_cache = torch.randn(num_blocks, BS, num_kv_heads, HD, generator=g).to(kv_dtype)
     lens = torch.randint(1, 5 * BS, (num_seqs,), generator=g)
+    lens[0] = 1 if num_seqs > 2 else lens[0]
     tables = torch.randperm(num_blocks, generator=g)[:num_seqs * 5].view(num_seqs, 5)
     q = torch.randn(num_seqs, heads, HD, generator=g)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, HD ** -0.5)
+        single = kernels.paged_decode_attention(q[:1], k_cache, v_cache, tables[:1], torch.tensor([1]), HD ** -0.5)
     finally:
         torch.set_num_threads(old)
     for i in range(num_seqs):
@@ -100,3 +103,6 @@ def test_decode_kernel_every_task_split(num_seqs, num_kv_heads, threads, kv_dtyp
         v = values.repeat_interleave(heads // num_kv_heads, dim=1).transpose(0, 1)
         expected = ((q[i].unsqueeze(1) @ k.transpose(1, 2)) * HD ** -0.5).softmax(-1) @ v
         torch.testing.assert_close(out[i], expected.squeeze(1), atol=1e-5, rtol=1e-5)
+    # a 1-token context (split or not) returns that token's value for every head of the group
+    first_value = v_cache[tables[0, 0], 0].float().repeat_interleave(heads // num_kv_heads, dim=0)
+    torch.testing.assert_close(single[0], first_value, atol=1e-6, rtol=1e-6)

@@ -220,8 +220,8 @@ def _apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor
 
 
 def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Zeroes (in place) tokens less likely than min_p times the row's top probability; not renormalised, which
-    the exponential race does not need."""
+    """Zeroes (in place) tokens less likely than min_p times the row's top probability; not renormalised (the
+    inverse-CDF draw scales its uniform by the row total)."""
     threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
     return probs.masked_fill_(probs < threshold, 0.0)
 

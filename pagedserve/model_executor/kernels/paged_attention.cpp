@@ -1,9 +1,10 @@
 // Decode attention straight from the paged KV cache: no gathered or padded copy of any context.
 //
-// One task per sequence when there are enough sequences to fill the threads (each token's K/V row, all KV
-// heads, is then one contiguous read), else per KV head or per query head. A task's query heads share every
-// K/V row they read: pass 1 scores all keys, pass 2 sums values weighted by the softmax. Queries, accumulation and output are float32 whatever the cache dtype
-// (float32, bfloat16 or float16): a bfloat16 cache halves the bytes that decode attention streams.
+// One task per sequence, all its query heads: each token's K/V row (every KV head) is one contiguous read, once
+// per step; pass 1 scores all keys, pass 2 sums values weighted by the softmax. With fewer sequences than
+// threads, each context is split into ranges whose partial softmaxes are merged after. Queries, accumulation and
+// output are float32 whatever the cache dtype (float32, bfloat16 or float16): a bfloat16 cache halves the bytes
+// that decode attention streams.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -39,58 +40,97 @@ inline void axpy(float a, const T* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * to_float(x[i]);
 }
 
-inline void softmax_inplace(float* s, int64_t len) {
-  const float m = *std::max_element(s, s + len);
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < len; ++t) {
-    s[t] = std::exp(s[t] - m);
-    sum += s[t];
-  }
-  const float inv = 1.f / sum;
-#pragma omp simd
-  for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-}
-
 struct Shape {
   int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
 };
 
+// Unnormalised attention of all query heads of one sequence over its tokens [t0, t1): per head the max score m,
+// the sum l of exp(score - m) and acc = sum of exp(score - m) * value. An empty range gives l = 0.
+template <typename T>
+void attend(const float* qf, const T* k_cache, const T* v_cache, const int64_t* table, int64_t t0, int64_t t1,
+            const Shape& s, std::vector<float>& scores, float* acc, float* m, float* l) {
+  const int64_t heads = s.num_heads, d = s.head_dim, group = s.num_heads / s.num_kv_heads;
+  const int64_t row = s.num_kv_heads * d, n = t1 - t0;  // row: stride between consecutive token slots
+  std::fill(acc, acc + heads * d, 0.f);
+  std::fill(l, l + heads, 0.f);
+  std::fill(m, m + heads, 0.f);
+  if (n <= 0) return;
+  scores.resize(heads * n);
+  for (int64_t t = t0; t < t1; ++t) {  // each token's row holds every KV head: one contiguous read
+    const T* k_row = k_cache + (table[t / s.block_size] * s.block_size + t % s.block_size) * row;
+    for (int64_t h = 0; h < heads; ++h) scores[h * n + t - t0] = dot(qf + h * d, k_row + (h / group) * d, d);
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    float* sc = scores.data() + h * n;
+    const float mx = *std::max_element(sc, sc + n);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      sc[t] = std::exp(sc[t] - mx);
+      sum += sc[t];
+    }
+    m[h] = mx;
+    l[h] = sum;
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    const T* v_row = v_cache + (table[t / s.block_size] * s.block_size + t % s.block_size) * row;
+    for (int64_t h = 0; h < heads; ++h) axpy(scores[h * n + t - t0], v_row + (h / group) * d, acc + h * d, d);
+  }
+}
+
 template <typename T>
 void decode_kernel(const float* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                    const int64_t* context_lens, float* out, Shape s, float scale) {
-  const int64_t group = s.num_heads / s.num_kv_heads, d = s.head_dim;
-  const int64_t row = s.num_kv_heads * d;  // stride between consecutive token slots
-  // Query heads per task: all of them when sequences alone keep every thread busy (one contiguous read of each
-  // K/V row), one KV head's group when that gives enough tasks, else single heads (batch 1: 9 tasks, not 3).
+  const int64_t heads = s.num_heads, d = s.head_dim;
+  // Fewer sequences than threads (batch 1): split each context into `parts` ranges, one task each, and merge
+  // the partial softmaxes after (as flash-decoding does); otherwise one task per sequence.
   const int64_t threads = at::get_num_threads();
-  const int64_t heads = s.num_seqs >= threads ? s.num_heads
-                        : s.num_seqs * s.num_kv_heads >= 2 * threads ? group : 1;
-  const int64_t tasks_per_seq = s.num_heads / heads;
-  at::parallel_for(0, s.num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(heads * d), acc(heads * d), scores;
+  const int64_t parts = s.num_seqs >= threads ? 1 : (threads + s.num_seqs - 1) / s.num_seqs;
+  const int64_t num_tasks = s.num_seqs * parts;
+  std::vector<float> part_acc(parts > 1 ? num_tasks * heads * d : 0), part_m(parts > 1 ? num_tasks * heads : 0),
+      part_l(parts > 1 ? num_tasks * heads : 0);
+  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(heads * d), acc(heads * d), m(heads), l(heads), scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / tasks_per_seq, h0 = (task % tasks_per_seq) * heads;  // first query head
-      const int64_t len = context_lens[seq];
-      const int64_t* table = block_tables + seq * s.max_blocks;
-      const float* qs = q + (seq * s.num_heads + h0) * d;
+      const int64_t seq = task / parts, part = task % parts, len = context_lens[seq];
+      const float* qs = q + seq * heads * d;
       for (int64_t i = 0; i < heads * d; ++i) qf[i] = qs[i] * scale;
-      scores.resize(heads * len);
-      for (int64_t t = 0; t < len; ++t) {
-        const T* k_row = k_cache + (table[t / s.block_size] * s.block_size + t % s.block_size) * row;
-        for (int64_t h = 0; h < heads; ++h)
-          scores[h * len + t] = dot(qf.data() + h * d, k_row + ((h0 + h) / group) * d, d);
+      float* a = parts > 1 ? part_acc.data() + task * heads * d : acc.data();
+      float* mm = parts > 1 ? part_m.data() + task * heads : m.data();
+      float* ll = parts > 1 ? part_l.data() + task * heads : l.data();
+      attend(qf.data(), k_cache, v_cache, block_tables + seq * s.max_blocks, len * part / parts,
+             len * (part + 1) / parts, s, scores, a, mm, ll);
+      if (parts == 1) {
+        for (int64_t h = 0; h < heads; ++h) {
+          const float inv = 1.f / ll[h];
+          for (int64_t i = 0; i < d; ++i) out[(seq * heads + h) * d + i] = a[h * d + i] * inv;
+        }
       }
-      for (int64_t h = 0; h < heads; ++h) softmax_inplace(scores.data() + h * len, len);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const T* v_row = v_cache + (table[t / s.block_size] * s.block_size + t % s.block_size) * row;
-        for (int64_t h = 0; h < heads; ++h)
-          axpy(scores[h * len + t], v_row + ((h0 + h) / group) * d, acc.data() + h * d, d);
-      }
-      std::copy(acc.begin(), acc.end(), out + (seq * s.num_heads + h0) * d);
     }
   });
+  if (parts == 1) return;
+  for (int64_t seq = 0; seq < s.num_seqs; ++seq) {
+    for (int64_t h = 0; h < heads; ++h) {
+      float mx = 0.f;
+      bool any = false;
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t i = (seq * parts + p) * heads + h;
+        if (part_l[i] > 0.f && (!any || part_m[i] > mx)) mx = part_m[i], any = true;
+      }
+      float denom = 0.f;
+      float* o = out + (seq * heads + h) * d;
+      std::fill(o, o + d, 0.f);
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t i = (seq * parts + p) * heads + h;
+        if (part_l[i] == 0.f) continue;  // an empty range
+        const float w = std::exp(part_m[i] - mx);
+        denom += w * part_l[i];
+        axpy(w, part_acc.data() + i * d, o, d);
+      }
+      const float inv = 1.f / denom;
+      for (int64_t i = 0; i < d; ++i) o[i] *= inv;
+    }
+  }
 }
 
 }  // namespace
