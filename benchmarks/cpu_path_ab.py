@@ -10,7 +10,8 @@ the table reports the median over rounds. Variants (each adds one change to the 
   baseline      pre-packed oneDNN linears at every row count, PyTorch small ops (norm, rotary, silu*mul)
   +mkl-small-m  F.linear (MKL) below ONEDNN_MIN_ROWS rows (layers.py)
   +fused-ops    the compiled small ops (kernels/layer_ops.cpp): RMSNorm with the residual add, rotary in place,
-                silu*mul - the engine's default
+                silu*mul (batch-1 products still through MKL)
+  +native-gemv  batch-1 products through the compiled AVX-512 GEMV (layer_ops.cpp) - the engine's default
   +bf16-kv      the same on a second engine with --kv-cache-dtype bfloat16 (half the KV bytes)
 """
 from __future__ import annotations
@@ -19,18 +20,29 @@ import argparse
 import time
 
 import numpy as np
+import torch.nn.functional as F
 
 import pagedserve.model_executor.layers as layers
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.model_executor.kernels import cpu_kernels
 from pagedserve.sampling_params import SamplingParams
 
-VARIANTS = {  # name -> (ONEDNN_MIN_ROWS, native small ops, KV cache dtype)
-    "baseline": (1, False, "auto"),
-    "+mkl-small-m": (layers.ONEDNN_MIN_ROWS, False, "auto"),
-    "+fused-ops": (layers.ONEDNN_MIN_ROWS, True, "auto"),
-    "+bf16-kv": (layers.ONEDNN_MIN_ROWS, True, "bfloat16"),
+VARIANTS = {  # name -> (ONEDNN_MIN_ROWS, native small ops, native batch-1 GEMV, KV cache dtype)
+    "baseline": (1, False, False, "auto"),
+    "+mkl-small-m": (layers.ONEDNN_MIN_ROWS, False, False, "auto"),
+    "+fused-ops": (layers.ONEDNN_MIN_ROWS, True, False, "auto"),
+    "+native-gemv": (layers.ONEDNN_MIN_ROWS, True, True, "auto"),
+    "+bf16-kv": (layers.ONEDNN_MIN_ROWS, True, True, "bfloat16"),
 }
+DEFAULT = "+native-gemv"
+LINEAR_FORWARD = layers.Linear.forward
+
+
+def linear_without_native_gemv(self, x):
+    """Linear.forward with batch-1 products sent to F.linear (MKL) instead of the native GEMV."""
+    if x.shape[0] == 1 and self.backend != "int8":
+        return F.linear(x, self.weight, self.bias)
+    return LINEAR_FORWARD(self, x)
 
 
 def decoding_engine(model: str, batch: int, context: int, threads: int, kv_cache_dtype: str):
@@ -73,17 +85,18 @@ def main(argv=None) -> int:
     print(f"|---:|{'---:|' * (len(VARIANTS) + 1)}")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         engines = {dtype: decoding_engine(args.model, batch, args.context, args.threads, dtype)
-                   for dtype in {v[2] for v in VARIANTS.values()}}
+                   for dtype in {v[3] for v in VARIANTS.values()}}
         results: dict[str, list[float]] = {name: [] for name in VARIANTS}
         for _ in range(args.rounds):
-            for name, (min_rows, native, kv_dtype) in VARIANTS.items():
+            for name, (min_rows, native, gemv, kv_dtype) in VARIANTS.items():
                 layers.ONEDNN_MIN_ROWS = min_rows
                 layers.cpu_kernels = cpu_kernels if native else (lambda: None)
+                layers.Linear.forward = LINEAR_FORWARD if gemv else linear_without_native_gemv
                 engines[kv_dtype].step()  # the first step after a switch warms caches for the new path
                 results[name].append(step_ms(engines[kv_dtype], args.steps))
         med = {name: float(np.median(v)) for name, v in results.items()}
         cells = " | ".join(f"{med[n]:.1f}" for n in VARIANTS)
-        print(f"| {batch} | {cells} | {med['baseline'] / med['+fused-ops']:.2f}x |", flush=True)
+        print(f"| {batch} | {cells} | {med['baseline'] / med[DEFAULT]:.2f}x |", flush=True)
         del engines
     return 0
 

@@ -62,7 +62,12 @@ def test_mixed_batch_matches_reference(use_kernel, dtype, kv_dtype, monkeypatch)
         prefills.append(PrefillSpan(start, new, cached + new, torch.tensor(table), mask))
         start += new
     meta = AttentionMetadata(torch.cat(slots), 3, decode_bt, torch.tensor([c + n for c, n in seqs[:3]]), BS, prefills)
-    out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, HD ** -0.5)
+    # q, k and v as the model passes them: strided views of one fused QKV output
+    qkv = torch.cat([q.flatten(1), k_new.flatten(1), v_new.flatten(1)], dim=1)
+    q_view = qkv[:, :H * HD].view(-1, H, HD)
+    k_view = qkv[:, H * HD:(H + KVH) * HD].view(-1, KVH, HD)
+    v_view = qkv[:, (H + KVH) * HD:].view(-1, KVH, HD)
+    out = paged_attention(q_view, k_view, v_view, k_cache, v_cache, meta, HD ** -0.5)
     offset = 0
     tol = 1e-5 if kv_dtype == torch.float32 else 2e-2
     assert out.dtype == dtype

@@ -51,6 +51,10 @@ class AttentionMetadata:
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
+    kernels = cpu_kernels() if k.device.type == "cpu" and k.dtype == torch.float32 else None
+    if kernels is not None:  # one call for K and V, straight from the QKV output, no intermediate copies
+        kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return
     kvh, hd = k.shape[1], k.shape[2]
     k_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
@@ -60,11 +64,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, KVH, D] (this step's new tokens). Returns [T, H, D]."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     d = meta.num_decodes
     kernels = cpu_kernels() if q.device.type == "cpu" else None
-    if d and kernels is not None:
+    if d and kernels is not None and q.dtype == torch.float32:  # reads q in place from the QKV output
+        kernels.paged_decode_attention(q[:d], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                       scale, out[:d])
+    elif d and kernels is not None:
         out[:d] = kernels.paged_decode_attention(q[:d].float().contiguous(), k_cache, v_cache,
                                                  meta.decode_block_tables, meta.decode_context_lens, scale)
     elif d:

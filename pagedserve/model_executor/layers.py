@@ -85,6 +85,10 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and self.backend != "int8":  # batch-1 decode: a GEMV that streams the weight
+            ops = native_ops(x)
+            if ops is not None:
+                return ops.gemv(x, self.weight, self.bias)
         if self.backend == "onednn" and x.shape[0] >= ONEDNN_MIN_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         if self.backend == "int8":

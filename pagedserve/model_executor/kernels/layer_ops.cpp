@@ -6,6 +6,10 @@
 
 #include <cmath>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int64_t kRowGrain = 4;
@@ -111,4 +115,55 @@ void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
       }
     }
   });
+}
+
+#if defined(__AVX512F__)
+namespace {
+
+// y[r0 .. r0 + R) = W[r0 .. r0 + R) . x, R weight rows streamed together.
+template <int R>
+inline void dot_rows(const float* x, const float* w, float* y, int64_t r0, int64_t k) {
+  const int64_t k16 = k - k % 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (k % 16)) - 1);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k16; i += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + i);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(w + (r0 + r) * k + i), xv, acc[r]);
+  }
+  if (k16 < k) {
+    const __m512 xv = _mm512_maskz_loadu_ps(tail, x + k16);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w + (r0 + r) * k + k16), xv, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) y[r0 + r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+}  // namespace
+#endif
+
+// y = x W^T (+ b) for a single row x: [1, K], W: [N, K] float32. A batch-1 decode step is this product
+// streaming every weight once; four weight rows per iteration keep enough loads in flight to run at the memory
+// bandwidth (MKL's GEMV measured 5-10% slower on the decoder's matrices). Without AVX-512 it is at::linear.
+torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat, "float32 only");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "x must be [1, K] and weight [N, K]");
+#if defined(__AVX512F__)
+  auto xc = x.contiguous();
+  auto wc = weight.contiguous();
+  const int64_t n = wc.size(0), k = wc.size(1);
+  auto y = torch::empty({1, n}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n / 4, 16, [&](int64_t b, int64_t e) {
+    for (int64_t g = b; g < e; ++g) dot_rows<4>(xp, wp, yp, g * 4, k);
+  });
+  for (int64_t r = n - n % 4; r < n; ++r) dot_rows<1>(xp, wp, yp, r, k);
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+#else
+  return at::linear(x, weight, bias);
+#endif
 }

@@ -41,7 +41,7 @@ inline void axpy(float a, const T* x, float* y, int64_t n) {
 }
 
 struct Shape {
-  int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, q_stride;  // q_stride: per sequence
 };
 
 // Unnormalised attention of all query heads of one sequence over its tokens [t0, t1): per head the max score m,
@@ -93,7 +93,7 @@ void decode_kernel(const float* q, const T* k_cache, const T* v_cache, const int
     std::vector<float> qf(heads * d), acc(heads * d), m(heads), l(heads), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / parts, part = task % parts, len = context_lens[seq];
-      const float* qs = q + seq * heads * d;
+      const float* qs = q + seq * s.q_stride;
       for (int64_t i = 0; i < heads * d; ++i) qf[i] = qs[i] * scale;
       float* a = parts > 1 ? part_acc.data() + task * heads * d : acc.data();
       float* mm = parts > 1 ? part_m.data() + task * heads : m.data();
@@ -135,18 +135,23 @@ void decode_kernel(const float* q, const T* k_cache, const T* v_cache, const int
 
 }  // namespace
 
-// q: [S, H, D] float32; k_cache, v_cache: [num_blocks, block_size, KVH, D] float32, bfloat16 or float16;
-// block_tables: [S, max_blocks] int64; context_lens: [S] int64. Returns [S, H, D] float32.
+// q: [S, H, D] float32 (heads contiguous, any stride between sequences: a view of the fused QKV output);
+// k_cache, v_cache: [num_blocks, block_size, KVH, D] float32, bfloat16 or float16; block_tables: [S, max_blocks]
+// int64; context_lens: [S] int64. Writes into `out` ([S, H, D] float32, contiguous) when given; returns it.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && q.is_contiguous(), "q must be contiguous float32");
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                                     c10::optional<torch::Tensor> out_opt) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be float32 [S, H, D] with contiguous heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong);
   auto bt = block_tables.contiguous();
   auto lens = context_lens.contiguous();
-  auto out = torch::empty_like(q);
-  const Shape s{q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), bt.size(1)};
+  auto out = out_opt.has_value() ? *out_opt : torch::empty(q.sizes(), q.options());
+  TORCH_CHECK(out.scalar_type() == torch::kFloat && out.is_contiguous() && out.sizes() == q.sizes(),
+              "out must be a contiguous float32 tensor shaped like q");
+  const Shape s{q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), bt.size(1), q.stride(0)};
   const float sc = static_cast<float>(scale);
   const auto* qp = q.data_ptr<float>();
   const auto* tp = bt.data_ptr<int64_t>();
@@ -169,16 +174,67 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+namespace {
+
+template <typename T>
+void scatter_rows(const float* src, int64_t src_stride, T* cache, const int64_t* slots, int64_t tokens, int64_t row) {
+  at::parallel_for(0, tokens, 64, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const float* from = src + i * src_stride;
+      T* to = cache + slots[i] * row;
+      for (int64_t j = 0; j < row; ++j) to[j] = static_cast<T>(from[j]);  // bfloat16/half: round to nearest even
+    }
+  });
+}
+
+}  // namespace
+
+// k, v: [T, KVH, D] float32 (heads contiguous, any stride between tokens); caches [num_blocks, block_size, KVH,
+// D] float32, bfloat16 or float16; slot_mapping: [T] int64. Writes token i's K and V at slot slot_mapping[i].
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_mapping) {
+  for (const auto& t : {k, v})
+    TORCH_CHECK(t.scalar_type() == torch::kFloat && t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2),
+                "k and v must be float32 [T, KVH, D] with contiguous heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type());
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.numel() == k.size(0));
+  auto slots = slot_mapping.contiguous();
+  const int64_t tokens = k.size(0), row = k.size(1) * k.size(2);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  switch (k_cache.scalar_type()) {
+    case torch::kFloat:
+      scatter_rows(k.data_ptr<float>(), k.stride(0), k_cache.data_ptr<float>(), sp, tokens, row);
+      scatter_rows(v.data_ptr<float>(), v.stride(0), v_cache.data_ptr<float>(), sp, tokens, row);
+      break;
+    case torch::kBFloat16:
+      scatter_rows(k.data_ptr<float>(), k.stride(0), k_cache.data_ptr<at::BFloat16>(), sp, tokens, row);
+      scatter_rows(v.data_ptr<float>(), v.stride(0), v_cache.data_ptr<at::BFloat16>(), sp, tokens, row);
+      break;
+    case torch::kHalf:
+      scatter_rows(k.data_ptr<float>(), k.stride(0), k_cache.data_ptr<at::Half>(), sp, tokens, row);
+      scatter_rows(v.data_ptr<float>(), v.stride(0), v_cache.data_ptr<at::Half>(), sp, tokens, row);
+      break;
+    default:
+      TORCH_CHECK(false, "unsupported KV cache dtype ", k_cache.scalar_type());
+  }
+}
+
 // layer_ops.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("scale"), py::arg("out") = py::none());
+  m.def("write_kv", &write_kv, "write new K/V rows into the paged cache at their slots (float32 K/V)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (float32)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMSNorm(residual) (float32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] projection (float32)");
   m.def("rotary_inplace", &rotary_inplace, "Neox-style rotary embedding in place (float32)");
+  m.def("gemv", &gemv, "x W^T (+ b) for one row x (float32)", py::arg("x"), py::arg("weight"),
+        py::arg("bias") = py::none());
 }
