@@ -54,7 +54,7 @@ def decoding_engine(model: str, batch: int, context: int, threads: int, kv_cache
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=decode_budget, ignore_eos=True, temperature=0.0)
     for i in range(batch):
-        engine.add_request(str(i), rng.integers(100, 30000, context).tolist(), params)
+        engine.add_request(str(i), rng.integers(0, engine.model_config.vocab_size, context).tolist(), params)
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
         engine.step()
     engine.step()

@@ -1,6 +1,7 @@
 """benchmarks/side_by_side.py end to end on a tiny model: pagedserve (server + `bench serve` + batch-1 decode via
-`bench latency`), the three transformers baselines (naive, static, continuous batching), the roofline block; llama-server absent, so it must be skipped
-with a message (CI never needs llama.cpp)."""
+`bench latency`), the three transformers baselines (naive, static, continuous batching), the roofline block;
+llama-server absent, so it must be skipped with a message (CI never needs llama.cpp). Also the two smaller scripts
+of benchmarks/: the CPU-path A/B and the alternating batch-1 comparison."""
 import json
 import os
 import subprocess
@@ -45,3 +46,28 @@ def test_side_by_side_tiny_without_llama_cpp(tmp_path):
     md = (out / "side_by_side.md").read_text()
     assert "| engine | C |" in md and "output tok/s" in md and "Roofline" in md and "batch-1 decode" in md
     assert "| HF continuous batching | 2 |" in md
+
+
+def run_script(name: str, args: list[str], cwd) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", name), *args], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=str(cwd))
+
+
+def test_cpu_path_ab_tiny(tmp_path):
+    model = make_tiny_checkpoint("llama", tmp_path / "tiny")
+    r = run_script("cpu_path_ab.py", ["--model", str(model), "--batch-sizes", "1,3", "--context", "20", "--rounds", "1",
+                                      "--steps", "2", "--threads", "1"], tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]
+    assert len(rows) == 2
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 7  # B, five variants, the ratio
+        assert all(float(c) > 0 for c in cells[1:6]) and cells[6].endswith("x")
+
+
+def test_batch1_alternating_without_llama_server(tmp_path):
+    r = run_script("batch1_alternating.py", ["--model", str(tmp_path), "--gguf", str(tmp_path / "x.gguf"),
+                                             "--llama-server", str(tmp_path / "no-such-llama-server")], tmp_path)
+    assert r.returncode != 0 and "llama-server not found" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
