@@ -40,7 +40,7 @@ LINEAR_FORWARD = layers.Linear.forward
 
 def linear_without_native_gemv(self, x):
     """Linear.forward with batch-1 products sent to F.linear (MKL) instead of the native GEMV."""
-    if x.shape[0] == 1 and self.backend != "int8":
+    if x.shape[0] == 1 and self.backend == "onednn":
         return F.linear(x, self.weight, self.bias)
     return LINEAR_FORWARD(self, x)
 

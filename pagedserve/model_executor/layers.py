@@ -42,8 +42,8 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
-# Measured in BENCHMARKS.md (section 6, "GEMM path"): on the decode step of a 135M model, MKL's F.linear beats
-# pre-packed oneDNN at 1-3 rows (batch-1 step 41 -> 34 ms) and loses from 4 rows on.
+# Measured in BENCHMARKS.md (section 6): on the decoder's matrices MKL's F.linear beats pre-packed oneDNN at 1-3
+# rows (about half the time for the QKV and down projections) and loses from 4 rows on.
 ONEDNN_MIN_ROWS = 4
 
 
@@ -52,9 +52,10 @@ class Linear(nn.Module):
 
     Backends (CPU):
       * "torch": F.linear (MKL on x86);
-      * "onednn": the weight pre-packed once for oneDNN (`mkldnn._linear_pointwise`), which picks much
-        better kernels than MKL for the small-M products of decode on some CPUs; below ONEDNN_MIN_ROWS rows
-        it hands over to F.linear, whose GEMV streams the weight faster (the weight is kept unpacked too);
+      * "onednn" (what "auto" picks on CPU): the weight pre-packed once for oneDNN (`mkldnn._linear_pointwise`),
+        which picks much better kernels than MKL for the small-M products of decode on some CPUs; below
+        ONEDNN_MIN_ROWS rows it hands over to the unpacked weight (kept too): one row to the native AVX-512
+        GEMV (kernels/layer_ops.cpp) where it is built, otherwise F.linear;
       * "int8": weight-only int8, per-output-channel scales, activations quantized per call (fbgemm
         dynamic quantization) - a quarter of the weight bytes, for memory-bound decode.
     """
@@ -85,12 +86,13 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1 and self.backend != "int8":  # batch-1 decode: a GEMV that streams the weight
-            ops = native_ops(x)
-            if ops is not None:
+        if self.backend == "onednn":
+            if x.shape[0] >= ONEDNN_MIN_ROWS:
+                return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+            ops = native_ops(x) if x.shape[0] == 1 else None
+            if ops is not None:  # batch-1 decode: a GEMV that streams the weight at the memory bandwidth
                 return ops.gemv(x, self.weight, self.bias)
-        if self.backend == "onednn" and x.shape[0] >= ONEDNN_MIN_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+            return F.linear(x, self.weight, self.bias)
         if self.backend == "int8":
             return torch.ops.quantized.linear_dynamic(x.float(), self._packed, True).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
