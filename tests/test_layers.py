@@ -6,9 +6,10 @@ import torch.nn.functional as F
 from pagedserve.model_executor.layers import ONEDNN_MIN_ROWS, Linear
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", ["torch", "onednn"])
 @pytest.mark.parametrize("rows", [1, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, 37])
-def test_linear_backends_match_f_linear(backend, rows):
+def test_linear_backends_match_f_linear(backend, rows, dtype):
     if backend == "onednn" and not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
     g = torch.Generator().manual_seed(rows)
@@ -16,9 +17,12 @@ def test_linear_backends_match_f_linear(backend, rows):
     with torch.no_grad():
         layer.weight.copy_(torch.randn(163, 100, generator=g))
         layer.bias.copy_(torch.randn(163, generator=g))
+    layer = layer.to(dtype)
     layer.set_backend(backend)
-    x = torch.randn(rows, 100, generator=g)
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-4)
+    x = torch.randn(rows, 100, generator=g).to(dtype)
+    expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(layer(x).float(), expected, atol=tol * 10, rtol=tol)
 
 
 def _native_vs_torch(fn, monkeypatch):

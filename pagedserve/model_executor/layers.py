@@ -43,7 +43,8 @@ class RMSNorm(nn.Module):
 
 
 # Measured in BENCHMARKS.md (section 6): on the decoder's matrices MKL's F.linear beats pre-packed oneDNN at 1-3
-# rows (about half the time for the QKV and down projections) and loses from 4 rows on.
+# rows in float32 (about half the time for the QKV and down projections) and loses from 4 rows on; in bfloat16
+# pre-packed oneDNN is faster at every row count.
 ONEDNN_MIN_ROWS = 4
 
 
@@ -87,7 +88,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "onednn":
-            if x.shape[0] >= ONEDNN_MIN_ROWS:
+            if x.shape[0] >= ONEDNN_MIN_ROWS or x.dtype != torch.float32:  # bf16: oneDNN wins at every M
                 return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
             ops = native_ops(x) if x.shape[0] == 1 else None
             if ops is not None:  # batch-1 decode: a GEMV that streams the weight at the memory bandwidth
