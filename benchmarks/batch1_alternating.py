@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from side_by_side import Server, find_llama_server, free_port, http_json  # noqa: E402
+from side_by_side import Server, find_llama_server, free_port, llamacpp_ms_per_token  # noqa: E402
 
 
 def pagedserve_round(engine, rng, input_len: int, output_len: int) -> float:
@@ -40,13 +40,10 @@ def pagedserve_round(engine, rng, input_len: int, output_len: int) -> float:
 
 
 def llamacpp_round(base_url: str, rng, input_len: int, output_len: int, vocab: int) -> float:
-    body = {"prompt": rng.integers(3, vocab, input_len).tolist(), "n_predict": output_len, "ignore_eos": True,
-            "cache_prompt": False, "temperature": 0.0, "stream": False}
-    code, resp = http_json(base_url + "/completion", body)
-    timings = (resp or {}).get("timings") or {}
-    if code != 200 or not timings.get("predicted_per_token_ms"):
-        raise RuntimeError(f"llama-server /completion gave no timings (HTTP {code})")
-    return float(timings["predicted_per_token_ms"])
+    ms = llamacpp_ms_per_token(base_url, rng.integers(3, vocab, input_len).tolist(), output_len)
+    if ms is None:
+        raise RuntimeError("llama-server /completion gave no timings")
+    return ms
 
 
 def main(argv=None) -> int:

@@ -379,6 +379,18 @@ def batch1_pagedserve(args, roofline_json: str, out_dir: str) -> dict | None:
             f"1 request decoding, context {args.batch1_input_len}..{args.batch1_input_len + args.batch1_output_len}"}
 
 
+def llamacpp_ms_per_token(base_url: str, prompt: list[int], n_predict: int) -> float | None:
+    """One greedy /completion alone on llama-server: its own timings.predicted_per_token_ms (None if absent)."""
+    body = {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True, "cache_prompt": False, "temperature": 0.0,
+            "stream": False}
+    code, resp = http_json(base_url + "/completion", body)
+    t = (resp or {}).get("timings") or {}
+    if code != 200 or not t.get("predicted_per_token_ms"):
+        log(f"[llama.cpp] batch-1 decode: no timings in the /completion answer (HTTP {code})")
+        return None
+    return float(t["predicted_per_token_ms"])
+
+
 def batch1_llamacpp(base_url: str, args, vocab: int, repeats: int = 3) -> dict | None:
     """One request alone on llama-server; its own timings.predicted_per_token_ms (median of `repeats`)."""
     import numpy as np
@@ -386,14 +398,11 @@ def batch1_llamacpp(base_url: str, args, vocab: int, repeats: int = 3) -> dict |
     rng = np.random.default_rng(args.seed + 7)
     per_tok = []
     for _ in range(repeats):
-        body = {"prompt": rng.integers(3, vocab, args.batch1_input_len).tolist(), "n_predict": args.batch1_output_len,
-                "ignore_eos": True, "cache_prompt": False, "temperature": 0.0, "stream": False}
-        code, resp = http_json(base_url + "/completion", body)
-        t = (resp or {}).get("timings") or {}
-        if code != 200 or not t.get("predicted_per_token_ms"):
-            log(f"[llama.cpp] batch-1 decode: no timings in the /completion answer (HTTP {code})")
+        ms = llamacpp_ms_per_token(base_url, rng.integers(3, vocab, args.batch1_input_len).tolist(),
+                                   args.batch1_output_len)
+        if ms is None:
             return None
-        per_tok.append(float(t["predicted_per_token_ms"]))
+        per_tok.append(ms)
     return {"ms_per_token": statistics.median(per_tok), "how": "llama-server /completion alone, "
             f"timings.predicted_per_token_ms (median of {repeats}), context {args.batch1_input_len}.."
             f"{args.batch1_input_len + args.batch1_output_len}"}

@@ -133,8 +133,9 @@ def run_hf_continuous(model, samples: Sequence[SampleRequest], concurrency: int 
     Same workload as run_hf: prompt token ids, greedy (`do_sample=False`), exactly `expected_output_len` tokens
     (`max_new_tokens` per request, `eos_token_id=-1`, which disables EOS for the request; None would fall back to the
     generation config's EOS).  As with `ignore_eos` in pagedserve / vLLM, EOS is not masked: it can be
-generated and decoding goes on after it (run_hf's `min_new_tokens` masks the EOS logit instead, so its greedy
-tokens can differ; the reference for these is `generate(..., eos_token_id=None)`).  Token times: the manager's own per-token stamps (`record_timestamps=True`:
+    generated and decoding goes on after it (run_hf's `min_new_tokens` masks the EOS logit instead, so its greedy
+    tokens can differ; the reference for these is `generate(..., eos_token_id=None)`).  Token times: the manager's
+    own per-token stamps (`record_timestamps=True`:
     time.perf_counter() in the generation thread when the sampled token is on the host and appended to the request,
     the same moment the StoppingCriteria clock of run_hf stamps), against the same clock as the submission times;
     where a version of transformers gives no stamps, the time the streamed output is taken off the manager's queue.

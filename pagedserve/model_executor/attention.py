@@ -68,12 +68,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     d = meta.num_decodes
     kernels = cpu_kernels() if q.device.type == "cpu" else None
-    if d and kernels is not None and q.dtype == torch.float32:  # reads q in place from the QKV output
-        kernels.paged_decode_attention(q[:d], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                       scale, out[:d])
-    elif d and kernels is not None:
-        out[:d] = kernels.paged_decode_attention(q[:d].float().contiguous(), k_cache, v_cache,
-                                                 meta.decode_block_tables, meta.decode_context_lens, scale)
+    if d and kernels is not None:  # float32 q is read in place from the QKV output and out written in place
+        fp32 = q.dtype == torch.float32
+        o = kernels.paged_decode_attention(q[:d].float(), k_cache, v_cache, meta.decode_block_tables,
+                                           meta.decode_context_lens, scale, out[:d] if fp32 else None)
+        if not fp32:
+            out[:d] = o
     elif d:
         bt = meta.decode_block_tables
         keys = k_cache[bt].view(d, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)

@@ -32,9 +32,7 @@ class RMSNorm(nn.Module):
         residual add fused with the norm after it."""
         ops = native_ops(x) if x.dim() == 2 else None
         if ops is not None:
-            if residual is None:
-                return ops.rms_norm(x, self.weight, self.eps)
-            return ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return ops.rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = residual.add_(x)
         if x.dtype == torch.float32:

@@ -30,40 +30,32 @@ inline void norm_row(const float* x, const float* w, float* out, int64_t n, floa
 
 }  // namespace
 
-// RMSNorm of each row of x: out = w * x / sqrt(mean(x^2) + eps).
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+// RMSNorm of each row of x: out = w * x / sqrt(mean(x^2) + eps). With `residual`: residual += x (in place)
+// first and the norm is of residual - a decoder layer's residual add fused with the norm that follows it.
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
   check_rows(x, "x");
+  const bool add = residual.has_value() && residual->defined();
+  if (add) {
+    check_rows(*residual, "residual");
+    TORCH_CHECK(x.sizes() == residual->sizes(), "x and residual must have the same shape");
+  }
   const int64_t rows = x.size(0), n = x.size(1);
   auto out = torch::empty({rows, n}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* wp = weight.contiguous().data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t stride = x.stride(0);
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) norm_row(xp + r * stride, wp, op + r * n, n, static_cast<float>(eps));
-  });
-  return out;
-}
-
-// residual += x (in place), then returns RMSNorm(residual): the residual add of a decoder layer fused with the
-// norm that follows it.
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
-  check_rows(x, "x");
-  check_rows(residual, "residual");
-  TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual must have the same shape");
-  const int64_t rows = x.size(0), n = x.size(1);
-  auto out = torch::empty({rows, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* rp = residual.data_ptr<float>();
+  float* rp = add ? residual->data_ptr<float>() : nullptr;
+  const int64_t x_stride = x.stride(0), r_stride = add ? residual->stride(0) : 0;
   const float* wp = weight.contiguous().data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
-      float* res = rp + r * residual.stride(0);
-      const float* xr = xp + r * x.stride(0);
+      const float* xr = xp + r * x_stride;
+      if (add) {
+        float* res = rp + r * r_stride;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) res[i] += xr[i];
-      norm_row(res, wp, op + r * n, n, static_cast<float>(eps));
+        for (int64_t i = 0; i < n; ++i) res[i] += xr[i];
+        xr = res;
+      }
+      norm_row(xr, wp, op + r * n, n, static_cast<float>(eps));
     }
   });
   return out;

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -38,6 +39,22 @@ template <typename T>
 inline void axpy(float a, const T* x, float* y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += a * to_float(x[i]);
+}
+
+// Calls f with a null pointer of the cache's element type (bfloat16 read as its bits: see to_float).
+template <typename F>
+void with_cache_type(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case torch::kFloat: return f(static_cast<float*>(nullptr));
+    case torch::kBFloat16: return f(static_cast<uint16_t*>(nullptr));
+    case torch::kHalf: return f(static_cast<at::Half*>(nullptr));
+    default: TORCH_CHECK(false, "unsupported KV cache dtype ", dtype);
+  }
+}
+
+template <typename T>
+T* cache_ptr(const torch::Tensor& cache) {
+  return reinterpret_cast<T*>(cache.data_ptr());
 }
 
 struct Shape {
@@ -157,24 +174,20 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const auto* tp = bt.data_ptr<int64_t>();
   const auto* lp = lens.data_ptr<int64_t>();
   auto* op = out.data_ptr<float>();
-  switch (k_cache.scalar_type()) {
-    case torch::kFloat:
-      decode_kernel(qp, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tp, lp, op, s, sc);
-      break;
-    case torch::kBFloat16:
-      decode_kernel(qp, reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
-                    reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), tp, lp, op, s, sc);
-      break;
-    case torch::kHalf:
-      decode_kernel(qp, k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), tp, lp, op, s, sc);
-      break;
-    default:
-      TORCH_CHECK(false, "unsupported KV cache dtype ", k_cache.scalar_type());
-  }
+  with_cache_type(k_cache.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    decode_kernel<T>(qp, cache_ptr<T>(k_cache), cache_ptr<T>(v_cache), tp, lp, op, s, sc);
+  });
   return out;
 }
 
 namespace {
+
+inline void store(float x, float* to) { *to = x; }
+inline void store(float x, uint16_t* to) {  // round to nearest even, as c10::BFloat16 does
+  *to = c10::BFloat16(x).x;
+}
+inline void store(float x, at::Half* to) { *to = static_cast<at::Half>(x); }
 
 template <typename T>
 void scatter_rows(const float* src, int64_t src_stride, T* cache, const int64_t* slots, int64_t tokens, int64_t row) {
@@ -182,7 +195,7 @@ void scatter_rows(const float* src, int64_t src_stride, T* cache, const int64_t*
     for (int64_t i = b; i < e; ++i) {
       const float* from = src + i * src_stride;
       T* to = cache + slots[i] * row;
-      for (int64_t j = 0; j < row; ++j) to[j] = static_cast<T>(from[j]);  // bfloat16/half: round to nearest even
+      for (int64_t j = 0; j < row; ++j) store(from[j], to + j);
     }
   });
 }
@@ -201,27 +214,15 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   auto slots = slot_mapping.contiguous();
   const int64_t tokens = k.size(0), row = k.size(1) * k.size(2);
   const int64_t* sp = slots.data_ptr<int64_t>();
-  switch (k_cache.scalar_type()) {
-    case torch::kFloat:
-      scatter_rows(k.data_ptr<float>(), k.stride(0), k_cache.data_ptr<float>(), sp, tokens, row);
-      scatter_rows(v.data_ptr<float>(), v.stride(0), v_cache.data_ptr<float>(), sp, tokens, row);
-      break;
-    case torch::kBFloat16:
-      scatter_rows(k.data_ptr<float>(), k.stride(0), k_cache.data_ptr<at::BFloat16>(), sp, tokens, row);
-      scatter_rows(v.data_ptr<float>(), v.stride(0), v_cache.data_ptr<at::BFloat16>(), sp, tokens, row);
-      break;
-    case torch::kHalf:
-      scatter_rows(k.data_ptr<float>(), k.stride(0), k_cache.data_ptr<at::Half>(), sp, tokens, row);
-      scatter_rows(v.data_ptr<float>(), v.stride(0), v_cache.data_ptr<at::Half>(), sp, tokens, row);
-      break;
-    default:
-      TORCH_CHECK(false, "unsupported KV cache dtype ", k_cache.scalar_type());
-  }
+  with_cache_type(k_cache.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    scatter_rows(k.data_ptr<float>(), k.stride(0), cache_ptr<T>(k_cache), sp, tokens, row);
+    scatter_rows(v.data_ptr<float>(), v.stride(0), cache_ptr<T>(v_cache), sp, tokens, row);
+  });
 }
 
 // layer_ops.cpp
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
@@ -231,8 +232,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("scale"), py::arg("out") = py::none());
   m.def("write_kv", &write_kv, "write new K/V rows into the paged cache at their slots (float32 K/V)");
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row (float32)");
-  m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMSNorm(residual) (float32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row; with residual: residual += x in place, then its RMSNorm "
+        "(float32)", py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] projection (float32)");
   m.def("rotary_inplace", &rotary_inplace, "Neox-style rotary embedding in place (float32)");
   m.def("gemv", &gemv, "x W^T (+ b) for one row x (float32)", py::arg("x"), py::arg("weight"),
