@@ -1,9 +1,12 @@
-"""Engine arguments (vLLM's names) and the CLI flags generated from them."""
+"""Engine arguments (vLLM's names), the CLI flags generated from them, and the frozen, resolved EngineConfig
+built from them once the model is loaded."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 from dataclasses import dataclass
+
+from pagedserve.core.scheduler import SchedulerConfig
 
 
 @dataclass
@@ -32,6 +35,11 @@ class EngineArgs:
     trust_remote_code: bool = False
     revision: str | None = None
     num_threads: int | None = None  # torch intra-op threads; None: all cores
+    # ---- request limits (each refused with a clear error before any work is done)
+    max_logprobs: int = 20  # vLLM's name: top-N logprobs a request may ask for (beam width <= half of it)
+    max_sequences_per_request: int = 256  # prompts x n of one request
+    max_stop_strings: int = 64  # stop strings per request
+    max_stop_chars: int = 8192  # their total length
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -54,6 +62,9 @@ class EngineArgs:
             raise ValueError(f"linear_backend must be auto, torch or onednn, got {self.linear_backend!r}.")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}.")
+        for name in ("max_logprobs", "max_sequences_per_request", "max_stop_strings", "max_stop_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}.")
 
@@ -94,3 +105,62 @@ def _parse_bytes(text: str) -> int:
     if text and text[-1] in units:
         return int(float(text[:-1]) * units[text[-1]])
     return int(text)
+
+
+# ------------------------------------------------------------------------------------ resolved config
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the served model is, as the engine resolved it."""
+    path: str  # local checkpoint directory
+    served_model_name: str
+    is_default_model: bool  # the embedded demo model
+    architecture: str
+    dtype: str  # resolved: float32 | bfloat16 | float16
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool
+    prefix_caching_hash_algo: str
+    kv_cache_dtype: str  # resolved
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    device: str  # resolved: cpu | cuda
+    num_threads: int | None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_logprobs: int = 20
+    max_sequences_per_request: int = 256
+    max_stop_strings: int = 64
+    max_stop_chars: int = 8192
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> "RequestLimits":
+        return cls(args.max_logprobs, args.max_sequences_per_request, args.max_stop_strings, args.max_stop_chars)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine resolved at start-up, in one frozen object: the server and the input processor
+    read this, never the engine's internals."""
+    model: ModelInfo
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    limits: RequestLimits
+    seed: int = 0

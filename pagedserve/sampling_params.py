@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from pagedserve.errors import InvalidRequestError
+
 
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # every output carries all tokens/text so far
@@ -13,7 +15,7 @@ class RequestOutputKind(enum.Enum):
 
 # Above this many samples per request the KV pool is better spent on other requests.
 MAX_N = 128
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs; the engine's own is EngineArgs.max_logprobs
 
 
 @dataclass
@@ -47,8 +49,12 @@ class SamplingParams:
         self._verify()
 
     def _verify(self) -> None:
-        def bad(name: str, value: object, limit: str) -> ValueError:
-            return ValueError(f"{name} must be {limit}, got {value!r}.")
+        """Checks that need no engine: ranges and types. The engine's InputProcessor checks the rest
+        (token ids against the vocabulary, lengths, limits)."""
+        def bad(name: str, value: object, limit: str) -> InvalidRequestError:
+            shown = repr(value)
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            return InvalidRequestError(f"{name} must be {limit}, got {shown}.", param=name)
 
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise bad("n", self.n, f"an integer in [1, {MAX_N}]")
@@ -72,8 +78,8 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise bad("logprobs", self.logprobs, f"an integer in [0, {MAX_LOGPROBS}]")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise bad("logprobs", self.logprobs, "a non-negative integer")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -103,9 +109,11 @@ class BeamSearchParams:
     temperature: float = 0.0  # beam search here is deterministic
 
     def __post_init__(self) -> None:
-        if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= MAX_N:
-            raise ValueError(f"beam_width must be an integer in [1, {MAX_N}], got {self.beam_width!r}.")
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise InvalidRequestError(f"beam_width must be a positive integer, got {self.beam_width!r}.",
+                                      param="beam_width")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.",
+                                      param="max_tokens")
 
 

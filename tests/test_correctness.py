@@ -18,6 +18,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
 
 
 def run(model_dir, prompts, **engine_kwargs):
+    engine_kwargs.setdefault("dtype", "float32")  # token for token with HF's float32: not `auto` (bf16 on some CPUs)
     llm = LLM(str(model_dir), num_threads=1, **engine_kwargs)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
     return llm, [o.outputs[0] for o in outs]
@@ -69,7 +70,7 @@ def test_greedy_same_in_every_config(arch, config, tiny_model_dir, tiny_tokenize
     assert_greedy_match(ours, hf)
     _, reference = run(model_dir, prompts, num_kv_blocks=512)
     assert [o.token_ids for o in ours] == [o.token_ids for o in reference], "outputs changed with the config"
-    stats, _ = llm.llm_engine.get_stats()
+    stats = llm.llm_engine.get_stats().scheduler
     if config == "pool-fits-longest-only":
         assert stats.num_preemptions > 0, "the small pool should have forced preemption"
     check_engine_drained(llm)
@@ -83,7 +84,7 @@ def test_bfloat16_kv_cache_matches_transformers(arch, tiny_model_dir, tiny_token
     llm, ours = run(model_dir, prompts, num_kv_blocks=512, kv_cache_dtype="bfloat16")
     runner = llm.llm_engine.runner
     assert runner.kv_caches[0][0].dtype == torch.bfloat16 and runner.dtype == torch.float32
-    fp32_llm = LLM(str(model_dir), num_threads=1, num_kv_blocks=4)
+    fp32_llm = LLM(str(model_dir), num_threads=1, num_kv_blocks=4, dtype="float32")
     assert runner.kv_bytes_per_block * 2 == fp32_llm.llm_engine.runner.kv_bytes_per_block
     assert_greedy_match(ours, hf_greedy(model_dir, prompts, MAX_TOKENS))
     check_engine_drained(llm)

@@ -32,6 +32,7 @@ def admit(kv: KVCacheManager, request: Request, num_new: int | None = None):
     new = kv.allocate_slots(request, n, hit)
     if new is not None:
         request.num_computed_tokens = hit.num_tokens + n
+        kv.cache_blocks(request, request.num_computed_tokens)  # the forward wrote them
     return hit, new
 
 
@@ -41,6 +42,7 @@ def decode(kv: KVCacheManager, request: Request, token: int):
     new = kv.allocate_slots(request, 1)
     if new is not None:
         request.num_computed_tokens += 1
+        kv.cache_blocks(request, request.num_computed_tokens)
     return new
 
 
@@ -92,6 +94,7 @@ def test_allocate_incrementally_for_chunks_and_decodes():
 def admit_more(kv: KVCacheManager, request: Request, n: int):
     new = kv.allocate_slots(request, n)
     request.num_computed_tokens += n
+    kv.cache_blocks(request, request.num_computed_tokens)
     return new
 
 
@@ -344,13 +347,24 @@ def test_evicted_first_block_breaks_the_whole_chain():
     assert hit.num_tokens == 0
 
 
-def test_same_step_hit_on_just_scheduled_blocks():
-    """Blocks are registered when scheduled (documented): a request admitted right after may hit them."""
+def test_scheduled_blocks_are_registered_only_once_written():
+    """A block's hash is registered after the forward wrote its K/V: if that forward fails, nothing that was
+    never written can be found by a prefix lookup."""
     kv = KVCacheManager(8, 4)
     a = make_request(range(10))
     kv.allocate_slots(a, 10)  # scheduled, not yet computed
     b = make_request(range(10))
+    assert kv.get_computed_blocks(b).num_tokens == 0
+    assert kv.block_pool.cached_blocks == {}
+    kv.cache_blocks(a, 6)  # the forward wrote 6 tokens: one full block
+    assert kv.get_computed_blocks(b).num_tokens == 4
+    kv.cache_blocks(a, 10)
     assert kv.get_computed_blocks(b).num_tokens == 8
+    kv.free(a)  # a failed request's unwritten blocks go back unhashed
+    c = make_request(range(10))
+    kv.allocate_slots(c, 10)
+    kv.free(c)
+    assert len(kv.block_pool.cached_blocks) == 2
 
 
 def test_chunked_prefill_registers_only_covered_full_blocks():

@@ -540,16 +540,40 @@ def test_scheduler_prefix_hit_sets_num_cached_tokens():
     assert sched.kv.prefix_cache_hits == 8 and sched.kv.prefix_cache_queries == 20
 
 
-def test_same_step_prefix_hit():
+def test_no_prefix_hit_on_blocks_scheduled_in_the_same_step():
+    """Blocks are registered only after the forward wrote them: two identical prompts admitted in one step
+    each compute their own blocks; the next identical prompt hits."""
     sched = make_scheduler(block_size=4)
     prompt = list(range(1000, 1010))
     a, b = make_request("a", prompt, max_tokens=2), make_request("b", prompt, max_tokens=2)
     sched.add_request(a)
     sched.add_request(b)
     out = step(sched)
-    assert chunk_sizes(out) == {"a": 10, "b": 2}
-    assert b.num_cached_tokens == 8
-    assert sched.kv.block_ids("a")[:2] == sched.kv.block_ids("b")[:2]
+    assert chunk_sizes(out) == {"a": 10, "b": 10}
+    assert b.num_cached_tokens == 0
+    c = make_request("c", prompt, max_tokens=2)
+    sched.add_request(c)
+    out = step(sched)
+    assert chunk_sizes(out) == {"a": 1, "b": 1, "c": 2}
+    assert c.num_cached_tokens == 8
+
+
+def test_sibling_samples_wait_for_the_leader_prompt_then_share_it():
+    sched = make_scheduler(block_size=4, max_num_batched_tokens=6)
+    prompt = list(range(1000, 1010))
+    leader = make_request("r#0", prompt, max_tokens=4)
+    sibling = make_request("r#1", prompt, max_tokens=2)
+    sibling.prefill_leader = leader
+    sched.add_request(leader)
+    sched.add_request(sibling)
+    out = step(sched)
+    assert chunk_sizes(out) == {"r#0": 6}  # the leader's first chunk; the sibling waits for the prompt
+    out = step(sched)
+    assert chunk_sizes(out) == {"r#0": 4}
+    out = step(sched)
+    assert chunk_sizes(out) == {"r#0": 1, "r#1": 2}  # prompt written: the sibling hits its 2 full blocks
+    assert sibling.num_cached_tokens == 8
+    assert sched.kv.block_ids("r#0")[:2] == sched.kv.block_ids("r#1")[:2]
 
 
 def test_cache_salt_through_scheduler():

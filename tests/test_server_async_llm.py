@@ -1,5 +1,7 @@
-"""AsyncLLM and the app around it, with a fake engine (no model, fast): failure isolation, no busy
-spin when idle, abort on early exit, shutdown; plus error mapping, SSE error chunks, metrics loggers."""
+"""AsyncLLM and the app around it, with a fake engine (no model, fast): the loop's mechanics (own thread, no
+busy spin when idle, abort on early exit, shutdown, a failed request's error reaching its stream, a crashing
+loop iteration), error mapping, SSE error chunks, metrics loggers. Failure isolation inside the real engine
+(a failed forward) is tested with the real engine in test_engine_boundary.py."""
 from __future__ import annotations
 
 import asyncio
@@ -11,8 +13,11 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
+from pagedserve.config import CacheConfig, EngineConfig, ModelInfo, ParallelConfig, RequestLimits
+from pagedserve.core.scheduler import SchedulerConfig
 from pagedserve.engine.async_llm import (AsyncLLM, EngineRequestError, EngineShuttingDown, RequestStream,
                                          merge_delta)
+from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.entrypoints.openai.api_server import build_app
 from pagedserve.entrypoints.openai.errors import loc_to_param, validation_error_to_openai
 from pagedserve.metrics.loggers import FinishedRequestStats, LoggingStatLogger, StepStats
@@ -41,11 +46,18 @@ class FakeTokenizer:
 class FakeEngine:
     """Generates token 5, 6, 7, ... one per step per sample; knobs to fail things."""
 
-    def __init__(self, step_sleep: float = 0.002) -> None:
+    def __init__(self, step_sleep: float = 0.002, is_default_model: bool = False) -> None:
         self.tokenizer = FakeTokenizer()
-        self.model_config = SimpleNamespace(max_model_len=64, served_model_name="fake-model", vocab_size=100)
-        self.args = SimpleNamespace(block_size=16, enable_prefix_caching=False, max_num_batched_tokens=64,
-                                    model="fake-model")
+        self.config = EngineConfig(
+            model=ModelInfo("/fake/demo_model", "fake-model", is_default_model, "Fake", "float32", 64, 100,
+                            frozenset()),
+            cache=CacheConfig(16, 64, False, "sha256", "float32"),
+            scheduler=SchedulerConfig(max_num_batched_tokens=64, max_model_len=64),
+            parallel=ParallelConfig("cpu", 1), limits=RequestLimits())
+        self.input_processor = InputProcessor(self.config, self.tokenizer)
+        self.num_step_failures = 0
+        self.last_iteration = IterationStats()
+        self.finished: list[FinishedRequestStats] = []
         self.requests: dict[str, dict] = {}
         self.step_sleep = step_sleep
         self.fail_next_step = False
@@ -54,12 +66,11 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.thread_ids: set[int] = set()
 
-    def add_request(self, request_id, prompt, params, arrival_time=None, priority=0, cache_salt=None):
+    def add_processed_request(self, processed):
         self.thread_ids.add(threading.get_ident())
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if params.max_tokens is not None and len(ids) + params.max_tokens > 64:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len (64).")
-        self.requests[request_id] = {"ids": ids, "params": params, "n": 0, "t": arrival_time or time.time()}
+        self.requests[processed.request_id] = {"ids": processed.prompt_token_ids, "params": processed.params,
+                                               "max_tokens": processed.max_tokens, "n": 0,
+                                               "t": processed.arrival_time}
 
     def step(self):
         self.thread_ids.add(threading.get_ident())
@@ -73,7 +84,7 @@ class FakeEngine:
             params = r["params"]
             tok = 5 + r["n"]
             r["n"] += 1
-            done = r["n"] >= (params.max_tokens or 8)
+            done = r["n"] >= r["max_tokens"]
             comps = [CompletionOutput(index=i, text=self.tokenizer.decode([tok]), token_ids=[tok],
                                       finish_reason="length" if done else None) for i in range(params.n)]
             error = None
@@ -85,6 +96,8 @@ class FakeEngine:
             outs.append(RequestOutput(rid, None, r["ids"], comps, done, m, 0, error=error))
             if done:
                 del self.requests[rid]
+                self.finished.append(FinishedRequestStats([c.finish_reason for c in comps], 0.0, len(r["ids"]),
+                                                          r["n"] * params.n))
         return outs
 
     def abort_request(self, request_id):
@@ -96,9 +109,16 @@ class FakeEngine:
     def has_unfinished_requests(self):
         return bool(self.requests)
 
-    def get_stats(self):
-        return (SchedulerStats(num_running_reqs=len(self.requests), kv_cache_usage=0.1 * len(self.requests)),
-                IterationStats(num_generation_tokens=len(self.requests)))
+    def take_step_stats(self):
+        self.last_iteration = IterationStats(num_scheduled_tokens=len(self.requests),
+                                             num_generation_tokens=len(self.requests))
+        return StepStats(scheduler=SchedulerStats(num_running_reqs=len(self.requests),
+                                                  kv_cache_usage=0.1 * len(self.requests)),
+                         iteration=self.last_iteration, finished=self._take_finished())
+
+    def _take_finished(self):
+        finished, self.finished = self.finished, []
+        return finished
 
 
 def params(max_tokens=4, n=1):
@@ -132,14 +152,14 @@ def test_add_request_value_error_surfaces(fake):
     _, llm = fake
 
     async def run():
-        with pytest.raises(ValueError, match="max_model_len"):
+        with pytest.raises(ValueError, match="maximum context length is 64"):
             await llm.add_request("x", [1] * 60, params(max_tokens=10))
         return await collect(llm, "y")  # and the loop still serves
 
     assert asyncio.run(run()) == {0: [5, 6, 7, 8]}
 
 
-def test_step_exception_fails_inflight_only_and_loop_keeps_serving(fake):
+def test_loop_error_fails_inflight_and_loop_keeps_serving(fake):
     engine, llm = fake
 
     async def run():
@@ -148,14 +168,14 @@ def test_step_exception_fails_inflight_only_and_loop_keeps_serving(fake):
         await s1.get()
         engine.fail_next_step = True
         for s in (s1, s2):
-            with pytest.raises(EngineRequestError, match="engine step failed"):
+            with pytest.raises(EngineRequestError, match="engine loop error"):
                 while True:
                     await s.get()
         assert sorted(engine.aborted) == ["r1", "r2"] and not engine.requests
         return await collect(llm, "r3")
 
     assert asyncio.run(run()) == {0: [5, 6, 7, 8]}
-    assert llm.is_running and llm.num_step_failures == 1
+    assert llm.is_running and llm.health().healthy
 
 
 def test_output_error_fails_that_request_only(fake):
@@ -281,13 +301,13 @@ def test_app_engine_failure_is_500_or_error_chunk_then_recovers():
             r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 30})
             assert r.status_code == 500
             err = r.json()["error"]
-            assert err["type"] == "server_error" and "engine step failed" in err["message"]
+            assert err["type"] == "server_error" and "engine loop error" in err["message"]
 
             asyncio.ensure_future(fail_soon())
             r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 30, "stream": True})
             assert r.status_code == 200
             events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
-            assert events[-1] == "[DONE]" and '"error"' in events[-2] and "engine step failed" in events[-2]
+            assert events[-1] == "[DONE]" and '"error"' in events[-2] and "engine loop error" in events[-2]
 
             r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
@@ -373,8 +393,7 @@ def test_prometheus_logger_counts_deltas_of_cumulative_counters():
 
 
 def test_models_card_flags_the_embedded_demo_model():
-    engine = FakeEngine()
-    engine.is_default_model = True
+    engine = FakeEngine(is_default_model=True)
     llm = AsyncLLM(engine, log_stats=False)
     try:
         app = build_app(llm, None, shutdown_engine_on_exit=False)
@@ -388,3 +407,21 @@ def test_models_card_flags_the_embedded_demo_model():
         assert card["root"].endswith("demo_model")
     finally:
         llm.shutdown()
+
+
+def test_health_is_honest_while_starting_serving_and_draining():
+    llm = AsyncLLM(FakeEngine(), log_stats=False, start=False)
+    app = build_app(llm, None, shutdown_engine_on_exit=False)
+
+    async def health():
+        async with _client(app) as c:
+            return await c.get("/health")
+
+    r = asyncio.run(health())
+    assert r.status_code == 503 and "starting" in r.json()["error"]["message"]
+    llm.start()
+    r = asyncio.run(health())
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    llm.shutdown()
+    r = asyncio.run(health())
+    assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"

@@ -33,7 +33,8 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model_dir: str | Path, args: tuple[str, ...] = (), startup_timeout: float = 180.0) -> None:
+    def __init__(self, model_dir: str | Path, args: tuple[str, ...] = (), startup_timeout: float = 180.0,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="pagedserve-server-", suffix=".log")[1])
@@ -42,7 +43,7 @@ class ServerProcess:
                "--host", "127.0.0.1", "--port", str(self.port), "--num-threads", "1", "--seed", "0",
                "--disable-uvicorn-access-log", "--log-stats-interval", "2", *args]
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+                   PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
         env.pop("PAGEDSERVE_API_KEY", None)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT))
         self.exit_code: int | None = None
@@ -122,3 +123,12 @@ def metric_value(text: str, name: str, **labels: str) -> float:
     if not found:
         raise KeyError(f"metric {name} {labels} not found")
     return total
+
+
+def stops_ending_with_last_token(text_before: str, text: str) -> list[str]:
+    """Stop strings that end `text`, occur nowhere earlier in it, and are completed only by the characters
+    the last token added (`text_before` is the text one token earlier): shortest first."""
+    cut = len(text_before)
+    if len(text) <= cut:
+        return []
+    return [text[i:] for i in range(cut - 1, -1, -1) if text.find(text[i:]) == i and text[i:].strip()]

@@ -208,10 +208,7 @@ def vocab_of(engine) -> int:
 
 
 def _budget(engine) -> int:
-    try:
-        return int(engine.scheduler.config.max_num_batched_tokens)
-    except AttributeError:
-        return int(engine.args.max_num_batched_tokens)
+    return engine.config.scheduler.max_num_batched_tokens
 
 
 def _running_requests(engine) -> list:
@@ -250,7 +247,7 @@ def run_trace(engine, samples: Sequence[SampleRequest], name: str, arrivals: Seq
     steps: list[StepRecord] = []
     budget = _budget(engine)
     max_len = int(engine.model_config.max_model_len)
-    s0, _ = engine.get_stats()
+    s0 = engine.get_stats().scheduler
     q0, h0, p0 = s0.prefix_cache_queries, s0.prefix_cache_hits, s0.num_preemptions
     in_batch: set[str] = set()
     idle_steps = 0
@@ -316,7 +313,8 @@ def run_trace(engine, samples: Sequence[SampleRequest], name: str, arrivals: Seq
                 t.num_cached_tokens = int(getattr(o, "num_cached_tokens", 0) or 0)
                 if pbar is not None:
                     pbar.update(1)
-        sched, it = engine.get_stats()
+        stats = engine.get_stats()
+        sched, it = stats.scheduler, stats.iteration
         if it.num_scheduled_tokens == 0:
             idle_steps += 1
             if idle_steps > max_idle_steps:
@@ -337,7 +335,7 @@ def run_trace(engine, samples: Sequence[SampleRequest], name: str, arrivals: Seq
                 forward_time=it.forward_time, step_time=it.step_time or (te - ts)))
         step_index += 1
     makespan = time.perf_counter() - t0
-    s1, _ = engine.get_stats()
+    s1 = engine.get_stats().scheduler
     ordered = [timings[k] for k in timings]
     return TraceResult(name, ordered, steps, makespan, max_len, s1.prefix_cache_queries - q0,
                        s1.prefix_cache_hits - h0, s1.num_preemptions - p0)

@@ -83,15 +83,30 @@ class KVCacheManager:
         if self.enable_caching and not blocks:  # admission (first, or after preemption)
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += prefix_hit.num_tokens
+            self.num_cached_blocks[request.request_id] = len(prefix_hit.blocks)  # already registered
         self.block_pool.touch(prefix_hit.blocks)
         blocks.extend(prefix_hit.blocks)
         new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
         blocks.extend(new_blocks)
-        if self.enable_caching:
-            # Blocks are registered as soon as they are scheduled: the forward writes every new K/V of a
-            # layer before any attention reads, so a request admitted in the same step may already hit them.
-            self._cache_full_blocks(request, blocks, min(num_tokens_after, request.num_tokens))
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's full blocks up to `num_computed_tokens` in the prefix cache.
+
+        Called after the forward that wrote their K/V, never at scheduling: if that forward fails, no
+        prefix lookup can find a block whose K/V was never written.
+        """
+        if not self.enable_caching or request.request_id not in self.req_to_blocks:
+            return
+        num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self._update_block_hashes(request)
+        blocks = self.req_to_blocks[request.request_id]
+        for i in range(start, num_full):
+            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first: under pressure its tail is evicted before its head."""
@@ -109,16 +124,6 @@ class KVCacheManager:
             # The salt enters the first block's key; the chain carries it to every later block.
             extra = (request.cache_salt,) if i == 0 and request.cache_salt is not None else ()
             hashes.append(self.hash_fn(parent, request.all_token_ids[i * bs:(i + 1) * bs], extra))
-
-    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
-        num_full = num_tokens // self.block_size
-        start = self.num_cached_blocks.get(request.request_id, 0)
-        if num_full <= start:
-            return
-        self._update_block_hashes(request)
-        for i in range(start, num_full):
-            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
-        self.num_cached_blocks[request.request_id] = num_full
 
     def stored_and_allocated(self, requests: list[Request]) -> tuple[int, int]:
         """(token slots holding K/V, token slots allocated) over the distinct blocks these requests hold."""

@@ -14,6 +14,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()  # EOS, a stop token id or a stop string
     FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens or max_model_len
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # the engine failed it (a step raised while it was scheduled)
 
     @property
     def is_finished(self) -> bool:
@@ -28,6 +29,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -45,6 +47,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         sample_index: int = 0,
+        prefill_leader: "Request | None" = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -55,6 +58,8 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.sample_index = sample_index
+        # n > 1: sample 0. Its siblings wait for it to write the prompt's KV, then share those blocks.
+        self.prefill_leader = prefill_leader
 
         self.status = RequestStatus.WAITING
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -82,6 +87,14 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def waits_for_leader(self) -> bool:
+        """A sibling sample is not admitted while its leader is still computing the shared prompt: prompt
+        blocks are registered in the prefix cache only once written, and waiting lets it hit them."""
+        leader = self.prefill_leader
+        return (leader is not None and leader.status == RequestStatus.RUNNING
+                and leader.num_computed_tokens < leader.num_prompt_tokens)
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

@@ -19,7 +19,7 @@ from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -170,6 +170,8 @@ class Scheduler:
             request = self.waiting.peek()
             if request.request_id in preempted_now:  # it just gave its KV away; all behind it rank lower
                 break
+            if request.waits_for_leader:
+                break
             hit = self.kv.get_computed_blocks(request)
             num_new = self._chunk_size(request.num_tokens - hit.num_tokens, budget)
             if num_new <= 0:
@@ -240,6 +242,7 @@ class Scheduler:
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_blocks(request, request.num_computed_tokens)  # their K/V is written now
             token = sampled.get(request.request_id)
             if token is None:
                 continue

@@ -1,53 +1,35 @@
-"""LLMEngine: add_request / step / abort_request. Ties the scheduler, the model runner and detokenization."""
+"""LLMEngine: add_request / step / abort_request. Ties the input processor, the scheduler, the model runner and
+the output processor; one frozen EngineConfig describes what it resolved at start-up."""
 from __future__ import annotations
 
 import logging
 import time
 from pathlib import Path
-from dataclasses import dataclass, field
 
-from pagedserve.config import EngineArgs
+from pagedserve.config import (CacheConfig, EngineArgs, EngineConfig, ModelInfo, ParallelConfig, RequestLimits)
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.request import Request, RequestStatus
-from pagedserve.core.scheduler import Scheduler, SchedulerConfig
-from pagedserve.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.metrics.stats import IterationStats, SchedulerStats
+from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedserve.engine.fault_injection import FaultInjector
+from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest
+from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.metrics.loggers import StepStats
+from pagedserve.metrics.stats import EngineStats, IterationStats, SchedulerStats
 from pagedserve.model_executor.model_config import ModelConfig, resolve_model_dir
 from pagedserve.model_executor.model_runner import ModelRunner, configure_threads, resolve_device, resolve_dtype
-from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedserve")
 
 
-@dataclass
-class _Sample:
-    """Output state of one of the n sequences of a user request."""
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[dict[int, Logprob]] | None
-    cumulative_logprob: float = 0.0
-    num_sent_tokens: int = 0  # for DELTA outputs
-    num_sent_logprobs: int = 0
-
-
-@dataclass
-class _UserRequest:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    samples: list[_Sample]
-    metrics: RequestMetrics
-    progressed: set[int] = field(default_factory=set)  # sample indices with news this step
-
-
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, *, warm_up: bool = True) -> None:
         from transformers import AutoTokenizer
 
         from pagedserve.demo_model_path import default_model_path
 
+        t_start = time.perf_counter()
         configure_threads(args.num_threads)
         self.args = args
         model_dir = Path(default_model_path()) if args.model is None else resolve_model_dir(args.model, args.revision)
@@ -58,7 +40,6 @@ class LLMEngine:
                              f"({cfg.max_position_embeddings}).")
         cfg.served_model_name = args.served_model_name or (args.model or "pagedserve-demo")
         self.model_config = cfg
-        self.is_default_model = args.model is None
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
@@ -74,14 +55,28 @@ class LLMEngine:
             logger.warning("Without chunked prefill a whole prompt must fit one step: raising "
                            "max_num_batched_tokens from %d to max_model_len=%d.", budget, cfg.max_model_len)
             budget = cfg.max_model_len
-        self.scheduler = Scheduler(SchedulerConfig(
+        scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget, max_model_len=cfg.max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill,
-            long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy,
-        ), self.kv_cache_manager)
-        self.requests: dict[str, _UserRequest] = {}
-        self._children: dict[str, tuple[_UserRequest, _Sample]] = {}  # sequence id -> its user request
+            long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy)
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
+        self.config = EngineConfig(
+            model=ModelInfo(str(model_dir), cfg.served_model_name, args.model is None, cfg.architecture,
+                            str(dtype).removeprefix("torch."), cfg.max_model_len, cfg.vocab_size, cfg.eos_token_ids),
+            cache=CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching, args.prefix_caching_hash_algo,
+                              str(kv_dtype).removeprefix("torch.")),
+            scheduler=scheduler_config,
+            parallel=ParallelConfig(device.type, args.num_threads),
+            limits=RequestLimits.from_args(args),
+            seed=args.seed)
+        self.input_processor = InputProcessor(self.config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.fault_injector = FaultInjector.from_env(self.runner.model)
+        self.num_step_failures = 0
         self.last_iteration = IterationStats()
+        if warm_up:
+            self.warm_up()
+        logger.info("Engine ready in %.1f s", time.perf_counter() - t_start)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -104,75 +99,75 @@ class LLMEngine:
                     self.model_config.max_model_len, tokens / self.model_config.max_model_len)
         return num_blocks
 
+    # ------------------------------------------------------------------ start-up
+    def warm_up(self) -> None:
+        """Everything slow before the first request: the native kernels are built or loaded, and requests go
+        once through every path a real one can take (prefill, a prefill chunk over cached context, decode,
+        greedy and random sampling with penalties and logprobs). Then every trace of them is dropped."""
+        t0 = time.perf_counter()
+        if self.runner.device.type == "cpu":
+            from pagedserve.model_executor.kernels import cpu_kernels
+
+            cpu_kernels()
+        cfg = self.config
+        room = min(cfg.model.max_model_len, cfg.cache.num_tokens)
+        num_prompt = max(1, min(2 * cfg.cache.block_size + 3, room - 2))
+        prompt = [1 + i % (cfg.model.vocab_size - 1) for i in range(num_prompt)]
+        max_tokens = max(1, min(2, room - num_prompt))
+        greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+        sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=5, min_p=0.01, seed=0, presence_penalty=0.1,
+                                 repetition_penalty=1.1, max_tokens=max_tokens, ignore_eos=True)
+        for batch in ([("__warmup_0", greedy)], [("__warmup_1", sampled)]):  # the second hits the first's prefix
+            for request_id, params in batch:
+                self.add_request(request_id, prompt, params)
+            while self.has_unfinished_requests():
+                self.step()
+        kv = self.kv_cache_manager
+        kv.block_pool.reset_prefix_cache()
+        kv.prefix_cache_queries = kv.prefix_cache_hits = kv.block_pool.num_evictions = 0
+        self.scheduler.num_preemptions = 0
+        self.output_processor.take_stats()
+        self.last_iteration = IterationStats()
+        logger.info("Warm-up (kernels, prefill, cached-prefix prefill, decode, sampler) took %.2f s",
+                    time.perf_counter() - t0)
+
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty.")
-            return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValueError("prompt must be a string or a list of token ids.")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}.")
-        return list(prompt)
+        return self.input_processor.tokenize(prompt)
 
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
-        """max_tokens when a request gives none: what max_model_len leaves, capped by what the whole KV pool
-        holds, so that the default never makes a request that could never run."""
-        pool_tokens = self.kv_cache_manager.num_blocks * self.args.block_size
-        return max(min(self.model_config.max_model_len, pool_tokens) - num_prompt_tokens, 1)
+        return self.input_processor.default_max_tokens(num_prompt_tokens)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use.")
-        if priority != 0 and self.args.scheduling_policy != "priority":
-            raise ValueError("priority is only supported with scheduling_policy='priority'.")
-        token_ids = self.tokenize(prompt)
-        if not token_ids:
-            raise ValueError("prompt must not be empty.")
-        max_len = self.model_config.max_model_len
-        room = max_len - len(token_ids)
-        if room < 1:
-            raise ValueError(f"The prompt has {len(token_ids)} tokens; max_model_len is {max_len}, which leaves no "
-                             f"room to generate.")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.default_max_tokens(len(token_ids))
-        if max_tokens > room:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = "
-                             f"{len(token_ids) + max_tokens} exceeds max_model_len ({max_len}).")
-        need = cdiv(len(token_ids) + max_tokens, self.args.block_size)
-        if need > self.kv_cache_manager.num_blocks:
-            raise ValueError(f"prompt + max_tokens needs {need} KV blocks but the whole pool has "
-                             f"{self.kv_cache_manager.num_blocks}; the request could never run.")
-        arrival_time = time.time() if arrival_time is None else arrival_time
-        samples = []
+        """Validate (InvalidRequestError, a ValueError, names the parameter) and queue a request."""
+        self.add_processed_request(self.input_processor.process(
+            request_id, prompt, params, arrival_time=arrival_time, priority=priority, cache_salt=cache_salt))
+
+    def add_processed_request(self, processed: ProcessedRequest) -> None:
+        """Queue a request the input processor already validated (the async engine validates off-thread)."""
+        if processed.request_id in self.output_processor.requests:
+            raise ValueError(f"request id {processed.request_id!r} is already in use.")
+        params = processed.params
+        sequences: list[Request] = []
         for i in range(params.n):
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            request = Request(child_id, token_ids, params, max_tokens, self.model_config.eos_token_ids,
-                              arrival_time, priority, cache_salt, sample_index=i)
-            samples.append(_Sample(request, IncrementalDetokenizer(self.tokenizer, token_ids, params),
-                                   [] if params.logprobs is not None else None))
-        user = _UserRequest(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, samples,
-                            RequestMetrics(arrival_time, num_prompt_tokens=len(token_ids)))
-        self.requests[request_id] = user
-        for sample in samples:
-            self._children[sample.request.request_id] = (user, sample)
-            self.scheduler.add_request(sample.request)
+            seq_id = processed.request_id if params.n == 1 else f"{processed.request_id}#{i}"
+            sequences.append(Request(seq_id, processed.prompt_token_ids, params, processed.max_tokens,
+                                     self.model_config.eos_token_ids, processed.arrival_time, processed.priority,
+                                     processed.cache_salt, sample_index=i,
+                                     prefill_leader=sequences[0] if sequences else None))
+        self.output_processor.add_request(processed, sequences)
+        for seq in sequences:
+            self.scheduler.add_request(seq)
 
     def abort_request(self, request_id: str | list[str]) -> None:
+        now = time.time()
         for rid in [request_id] if isinstance(request_id, str) else request_id:
-            user = self.requests.pop(rid, None)
-            if user is None:
-                continue
-            ids = [s.request.request_id for s in user.samples]
-            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-            for child_id in ids:
-                self._children.pop(child_id, None)
+            self.scheduler.finish_requests(self.output_processor.sequence_ids(rid), RequestStatus.FINISHED_ABORTED)
+            self.output_processor.abort(rid, now)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return self.output_processor.has_unfinished_requests()
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
@@ -183,17 +178,19 @@ class LLMEngine:
             return []
         num_decode_tokens = sum(1 for s in sched_out.scheduled
                                 if s.num_new_tokens == 1 and s.request.num_computed_tokens >= s.request.num_prompt_tokens)
-        runner_out = self.runner.execute_model(sched_out)
+        try:
+            if self.fault_injector is not None:
+                self.fault_injector.arm(sched_out)
+            runner_out = self.runner.execute_model(sched_out)
+        except Exception as exc:
+            return self._fail_step(sched_out, exc)
         progressed = self.scheduler.update_from_output(sched_out, runner_out.sampled)
         now = time.time()
-        touched: dict[str, _UserRequest] = {}
-        for request in progressed:
-            user, sample = self._children[request.request_id]
-            token = request.all_token_ids[-1]
-            self._record_token(user, sample, token, runner_out.logprobs.get(request.request_id), now)
-            touched[user.request_id] = user
-        outputs = [self._make_output(user, now) for user in touched.values()]
-        outputs = [o for o in outputs if o is not None]
+        to_stop, failed = self.output_processor.process_tokens(progressed, runner_out.logprobs, now)
+        if to_stop:
+            self.scheduler.finish_requests(to_stop, RequestStatus.FINISHED_STOPPED)
+        outputs = self._fail_requests(failed, now) if failed else []
+        outputs += self.output_processor.make_outputs(now)
         self.last_iteration = IterationStats(
             num_scheduled_tokens=sched_out.num_scheduled_tokens,
             num_prompt_tokens=sched_out.num_scheduled_tokens - num_decode_tokens,
@@ -204,77 +201,31 @@ class LLMEngine:
         )
         return outputs
 
-    def _record_token(self, user: _UserRequest, sample: _Sample, token: int, logprobs: dict[int, Logprob] | None,
-                      now: float) -> None:
-        request = sample.request
-        m = user.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-            m.first_scheduled_time = request.first_scheduled_time
-            m.num_cached_tokens = max(request.num_cached_tokens, 0)
-        m.last_token_time = now
-        m.num_generation_tokens += 1
-        if logprobs is not None and sample.logprobs is not None:
-            for tid, lp in logprobs.items():
-                lp.decoded_token = self.tokenizer.decode([tid])
-            sample.logprobs.append(logprobs)
-            sample.cumulative_logprob += logprobs[token].logprob
-        # A stop token's text is not part of the output (as in vLLM), unless asked for.
-        stopped_by_token = request.status == RequestStatus.FINISHED_STOPPED and request.stop_reason is None \
-            or isinstance(request.stop_reason, int)
-        if stopped_by_token and not user.params.include_stop_str_in_output:
-            stop = None
-        else:
-            stop = sample.detokenizer.update([token])
-        if stop is not None and not request.is_finished:
-            request.stop_reason = stop
-            self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_STOPPED)
-        user.progressed.add(request.sample_index)
+    def _fail_step(self, sched_out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """The forward raised: fail the requests of this step, keep everyone else. Their blocks go back to the
+        pool; none of this step's blocks was registered in the prefix cache (hashes are registered only after
+        a successful forward), so nothing unwritten can ever be hit."""
+        self.num_step_failures += 1
+        seq_ids = [s.request.request_id for s in sched_out.scheduled if not s.request.is_finished]
+        user_ids = self.output_processor.user_request_ids(seq_ids)
+        logger.error("Engine step failed (%s: %s); failing the %d request(s) it scheduled: %s",
+                     type(exc).__name__, exc, len(user_ids), user_ids, exc_info=exc)
+        self.last_iteration = IterationStats()
+        message = f"engine step failed: {type(exc).__name__}: {exc}"
+        return self._fail_requests(dict.fromkeys(user_ids, message), time.time())
 
-    def _make_output(self, user: _UserRequest, now: float) -> RequestOutput | None:
-        kind = user.params.output_kind
-        finished = all(s.request.is_finished for s in user.samples)
-        if kind == RequestOutputKind.FINAL_ONLY and not finished:
-            user.progressed.clear()
-            return None
-        delta = kind == RequestOutputKind.DELTA
-        completions = []
-        for sample in user.samples:
-            if delta and sample.request.sample_index not in user.progressed:
-                continue
-            completions.append(self._completion(sample, delta))
-        user.progressed.clear()
-        if finished:
-            user.metrics.finished_time = now
-            del self.requests[user.request_id]
-            for sample in user.samples:
-                self._children.pop(sample.request.request_id, None)
-        return RequestOutput(user.request_id, user.prompt, user.prompt_token_ids, completions, finished,
-                             user.metrics, user.metrics.num_cached_tokens)
-
-    @staticmethod
-    def _completion(sample: _Sample, delta: bool) -> CompletionOutput:
-        r = sample.request
-        done = r.is_finished
-        text = sample.detokenizer.get_next_output_text(done, delta)
-        output_ids = r.output_token_ids
-        logprobs = sample.logprobs
-        if delta:
-            output_ids = output_ids[sample.num_sent_tokens:]
-            if logprobs is not None:
-                logprobs = logprobs[sample.num_sent_logprobs:]
-        sample.num_sent_tokens = r.num_output_tokens
-        sample.num_sent_logprobs = len(sample.logprobs or ())
-        return CompletionOutput(
-            index=r.sample_index, text=text, token_ids=output_ids,
-            cumulative_logprob=sample.cumulative_logprob if sample.logprobs is not None else None,
-            logprobs=logprobs, finish_reason=r.status.finish_reason, stop_reason=r.stop_reason)
+    def _fail_requests(self, failed: dict[str, str], now: float) -> list[RequestOutput]:
+        outputs = []
+        for rid, message in failed.items():
+            self.scheduler.finish_requests(self.output_processor.sequence_ids(rid), RequestStatus.FINISHED_ERROR)
+            outputs += self.output_processor.fail([rid], message, now)
+        return outputs
 
     # ------------------------------------------------------------------ stats
-    def get_stats(self) -> tuple[SchedulerStats, IterationStats]:
+    def get_stats(self) -> EngineStats:
         kv = self.kv_cache_manager
         stored, allocated = kv.stored_and_allocated(self.scheduler.running)
-        stats = SchedulerStats(
+        scheduler = SchedulerStats(
             num_running_reqs=self.scheduler.num_running,
             num_waiting_reqs=self.scheduler.num_waiting,
             kv_cache_usage=kv.usage,
@@ -286,5 +237,13 @@ class LLMEngine:
             prefix_cache_hits=kv.prefix_cache_hits,
             prefix_cache_evictions=kv.block_pool.num_evictions,
             num_preemptions=self.scheduler.num_preemptions,
+            num_step_failures=self.num_step_failures,
         )
-        return stats, self.last_iteration
+        return EngineStats(scheduler, self.last_iteration)
+
+    def take_step_stats(self) -> StepStats:
+        """Engine stats plus the per-request latencies observed since the last call (for the metrics)."""
+        stats = self.get_stats()
+        requests = self.output_processor.take_stats()
+        return StepStats(scheduler=stats.scheduler, iteration=stats.iteration, ttfts=requests.ttfts,
+                         itls=requests.itls, finished=requests.finished)

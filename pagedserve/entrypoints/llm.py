@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from pagedserve.config import EngineArgs
+from pagedserve.engine.input_processor import render_chat
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -42,7 +43,9 @@ class LLM:
         use_tqdm: bool = True,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in the order of the prompts."""
+        """Runs every prompt to completion; outputs come back in the order of the prompts. Invalid input raises
+        InvalidRequestError (a ValueError) before anything runs. A request the engine failed (a step raised while
+        it ran) comes back finished with `error` set and finish_reason "error"; the others are unaffected."""
         inputs = self._normalize_prompts(prompts, prompt_token_ids)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -69,12 +72,8 @@ class LLM:
              chat_template: str | None = None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
-        prompts = []
-        for conversation in conversations:
-            if not conversation:
-                raise ValueError("messages must not be empty.")
-            prompts.append(tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
-                                                         add_generation_prompt=add_generation_prompt))
+        prompts = [render_chat(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+                               chat_template=chat_template) for conversation in conversations or [[]]]
         # the template already holds the special tokens
         token_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         return self.generate(prompt_token_ids=token_ids, sampling_params=sampling_params, use_tqdm=use_tqdm)
@@ -86,6 +85,7 @@ class LLM:
         only the partly filled last block is recomputed."""
         engine = self.llm_engine
         width = params.beam_width
+        engine.input_processor.check_beam_width(width)
         step_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=min(2 * width, engine.model_config.vocab_size),
                                      ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
         eos = engine.model_config.eos_token_ids

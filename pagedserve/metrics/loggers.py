@@ -1,7 +1,7 @@
 """Stat loggers: what the engine loop records after every step, and the periodic log line.
 
-`AsyncLLM` builds one `StepStats` per engine step (the engine's SchedulerStats / IterationStats plus
-per-request latencies it measures itself) and hands it to a `StatLoggerManager`, which fans it out to
+`LLMEngine.take_step_stats()` gives one `StepStats` per engine step (SchedulerStats / IterationStats plus the
+per-request latencies its output processor measured); `AsyncLLM` hands it to a `StatLoggerManager`, which fans it out to
 the loggers: `LoggingStatLogger` (the vLLM-style line every ~10 s while there is activity) and
 `PrometheusStatLogger` (pagedserve/metrics/prometheus.py).
 """
@@ -11,7 +11,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from pagedserve.metrics.stats import IterationStats, SchedulerStats
 
@@ -56,27 +55,15 @@ class StepStats:
         return self.iteration.num_generation_tokens if self.iteration is not None else self.num_generation_tokens
 
 
-def split_engine_stats(stats: Any) -> tuple[SchedulerStats | None, IterationStats | None]:
-    """`LLMEngine.get_stats()` -> (SchedulerStats, IterationStats); tolerant of a small wrapper object."""
-    if stats is None:
-        return None, None
-    if isinstance(stats, SchedulerStats):
-        return stats, None
-    if isinstance(stats, (tuple, list)):
-        sched = stats[0] if len(stats) > 0 else None
-        it = stats[1] if len(stats) > 1 else None
-        return sched, it
-    sched = getattr(stats, "scheduler_stats", None) or getattr(stats, "scheduler", None)
-    it = getattr(stats, "iteration_stats", None) or getattr(stats, "iteration", None)
-    return sched, it
-
-
 class StatLoggerBase:
     def record(self, stats: StepStats) -> None:  # called from the engine thread after each step
         raise NotImplementedError
 
     def update_scheduler_stats(self, scheduler: SchedulerStats | None) -> None:
         """A fresh snapshot without a step (e.g. right after the engine went idle)."""
+
+    def record_rejected(self) -> None:
+        """A request was refused because the waiting queue was full."""
 
     def log(self, now: float) -> None:  # periodic
         pass
@@ -174,6 +161,13 @@ class StatLoggerManager:
         for lg in self.loggers:
             try:
                 lg.update_scheduler_stats(scheduler)
+            except Exception:
+                logger.exception("stat logger %s failed", type(lg).__name__)
+
+    def record_rejected(self) -> None:
+        for lg in self.loggers:
+            try:
+                lg.record_rejected()
             except Exception:
                 logger.exception("stat logger %s failed", type(lg).__name__)
 

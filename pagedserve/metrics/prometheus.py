@@ -13,6 +13,8 @@ registered in prometheus_client's global REGISTRY.  Counters are exposed with th
 | pagedserve:prefix_cache_queries_total | counter | prompt tokens looked up in the prefix cache |
 | pagedserve:prefix_cache_hits_total | counter | of which were found cached |
 | pagedserve:num_preemptions_total | counter | preemptions (requests evicted to free KV blocks) |
+| pagedserve:engine_step_failures_total | counter | engine steps whose forward raised (their requests failed with a 500, the rest went on) |
+| pagedserve:num_requests_rejected_queue_full_total | counter | requests refused with 429 because the waiting queue was full |
 | pagedserve:prompt_tokens_total | counter | prefill tokens computed |
 | pagedserve:generation_tokens_total | counter | tokens generated |
 | pagedserve:request_success_total{finished_reason} | counter | finished sequences by reason (stop, length, abort) |
@@ -97,6 +99,10 @@ class PrometheusStatLogger(StatLoggerBase):
         self.c_prefix_hits = counter("prefix_cache_hits",
                                      "Prefix cache hits, in terms of number of cached tokens.").labels(**self._lv)
         self.c_preemptions = counter("num_preemptions", "Cumulative number of preemption from the engine.").labels(**self._lv)
+        self.c_step_failures = counter("engine_step_failures",
+                                       "Engine steps that raised; their requests failed, the rest went on.").labels(**self._lv)
+        self.c_queue_full = counter("num_requests_rejected_queue_full",
+                                    "Requests refused (429) because the waiting queue was full.").labels(**self._lv)
         self.c_prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.").labels(**self._lv)
         self.c_generation_tokens = counter("generation_tokens", "Number of generation tokens processed.").labels(**self._lv)
         self._c_success = counter("request_success", "Count of successfully processed requests.", ["finished_reason"])
@@ -140,6 +146,7 @@ class PrometheusStatLogger(StatLoggerBase):
         self._last_queries = 0
         self._last_hits = 0
         self._last_preemptions = 0
+        self._last_step_failures = 0
 
     def update_scheduler_stats(self, s: SchedulerStats | None) -> None:
         if s is None:
@@ -150,6 +157,11 @@ class PrometheusStatLogger(StatLoggerBase):
         self._last_queries = self._inc(self.c_prefix_queries, s.prefix_cache_queries, self._last_queries)
         self._last_hits = self._inc(self.c_prefix_hits, s.prefix_cache_hits, self._last_hits)
         self._last_preemptions = self._inc(self.c_preemptions, s.num_preemptions, self._last_preemptions)
+        self._last_step_failures = self._inc(self.c_step_failures, s.num_step_failures, self._last_step_failures)
+
+    def record_rejected(self) -> None:
+        """A request refused because the waiting queue was full (event-loop thread)."""
+        self.c_queue_full.inc()
 
     @staticmethod
     def _inc(counter, cumulative: int, last: int) -> int:

@@ -18,6 +18,7 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # of which found cached
     prefix_cache_evictions: int = 0  # cached blocks whose hash was dropped to reuse the block
     num_preemptions: int = 0
+    num_step_failures: int = 0  # engine steps whose forward raised (their requests failed, the rest went on)
 
 
 @dataclass
@@ -29,3 +30,10 @@ class IterationStats:
     num_scheduled_reqs: int = 0
     forward_time: float = 0.0  # seconds in the model forward alone (input prep and sampling are overhead)
     step_time: float = 0.0  # seconds for the whole step (schedule + forward + update + detokenize)
+
+
+@dataclass
+class EngineStats:
+    """`LLMEngine.get_stats()`: the scheduler's state now and what the last step did."""
+    scheduler: SchedulerStats
+    iteration: IterationStats

@@ -24,12 +24,15 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedserve.engine.async_llm import AsyncLLM, EngineRequestError, EngineShuttingDown
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.protocol import EngineClient
 from pagedserve.entrypoints.openai.errors import (BadRequest, OpenAIError, error_response, exception_to_openai,
                                                   install_error_handlers)
+from pagedserve.errors import EngineRequestError, EngineShuttingDown
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                     DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                                                     TokenizeResponse)
+from pagedserve.entrypoints.openai import protocol as api_docs  # route docs (responses=)
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_engine import ClientDisconnected, OpenAIServing
@@ -38,6 +41,7 @@ logger = logging.getLogger("pagedserve.api")
 
 # Reachable without the API key (load balancers and Prometheus scrapers carry no token).
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+DEFAULT_MAX_BODY_BYTES = 16 << 20
 
 
 # ------------------------------------------------------------------------------------------------ CLI
@@ -62,6 +66,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are ended "
                         "with an error")
+    p.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="sequences that may wait for a seat in the running batch; beyond it new requests get "
+                        "429 with Retry-After (SGLang's name)")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get 413 before they are read")
+    p.add_argument("--max-consecutive-step-failures", type=int, default=5,
+                   help="/health answers 503 after this many failed engine steps in a row (until one succeeds)")
     EngineArgs.add_cli_args(p)  # --served-model-name, --max-num-seqs, --num-kv-blocks, ... (vLLM names)
     p.set_defaults(func=run_server)
     return p
@@ -92,60 +103,94 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class BodySizeLimitMiddleware:
+    """413 for bodies over the limit: by Content-Length before reading; a body without one (chunked) is read
+    up to the limit first and then handed on, so the app never sees more than the limit."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
+        if declared is not None and declared.isdigit():
+            if int(declared) > self.max_bytes:
+                await self._reject(scope, receive, send)
+            else:  # the HTTP parser holds the client to its Content-Length
+                await self.app(scope, receive, send)
+            return
+        body, first = b"", None
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                first = message  # the client went away: let the app see it
+                break
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                await self._reject(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return first or {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope: dict, receive: Any, send: Any) -> None:
+        err = OpenAIError(413, f"The request body exceeds {self.max_bytes} bytes (--max-request-body-bytes).",
+                          code="request_too_large")
+        await error_response(err)(scope, receive, send)
+
+
 # ------------------------------------------------------------------------------------------------ app
-def _arg(args: Any, name: str, default: Any = None) -> Any:
-    return getattr(args, name, default) if args is not None else default
+def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_on_exit: bool = True) -> FastAPI:
+    """The FastAPI app around a running engine client.  Each app has its own Prometheus registry.
 
-
-def build_app(async_llm: AsyncLLM, args: Any = None, *, shutdown_engine_on_exit: bool = True) -> FastAPI:
-    """The FastAPI app around a running AsyncLLM.  Each app has its own Prometheus registry."""
+    `args` (the `serve` CLI namespace) may be None: then the server defaults apply."""
     from prometheus_client import CollectorRegistry
 
     from pagedserve.metrics.prometheus import CONTENT_TYPE_LATEST, PrometheusStatLogger, render
 
-    engine = async_llm.engine
-    mc = async_llm.model_config
-    served = _arg(args, "served_model_name") or getattr(mc, "served_model_name", None) or \
-        _arg(args, "model") or "pagedserve-demo"
-    max_model_len = int(mc.max_model_len)
-    log_requests = bool(_arg(args, "enable_log_requests", False))
-    completion = OpenAIServingCompletion(async_llm, served, max_model_len, log_requests)
-    chat = OpenAIServingChat(async_llm, served, max_model_len, log_requests)
-    base = OpenAIServing(async_llm, served, max_model_len, log_requests)
+    def arg(name: str, default: Any) -> Any:
+        return getattr(args, name, default) if args is not None else default
+
+    config = engine_client.config
+    served = config.model.served_model_name
+    max_model_len = config.model.max_model_len
+    log_requests = bool(arg("enable_log_requests", False))
+    completion = OpenAIServingCompletion(engine_client, served, log_requests)
+    chat = OpenAIServingChat(engine_client, served, log_requests)
+    base = OpenAIServing(engine_client, served, log_requests)
 
     registry = CollectorRegistry()
-    engine_args = getattr(engine, "args", None)
-    kv = getattr(engine, "kv_cache_manager", None)
-    cache_info = {
-        "block_size": getattr(engine_args, "block_size", _arg(args, "block_size", "")),
-        "num_gpu_blocks": getattr(kv, "num_blocks", _arg(args, "num_kv_blocks", "")),
-        "enable_prefix_caching": getattr(engine_args, "enable_prefix_caching", _arg(args, "enable_prefix_caching", "")),
-    }
-    async_llm.add_stat_logger(PrometheusStatLogger(
-        registry, served, max_model_len=max_model_len,
-        max_num_batched_tokens=int(getattr(engine_args, "max_num_batched_tokens", 0)
-                                   or _arg(args, "max_num_batched_tokens", 2048) or 2048),
-        cache_config=cache_info))
-
-    is_demo = bool(getattr(engine, "is_default_model", False))
-    model_root = getattr(engine_args, "model", None) or _arg(args, "model")
-    if is_demo:
-        try:
-            from pagedserve.demo_model_path import default_model_path
-
-            model_root = default_model_path()
-        except Exception:  # pragma: no cover
-            pass
+    cache_info = {"block_size": config.cache.block_size, "num_gpu_blocks": config.cache.num_blocks,
+                  "enable_prefix_caching": config.cache.enable_prefix_caching,
+                  "cache_dtype": config.cache.kv_cache_dtype}
+    prometheus = PrometheusStatLogger(registry, served, max_model_len=max_model_len,
+                                      max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                                      cache_config=cache_info)
+    engine_client.add_stat_logger(prometheus)
+    is_demo = config.model.is_default_model
+    model_root = config.model.path
     created = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
         if shutdown_engine_on_exit:
-            await asyncio.to_thread(async_llm.shutdown)
+            await asyncio.to_thread(engine_client.shutdown)
 
     app = FastAPI(title="pagedserve OpenAI-compatible API", lifespan=lifespan)
-    app.state.async_llm = async_llm
+    app.state.engine_client = engine_client
     app.state.registry = registry
     app.state.served_model_name = served
     install_error_handlers(app)
@@ -167,11 +212,11 @@ def build_app(async_llm: AsyncLLM, args: Any = None, *, shutdown_engine_on_exit:
             return error_response(err)
 
     # ---------------------------------------------------------------------------- OpenAI routes
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=api_docs.CompletionResponse, responses=api_docs.ROUTE_RESPONSES["completions"])
     async def create_completion(req: CompletionRequest, raw_request: Request):
         return await guarded(completion.create_completion(req, raw_request))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=api_docs.ChatCompletionResponse, responses=api_docs.ROUTE_RESPONSES["chat"])
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
         return await guarded(chat.create_chat_completion(req, raw_request))
 
@@ -183,11 +228,11 @@ def build_app(async_llm: AsyncLLM, args: Any = None, *, shutdown_engine_on_exit:
                                 "(pagedserve/demo_model): for trying the server, not for real use")
         return card
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=api_docs.ModelList, responses=api_docs.ROUTE_RESPONSES["models"])
     async def list_models():
         return JSONResponse(ModelList(data=[model_card()]).model_dump())
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", response_model=api_docs.ModelCard, responses=api_docs.ROUTE_RESPONSES["model"])
     async def retrieve_model(model_id: str):
         if model_id != served:
             return error_response(OpenAIError(404, f"The model `{model_id}` does not exist.", param="model",
@@ -195,7 +240,7 @@ def build_app(async_llm: AsyncLLM, args: Any = None, *, shutdown_engine_on_exit:
         return JSONResponse(model_card().model_dump())
 
     # ------------------------------------------------------------------------------ utilities
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=api_docs.TokenizeResponse, responses=api_docs.ROUTE_RESPONSES["tokenize"])
     async def tokenize(req: TokenizeRequest):
         async def run():
             base.check_model(req.model)
@@ -213,34 +258,37 @@ def build_app(async_llm: AsyncLLM, args: Any = None, *, shutdown_engine_on_exit:
                                                  max_model_len=max_model_len).model_dump())
         return await guarded(run())
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=api_docs.DetokenizeResponse, responses=api_docs.ROUTE_RESPONSES["detokenize"])
     async def detokenize(req: DetokenizeRequest):
         async def run():
             base.check_model(req.model)
-            base.check_token_ids(req.tokens, "tokens")
+            engine_client.input_processor.check_token_ids(req.tokens, "tokens")
             return JSONResponse(DetokenizeResponse(prompt=base.tokenizer.decode(req.tokens)).model_dump())
         return await guarded(run())
 
-    @app.get("/health")
+    @app.get("/health", response_model=api_docs.HealthResponse, responses=api_docs.ROUTE_RESPONSES["health"])
     async def health():
-        if async_llm.accepting:
-            return Response(status_code=200)
-        reason = "shutting down" if async_llm.is_running else "engine not running"
-        return error_response(OpenAIError(503, f"Unhealthy: {reason}.", code="service_unavailable"))
+        """200 only when the engine is ready (warmed up) and its loop alive and stepping; else 503."""
+        state = engine_client.health()
+        if state.healthy:
+            return JSONResponse({"status": "ok"})
+        return error_response(OpenAIError(503, f"Unhealthy ({state.status}): {state.message}.",
+                                          code="service_unavailable"))
 
-    @app.get("/version")
+    @app.get("/version", response_model=api_docs.VersionResponse, responses=api_docs.ROUTE_RESPONSES["version"])
     async def version():
         from pagedserve import __version__
 
         return JSONResponse({"version": __version__})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=api_docs.ROUTE_RESPONSES["metrics"])
     async def metrics():
         return Response(render(registry), media_type=CONTENT_TYPE_LATEST)
 
-    api_key = _arg(args, "api_key")
+    api_key = arg("api_key", None)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=arg("max_request_body_bytes", DEFAULT_MAX_BODY_BYTES))
     return app
 
 
@@ -249,9 +297,9 @@ class GracefulServer(uvicorn.Server):
     """uvicorn.Server that, on SIGINT/SIGTERM, stops accepting, gives in-flight requests `grace` seconds,
     then ends the rest with an error chunk / 503, stops the engine thread and exits 0 without a traceback."""
 
-    def __init__(self, config: uvicorn.Config, async_llm: AsyncLLM, grace: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine_client: EngineClient, grace: float) -> None:
         super().__init__(config)
-        self.async_llm = async_llm
+        self.engine_client = engine_client
         self.grace = grace
 
     def handle_exit(self, sig: int, frame: Any) -> None:
@@ -259,13 +307,13 @@ class GracefulServer(uvicorn.Server):
         super().handle_exit(sig, frame)
         if first:
             logger.info("Received %s: draining (%.1f s for in-flight requests)", signal.Signals(sig).name, self.grace)
-            self.async_llm.begin_drain()
-            timer = threading.Timer(self.grace, self.async_llm.fail_all,
+            self.engine_client.begin_drain()
+            timer = threading.Timer(self.grace, self.engine_client.fail_all,
                                     [EngineShuttingDown("The server is shutting down.")])
             timer.daemon = True
             timer.start()
         else:  # second signal: end everything now
-            self.async_llm.fail_all(EngineShuttingDown("The server is shutting down."))
+            self.engine_client.fail_all(EngineShuttingDown("The server is shutting down."))
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -286,9 +334,15 @@ def run_server(args: argparse.Namespace) -> int:
     from pagedserve.config import EngineArgs
 
     engine_args = EngineArgs.from_cli_args(args)
+    t0 = time.perf_counter()
+    logger.info("Starting: loading the model, building/loading native kernels and warming up before binding "
+                "%s:%d", args.host, args.port)
     async_llm = AsyncLLM.from_engine_args(engine_args, log_stats=not args.disable_log_stats,
-                                          log_interval_s=args.log_stats_interval)
+                                          log_interval_s=args.log_stats_interval,
+                                          max_queued_requests=args.max_queued_requests,
+                                          max_consecutive_step_failures=args.max_consecutive_step_failures)
     app = build_app(async_llm, args)
+    logger.info("Ready in %.1f s since start-up began", time.perf_counter() - t0)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=max(1.0, args.shutdown_timeout + 5.0),

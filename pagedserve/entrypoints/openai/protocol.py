@@ -2,7 +2,15 @@
 
 Every request model forbids unknown fields: a field this server does not implement (tools,
 response_format, logit_bias, suffix, ...) is rejected with a 400 that names it instead of being
-silently ignored.  Types are strict (no "1" -> 1 coercion; ints are accepted where floats are).
+silently ignored.  Types are strict (no "1" -> 1 coercion; ints are accepted where floats are, and whole
+floats such as 2.0 where ints are: JSON has one number type); NaN and Infinity are refused.
+
+The models are also the published contract (/openapi.json): every constraint the server enforces on a
+single field is written here as a schema constraint (non-empty prompt / messages / stop strings,
+ranges), so that a request the schema calls valid is not rejected for its shape.  What a schema cannot
+say (the prompt's length in tokens against max_model_len, token ids against the vocabulary, rules that
+tie two fields together, the served model's name, per-server limits) is listed in `BUSINESS_RULES` and
+documented as a 400/404 in `error_responses`.
 """
 from __future__ import annotations
 
@@ -10,18 +18,35 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
-
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
 
 from pagedserve.sampling_params import MAX_LOGPROBS, MAX_N
 
 # Seeds are passed to torch generators: keep them in the signed 64-bit range.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
-NonNegInt = Annotated[int, Field(ge=0)]
+
+
+def _whole_float_to_int(value: Any) -> Any:
+    """JSON has one number type: 3.0 is the integer 3 (as JSON Schema says); 3.5 stays a type error."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def Int(**constraints: Any) -> Any:
+    """An integer field: strict (no "3", no true) but a whole float such as 3.0 counts as 3.  The range
+    sits inside (before the validator) so that the JSON schema shows it as minimum / maximum."""
+    return Annotated[int, Field(**constraints), BeforeValidator(_whole_float_to_int)]
+
+
+NonNegInt = Int(ge=0)
+TokenId = Int(ge=0, description="a token id, in [0, vocab_size)")
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+# A token-id prompt: at least one id.
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # JSON has no NaN / Infinity (Python's parser still reads them, and 1e999 as inf): refuse them.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class _Response(BaseModel):
@@ -38,7 +63,8 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
-StopType = Optional[Union[str, list[str]]]
+# One stop string or a list of them; each non-empty (an empty list means "no stop strings").
+StopType = Optional[Union[NonEmptyStr, list[NonEmptyStr]]]
 
 
 class _SamplingFields(_Request):
@@ -47,50 +73,38 @@ class _SamplingFields(_Request):
     model: Optional[str] = None
     temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=MAX_N)
-    stop: StopType = None
-    seed: Optional[int] = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    n: Int(ge=1, le=MAX_N) = 1
+    stop: StopType = Field(None, description="stop string(s), each non-empty; the server's --max-stop-strings "
+                                             "and --max-stop-chars limits apply")
+    seed: Optional[Int(ge=_SEED_MIN, le=_SEED_MAX)] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     # ---- extras (vLLM names)
-    top_k: Optional[int] = Field(None, ge=-1)
+    top_k: Optional[Int(ge=-1, description="-1 or 0: disabled")] = None
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: Int(ge=0) = 0
     ignore_eos: bool = False
     repetition_penalty: float = Field(1.0, gt=0.0)
-    priority: int = 0
-    cache_salt: Optional[str] = None
-    stop_token_ids: Optional[list[NonNegInt]] = None
+    priority: Int(description="non-zero only with --scheduling-policy priority (else 400)") = 0
+    cache_salt: Optional[NonEmptyStr] = None
+    stop_token_ids: Optional[list[TokenId]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, v: StopType) -> StopType:
-        items = [v] if isinstance(v, str) else (v or [])
-        if any(s == "" for s in items):
-            raise ValueError("stop strings must be non-empty")
-        return v
-
-    @field_validator("cache_salt")
-    @classmethod
-    def _check_salt(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None and v == "":
-            raise ValueError("cache_salt must be a non-empty string")
-        return v
 
 
 # ---------------------------------------------------------------------------------------- completions
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, ge=1)
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    # A text, a batch of texts, a token-id list, or a batch of token-id lists; nothing empty.
+    prompt: Union[NonEmptyStr, Annotated[list[NonEmptyStr], Field(min_length=1)], TokenIds,
+                  Annotated[list[TokenIds], Field(min_length=1)]]
+    max_tokens: Optional[Int(ge=1)] = 16
+    logprobs: Optional[Int(ge=0, le=MAX_LOGPROBS)] = None
     echo: bool = False
     # Accepted only when it equals n (returning the best n of best_of samples is not implemented).
-    best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
+    best_of: Optional[Int(ge=1, le=MAX_N)] = None
 
 
 class CompletionLogProbs(_Response):
@@ -165,11 +179,11 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[Int(ge=1)] = None
+    max_completion_tokens: Optional[Int(ge=1)] = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Optional[Int(ge=0, le=MAX_LOGPROBS)] = None
     # ---- extras (vLLM names)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -239,16 +253,38 @@ class ChatCompletionStreamResponse(_Response):
 
 
 # ------------------------------------------------------------------------------------------ utilities
-class TokenizeRequest(_Request):
-    """Either `prompt` (completion style) or `messages` (chat template applied)."""
+class TokenizeCompletionRequest(_Request):
+    """Tokenize a text (completion style)."""
 
     model: Optional[str] = None
-    prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = None
-    add_special_tokens: Optional[bool] = None  # default: True for prompt, False for messages
+    prompt: NonEmptyStr
+    add_special_tokens: Optional[bool] = None  # default: True
+
+    @property
+    def messages(self) -> None:  # the other variant's field: handlers may test `req.messages is None`
+        return None
+
+
+class TokenizeChatRequest(_Request):
+    """Tokenize messages through the chat template."""
+
+    model: Optional[str] = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_special_tokens: Optional[bool] = None  # default: False (the template has the special tokens)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    @property
+    def prompt(self) -> None:  # the other variant's field
+        return None
+
+
+# Exactly one of `prompt` or `messages` (vLLM has the same two models).  The schema is their anyOf, so
+# `{}` and `{"prompt": ..., "messages": ...}` are schema-invalid; errors.py reports them as one message.
+TokenizeRequest = Union[TokenizeCompletionRequest, TokenizeChatRequest]
+# Variant model name -> the field that selects it (used to report validation errors of the union).
+TOKENIZE_VARIANTS = {"TokenizeCompletionRequest": "prompt", "TokenizeChatRequest": "messages"}
 
 
 class TokenizeResponse(_Response):
@@ -259,7 +295,7 @@ class TokenizeResponse(_Response):
 
 class DetokenizeRequest(_Request):
     model: Optional[str] = None
-    tokens: list[NonNegInt]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(_Response):
@@ -279,3 +315,103 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard] = Field(default_factory=list)
+
+
+class HealthResponse(_Response):
+    status: Literal["ok"] = "ok"
+
+
+class VersionResponse(_Response):
+    version: str
+
+
+# ---------------------------------------------------------------------------------------------- errors
+class ErrorInfo(BaseModel):
+    """OpenAI's error object: all four keys are always present (`param` and `code` may be null)."""
+
+    message: str
+    type: str
+    param: Optional[str]
+    code: Optional[Union[str, int]]
+
+
+class ErrorResponse(BaseModel):
+    """The body of every non-2xx response: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorInfo
+
+
+# Rules a JSON schema cannot express; a schema-valid request that breaks one is refused with this status
+# (and the OpenAI error body naming `param`).  The conformance test accepts exactly these refusals.
+BUSINESS_RULES: dict[str, str] = {
+    "model": "404 unless it is the served model's name",
+    "prompt / messages": "400 if the prompt has >= max_model_len tokens or a token id outside the vocabulary, "
+                         "or the chat template refuses the messages",
+    "max_tokens": "400 if prompt + max_tokens > max_model_len or more than the whole KV cache",
+    "min_tokens": "400 if greater than max_tokens",
+    "n": "400 if prompts x n > --max-sequences-per-request",
+    "stop": "400 if more than --max-stop-strings strings or --max-stop-chars characters",
+    "stop_token_ids / tokens": "400 if an id is outside the vocabulary",
+    "logprobs / top_logprobs": "400 if above --max-logprobs; top_logprobs needs logprobs=true; echo with logprobs "
+                               "is not supported",
+    "best_of": "400 unless equal to n",
+    "priority": "400 if non-zero without --scheduling-policy priority",
+    "stream_options": "400 without stream=true",
+    "max_completion_tokens": "400 if both it and max_tokens are given and they differ",
+    "add_generation_prompt / continue_final_message": "400 if both are true",
+    "chat_template_kwargs": "400 if it sets a reserved key",
+}
+
+_ERROR_DESCRIPTIONS: dict[int, str] = {
+    400: "Invalid request: malformed JSON, a field of the wrong type or out of range, an unknown field, or a "
+         "request breaking a rule the schema cannot express (prompt longer than the context, token id outside "
+         "the vocabulary, min_tokens > max_tokens, ...).  `param` names the field.",
+    401: "Missing or wrong API key (only when the server runs with --api-key).",
+    404: "Unknown model (`param` = 'model') or unknown path.",
+    413: "Request body too large.",
+    429: "The server's waiting queue is full; retry after the `Retry-After` header's seconds.",
+    500: "The engine failed this request (other requests are not affected).",
+    503: "The server is starting, shutting down, or its engine is not running.",
+}
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """FastAPI `responses=` for the given statuses, each with the OpenAI error body."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for code in codes:
+        entry: dict[str, Any] = {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[code]}
+        if code == 429:
+            entry["headers"] = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}}
+        out[code] = entry
+    return out
+
+
+def _sse(description: str) -> dict[str, Any]:
+    # One event (OpenAPI 3.2's itemSchema, as FastAPI writes it): `data` is a JSON chunk, an error object
+    # (`{"error": {...}}`, when the request fails mid-stream) or the final `[DONE]`.
+    event = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                            "retry": {"type": "integer", "minimum": 0}}}
+    return {"description": description, "content": {"text/event-stream": {"itemSchema": event}}}
+
+
+# What each route documents (FastAPI `responses=`).  Every route may answer 500 (a bug), every route but
+# /health and /metrics 401 (--api-key), every route with a JSON body 400 and 413.
+_BODY = (400, 401, 413, 500)
+ROUTE_RESPONSES: dict[str, dict[int | str, dict[str, Any]]] = {
+    "completions": {**error_responses(*_BODY, 404, 429, 503),
+                    200: _sse("A completion (JSON), or with stream=true an event stream of chunks ending "
+                              "with `data: [DONE]`.")},
+    "chat": {**error_responses(*_BODY, 404, 429, 503),
+             200: _sse("A chat completion (JSON), or with stream=true an event stream of chunks ending with "
+                       "`data: [DONE]`.")},
+    "tokenize": error_responses(*_BODY, 404),
+    "detokenize": error_responses(*_BODY, 404),
+    "models": error_responses(401, 500),
+    "model": error_responses(401, 404, 500),
+    "health": error_responses(500, 503),
+    "version": error_responses(401, 500),
+    "metrics": {**error_responses(500),
+                200: {"description": "Prometheus text exposition format.",
+                      "content": {"text/plain": {"schema": {"type": "string"}}}}},
+}

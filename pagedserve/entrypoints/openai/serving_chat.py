@@ -8,7 +8,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from pagedserve.engine.async_llm import RequestStream
+from pagedserve.engine.request_stream import RequestStream
 from pagedserve.entrypoints.openai.errors import BadRequest, exception_to_openai, sse_error
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionLogProbs, ChatCompletionRequest,
                                                     ChatCompletionResponse, ChatCompletionResponseChoice,
@@ -31,18 +31,17 @@ class OpenAIServingChat(OpenAIServing):
                 and req.max_tokens != req.max_completion_tokens):
             raise BadRequest("max_tokens and max_completion_tokens disagree; send only max_completion_tokens.",
                              param="max_tokens")
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        num_top = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(req, requested, num_top)
         _, prompt = await self.encode_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                            req.chat_template_kwargs)
         if not prompt:
             raise BadRequest("The messages render to zero tokens.", param="messages")
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = self.check_length(len(prompt), requested, "messages", "messages")
-        num_top = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens, num_top)
         request_id = new_request_id("chatcmpl")
         created = int(time.time())
         model = self.served_model_name
-        streams = await self.submit(request_id, [prompt], params, req)
+        streams = await self.submit(request_id, [prompt], params, req, prompt_param="messages")
         if req.stream:
             return SSEResponse(self._stream(req, request_id, created, model, prompt, streams[0]),
                                on_close=lambda: self.abort_streams(streams))

@@ -8,48 +8,44 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from pagedserve.entrypoints.openai.errors import BadRequest, exception_to_openai, sse_error
+from pagedserve.errors import InvalidRequestError
 from pagedserve.entrypoints.openai.protocol import (CompletionRequest, CompletionResponse, CompletionResponseChoice,
                                                     CompletionStreamChoice, CompletionStreamResponse,
                                                     PromptTokensDetails, UsageInfo)
 from pagedserve.entrypoints.openai.serving_engine import (SSE_DONE, ChoiceState, OpenAIServing, SSEResponse,
                                                           completion_logprobs, merge_streams, new_request_id,
                                                           run_unless_disconnected)
-from pagedserve.engine.async_llm import RequestStream
+from pagedserve.engine.request_stream import RequestStream
 
 
 class OpenAIServingCompletion(OpenAIServing):
     async def prepare(self, req: CompletionRequest) -> tuple[list[str], list[list[int]]]:
-        """-> (prompt texts for echo, prompt token ids) with every check that needs the tokenizer."""
+        """-> (prompt texts for echo, prompt token ids). Text is tokenized here; the engine validates."""
         p = req.prompt
-        if isinstance(p, str):
-            texts: list[str | None] = [p]
-            ids: list[list[int] | None] = [None]
-        elif len(p) == 0:
-            raise BadRequest("'prompt' must not be empty.", param="prompt")
-        elif isinstance(p[0], str):
-            texts, ids = list(p), [None] * len(p)  # type: ignore[arg-type]
-        elif isinstance(p[0], int):
-            texts, ids = [None], [list(p)]  # type: ignore[list-item]
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            prompts: list = [p]
         else:
-            texts, ids = [None] * len(p), [list(x) for x in p]  # type: ignore[union-attr]
-        out_texts, out_ids = [], []
-        for i, (text, tok) in enumerate(zip(texts, ids)):
-            param = "prompt" if len(texts) == 1 else f"prompt[{i}]"
-            if text is not None:
-                if text == "":
-                    raise BadRequest("The prompt must not be empty.", param=param)
-                tok = await self.encode(text)
-                if not tok:
-                    raise BadRequest("The prompt tokenizes to zero tokens.", param=param)
+            prompts = list(p)
+        # Before any tokenizing: refuse 1,000 prompts x n=128 at once.
+        self.input_processor.check_num_sequences(len(prompts), req.n)
+        if not prompts:
+            raise InvalidRequestError("prompt must not be empty.", param="prompt")
+        texts, token_ids = [], []
+        for i, prompt in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if isinstance(prompt, str):
+                if not prompt:
+                    raise InvalidRequestError(f"{param} must not be empty.", param=param)
+                tokens = await self.encode(prompt)
             else:
-                assert tok is not None
-                if not tok:
-                    raise BadRequest("A token-id prompt must not be empty.", param=param)
-                self.check_token_ids(tok, param)
-                text = self.tokenizer.decode(tok) if req.echo else ""
-            out_texts.append(text)
-            out_ids.append(tok)
-        return out_texts, out_ids
+                tokens = list(prompt)
+                self.input_processor.check_token_ids(tokens, param)
+                prompt = self.tokenizer.decode(tokens) if req.echo else ""
+            if not tokens:
+                raise InvalidRequestError(f"{param} tokenizes to zero tokens.", param=param)
+            texts.append(prompt)
+            token_ids.append(tokens)
+        return texts, token_ids
 
     async def create_completion(self, req: CompletionRequest, raw_request: Request | None = None):
         self.check_model(req.model)
@@ -61,12 +57,8 @@ class OpenAIServingCompletion(OpenAIServing):
                              "compute.", param="echo", code="unsupported_parameter")
         if req.stream_options is not None and not req.stream:
             raise BadRequest("stream_options is only allowed with stream=true.", param="stream_options")
+        params = self.sampling_params(req, req.max_tokens, req.logprobs)  # max_tokens=null: up to max_model_len
         texts, prompts = await self.prepare(req)
-        # max_tokens=null: "up to max_model_len", worked out per prompt.
-        params = [self.sampling_params(req, self.check_length(len(tok), req.max_tokens, "prompt",
-                                                              "prompt" if len(prompts) == 1 else f"prompt[{i}]"),
-                                       req.logprobs)
-                  for i, tok in enumerate(prompts)]
         request_id = new_request_id("cmpl")
         created = int(time.time())
         model = self.served_model_name

@@ -1,0 +1,177 @@
+"""InputProcessor: the one place where a request is validated before the engine takes it.
+
+`LLM.generate`, `LLMEngine.add_request` and the OpenAI server all go through `InputProcessor.process`, which
+checks everything the scheduler or the sampler could later trip on (token ids against the vocabulary, lengths
+against max_model_len and the KV pool, logprob counts, limits) and raises `InvalidRequestError` naming the
+parameter. It reads only the frozen `EngineConfig` and the tokenizer, so the server may call it on its own
+thread before a request is queued: bad input costs no engine work.
+
+`render_chat` is the one chat-template renderer (LLM.chat and /v1/chat/completions).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.config import EngineConfig
+from pagedserve.errors import InvalidRequestError
+from pagedserve.sampling_params import SamplingParams
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class ProcessedRequest:
+    """A validated request, ready for the engine."""
+    request_id: str
+    prompt: str | None  # the text, when the request gave text
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved (params.max_tokens, or what max_model_len and the KV pool leave)
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.model.vocab_size
+
+    # ------------------------------------------------------------------------------ tokens
+    def tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError(f"{param} must not be empty.", param=param)
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InvalidRequestError(f"{param} must be a string or a list of token ids.", param=param,
+                                      code="invalid_type")
+        self.check_token_ids(prompt, param)
+        return list(prompt)
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        vocab = self.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"{param}: token ids must be in [0, {vocab}); got {bad[:5]}.", param=param)
+
+    # ------------------------------------------------------------------------------ lengths
+    def default_max_tokens(self, num_prompt_tokens: int) -> int:
+        """max_tokens when a request gives none: what max_model_len leaves, capped by what the whole KV pool
+        holds, so that the default never makes a request that could never run."""
+        room = min(self.config.model.max_model_len, self.config.cache.num_tokens) - num_prompt_tokens
+        return max(room, 1)
+
+    def _check_length(self, num_prompt: int, max_tokens: int | None, param: str) -> int:
+        limit = self.config.model.max_model_len
+        if num_prompt >= limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has {num_prompt} "
+                f"tokens, which leaves no room for a completion. Please reduce the length of the prompt.",
+                param=param, code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = self.default_max_tokens(num_prompt)
+        elif num_prompt + max_tokens > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} in the completion). "
+                f"Please reduce the length of the prompt or completion (max_tokens <= {limit - num_prompt}).",
+                param="max_tokens", code="context_length_exceeded")
+        cache = self.config.cache
+        need = cdiv(num_prompt + max_tokens, cache.block_size)
+        if need > cache.num_blocks:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks but the whole "
+                f"KV cache has {cache.num_blocks} ({cache.num_tokens} tokens); the request could never run.",
+                param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+    # ------------------------------------------------------------------------------ limits
+    def check_num_sequences(self, num_prompts: int, n: int) -> None:
+        limit = self.config.limits.max_sequences_per_request
+        if num_prompts * n > limit:
+            raise InvalidRequestError(
+                f"This request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences; the limit is "
+                f"{limit} per request (--max-sequences-per-request).", param="n", code="too_many_sequences")
+
+    def _check_params(self, params: SamplingParams) -> None:
+        limits = self.config.limits
+        if params.logprobs is not None and params.logprobs > limits.max_logprobs:
+            raise InvalidRequestError(f"logprobs must be <= {limits.max_logprobs} (--max-logprobs), got "
+                                      f"{params.logprobs}.", param="logprobs")
+        if len(params.stop) > limits.max_stop_strings:
+            raise InvalidRequestError(f"At most {limits.max_stop_strings} stop strings are allowed "
+                                      f"(--max-stop-strings), got {len(params.stop)}.", param="stop",
+                                      code="too_many_stop_strings")
+        total = sum(len(s) for s in params.stop)
+        if total > limits.max_stop_chars:
+            raise InvalidRequestError(f"The stop strings total {total} characters; the limit is "
+                                      f"{limits.max_stop_chars} (--max-stop-chars).", param="stop",
+                                      code="stop_strings_too_long")
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        self.check_num_sequences(1, params.n)
+
+    def check_beam_width(self, beam_width: int) -> None:
+        """Beam search asks for 2 x beam_width logprobs per step."""
+        limit = self.config.limits.max_logprobs // 2
+        if beam_width > limit:
+            raise InvalidRequestError(f"beam_width must be <= {limit} (half of --max-logprobs "
+                                      f"{self.config.limits.max_logprobs}), got {beam_width}.", param="beam_width")
+
+    # ------------------------------------------------------------------------------ the gate
+    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
+                prompt_param: str = "prompt") -> ProcessedRequest:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling params must be a SamplingParams.", param="sampling_params")
+        if priority != 0 and self.config.scheduler.policy != "priority":
+            raise InvalidRequestError("priority is only supported with scheduling_policy='priority'.",
+                                      param="priority")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string.", param="cache_salt")
+        self._check_params(params)
+        token_ids = self.tokenize(prompt, prompt_param)
+        if not token_ids:
+            raise InvalidRequestError(f"{prompt_param} must not be empty.", param=prompt_param)
+        max_tokens = self._check_length(len(token_ids), params.max_tokens, prompt_param)
+        return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
+                                max_tokens, time.time() if arrival_time is None else arrival_time, priority,
+                                cache_salt)
+
+
+# ------------------------------------------------------------------------------------------ chat
+_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt",
+                                       "continue_final_message", "return_dict", "return_tensors", "chat_template",
+                                       "tools", "documents"})
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, chat_template: str | None = None,
+                chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """Messages -> the prompt text through the model's chat template (transformers' apply_chat_template)."""
+    if not messages:
+        raise InvalidRequestError("messages must contain at least one message.", param="messages")
+    if add_generation_prompt and continue_final_message:
+        raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be true.",
+                                  param="continue_final_message")
+    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+        raise InvalidRequestError("This model's tokenizer has no chat template; use completions.", param="messages")
+    kwargs = dict(chat_template_kwargs or {})
+    clash = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if clash:
+        raise InvalidRequestError(f"chat_template_kwargs may not set {clash}.", param="chat_template_kwargs")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **kwargs)
+    except Exception as exc:  # jinja TemplateError (raise_exception in templates), ValueError, ...
+        raise InvalidRequestError(f"Could not apply the chat template: {exc}", param="messages") from exc
+    return text if isinstance(text, str) else text[0]  # some tokenizers return a list when batched

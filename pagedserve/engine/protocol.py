@@ -1,0 +1,56 @@
+"""EngineClient: what the server may ask of the engine, and nothing else.
+
+The OpenAI server depends on this protocol (implemented by AsyncLLM), never on engine internals: it reads the
+frozen EngineConfig, validates through the engine's InputProcessor, submits and aborts requests, asks for
+health, and registers stat loggers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Iterable, Protocol
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.input_processor import InputProcessor
+from pagedserve.engine.request_stream import RequestStream
+from pagedserve.metrics.loggers import StatLoggerBase
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    healthy: bool
+    status: str  # ok | starting | draining | dead | failing
+    message: str = ""
+
+
+class EngineClient(Protocol):
+    @property
+    def config(self) -> EngineConfig: ...
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def input_processor(self) -> InputProcessor: ...
+
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                          priority: int = 0, cache_salt: str | None = None,
+                          prompt_param: str = "prompt") -> RequestStream:
+        """Validate and queue; raises InvalidRequestError (400) or QueueFullError (429) before any work."""
+        ...
+
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                 priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]: ...
+
+    def abort_nowait(self, request_id: str | Iterable[str]) -> None: ...
+
+    def health(self) -> EngineHealth: ...
+
+    def add_stat_logger(self, stat_logger: StatLoggerBase) -> None: ...
+
+    def begin_drain(self) -> None: ...
+
+    def fail_all(self, exc: BaseException) -> None: ...
+
+    def shutdown(self, timeout: float = 10.0) -> None: ...
