@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.protocol import EngineClient
-from pagedserve.entrypoints.openai.errors import (BadRequest, OpenAIError, error_response, exception_to_openai,
+from pagedserve.entrypoints.openai.errors import (OpenAIError, error_response, exception_to_openai,
                                                   install_error_handlers)
 from pagedserve.errors import EngineRequestError, EngineShuttingDown
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -244,10 +244,7 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
     async def tokenize(req: TokenizeRequest):
         async def run():
             base.check_model(req.model)
-            if (req.prompt is None) == (req.messages is None):
-                raise BadRequest("Send exactly one of 'prompt' or 'messages'.",
-                                 param="prompt" if req.prompt is None else "messages")
-            if req.prompt is not None:
+            if req.prompt is not None:  # the schema makes it exactly one of prompt / messages
                 tokens = await base.encode(req.prompt, add_special_tokens=req.add_special_tokens
                                            if req.add_special_tokens is not None else True)
             else:
