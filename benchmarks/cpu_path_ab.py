@@ -1,6 +1,7 @@
-"""Decode step time with each CPU-path change of issue 7 switched off and on, alternating in one process.
+"""Decode step time with each CPU-path change switched off and on, alternating in one process.
 
     python benchmarks/cpu_path_ab.py --model /tmp/smollm2 --batch-sizes 1,32,64 --context 128 --rounds 4
+    python benchmarks/cpu_path_ab.py --suite bf16 --model /tmp/smollm2 --batch-sizes 1,32 --context 128 --rounds 5
 
 This machine's timings drift by 20% and more between processes and minutes, so a before/after pair is only
 meaningful when both are measured side by side: the variants below run round-robin on the same engine (same
@@ -13,6 +14,18 @@ the table reports the median over rounds. Variants (each adds one change to the 
                 silu*mul (batch-1 products still through MKL)
   +native-gemv  batch-1 products through the compiled AVX-512 GEMV (layer_ops.cpp) - the engine's default
   +bf16-kv      the same on a second engine with --kv-cache-dtype bfloat16 (half the KV bytes)
+(all float32 models.)
+
+`--suite bf16` (issue 12): a float32 and a bfloat16 engine on the same checkpoint, round-robin:
+
+  fp32          --dtype float32, the default CPU path
+  bf16-before   --dtype bfloat16 as it ran before the native ops took bfloat16: PyTorch small ops (with float32
+                round trips), oneDNN for batch-1 products, K/V written by index_copy_, decode attention on a
+                float32 copy of q
+  bf16          --dtype bfloat16 end to end (the default path): native RMSNorm/rotary/silu*mul/KV write/decode
+                attention reading and writing bfloat16; GEMMs on oneDNN at every row count
+  bf16-gemv1    bf16, with batch-1 products through the native bf16 GEMV (VDPBF16PS where present; off by
+                default: not faster here)
 """
 from __future__ import annotations
 
@@ -22,6 +35,9 @@ import time
 import numpy as np
 import torch.nn.functional as F
 
+import torch
+
+import pagedserve.model_executor.attention as attention
 import pagedserve.model_executor.layers as layers
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.model_executor.kernels import cpu_kernels
@@ -45,11 +61,51 @@ def linear_without_native_gemv(self, x):
     return LINEAR_FORWARD(self, x)
 
 
-def decoding_engine(model: str, batch: int, context: int, threads: int, kv_cache_dtype: str):
+def linear_bf16_native_gemv_at_m1(self, x):
+    """Linear.forward with bfloat16 batch-1 products sent to the native bf16 GEMV instead of oneDNN."""
+    if x.shape[0] == 1 and self.backend == "onednn" and x.dtype == torch.bfloat16:
+        ops = layers.native_ops(x)
+        if ops is not None and ops.native_gemv():
+            return ops.gemv(x, self.weight, self.bias)
+    return LINEAR_FORWARD(self, x)
+
+
+class LegacyBf16Attention:
+    """The kernels as attention.py used them before they took bfloat16: K/V written by index_copy_, decode
+    attention on a float32 copy of q, its output copied back."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        if k.dtype == torch.float32:
+            return self.real.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        kvh, hd = k.shape[1], k.shape[2]
+        k_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+    def paged_decode_attention(self, q, k_cache, v_cache, tables, lens, scale, out=None):
+        if q.dtype == torch.float32:
+            return self.real.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out)
+        o = self.real.paged_decode_attention(q.float(), k_cache, v_cache, tables, lens, scale)
+        out.copy_(o)
+        return out
+
+
+BF16_VARIANTS = {  # name -> (model dtype, small ops in bf16 native, attention glue, bf16 batch-1 GEMV native)
+    "fp32": ("float32", True, "new", False),
+    "bf16-before": ("bfloat16", False, "legacy", False),
+    "bf16": ("bfloat16", True, "new", False),
+    "bf16-gemv1": ("bfloat16", True, "new", True),
+}
+
+
+def decoding_engine(model: str, batch: int, context: int, threads: int, kv_cache_dtype: str,
+                    dtype: str = "float32"):
     """An engine with `batch` requests past their prefill, each with `context` tokens in the cache."""
     decode_budget = 512  # more decode steps than the rounds take: no request finishes mid-measurement
     llm = LLM(model, num_threads=threads, max_model_len=context + decode_budget, kv_cache_dtype=kv_cache_dtype,
-              num_kv_blocks=batch * -(-(context + decode_budget) // 16))
+              num_kv_blocks=batch * -(-(context + decode_budget) // 16), dtype=dtype)
     engine = llm.llm_engine
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=decode_budget, ignore_eos=True, temperature=0.0)
@@ -78,9 +134,12 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--suite", choices=["issue7", "bf16"], default="issue7")
     args = p.parse_args(argv)
     if cpu_kernels() is None:
         raise SystemExit("the native CPU kernels did not build: nothing to compare")
+    if args.suite == "bf16":
+        return bf16_suite(args)
     print(f"| B | {' | '.join(VARIANTS)} | default vs baseline |")
     print(f"|---:|{'---:|' * (len(VARIANTS) + 1)}")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
@@ -97,6 +156,36 @@ def main(argv=None) -> int:
         med = {name: float(np.median(v)) for name, v in results.items()}
         cells = " | ".join(f"{med[n]:.1f}" for n in VARIANTS)
         print(f"| {batch} | {cells} | {med['baseline'] / med[DEFAULT]:.2f}x |", flush=True)
+        del engines
+    return 0
+
+
+def bf16_suite(args) -> int:
+    kernels = cpu_kernels()
+    print(f"native kernels: {kernels.isa()}; threads {args.threads}; context {args.context}; decode step ms "
+          f"(median over {args.rounds} rounds of per-round medians of {args.steps} steps)")
+    print(f"| B | {' | '.join(BF16_VARIANTS)} | bf16 vs fp32 | bf16 vs bf16-before |")
+    print(f"|---:|{'---:|' * (len(BF16_VARIANTS) + 2)}")
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+        engines = {dtype: decoding_engine(args.model, batch, args.context, args.threads, "auto", dtype)
+                   for dtype in ("float32", "bfloat16")}
+        results: dict[str, list[float]] = {name: [] for name in BF16_VARIANTS}
+        try:
+            for _ in range(args.rounds):
+                for name, (dtype, native_small, glue, gemv) in BF16_VARIANTS.items():
+                    layers.NATIVE_DTYPES = (torch.float32, torch.bfloat16) if native_small else (torch.float32,)
+                    attention.cpu_kernels = cpu_kernels if glue == "new" else (lambda: LegacyBf16Attention(kernels))
+                    layers.Linear.forward = linear_bf16_native_gemv_at_m1 if gemv else LINEAR_FORWARD
+                    engines[dtype].step()  # the first step after a switch warms caches for the new path
+                    results[name].append(step_ms(engines[dtype], args.steps))
+        finally:
+            layers.NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+            attention.cpu_kernels = cpu_kernels
+            layers.Linear.forward = LINEAR_FORWARD
+        med = {name: float(np.median(v)) for name, v in results.items()}
+        cells = " | ".join(f"{med[n]:.1f}" for n in BF16_VARIANTS)
+        print(f"| {batch} | {cells} | {med['fp32'] / med['bf16']:.2f}x | {med['bf16-before'] / med['bf16']:.2f}x |",
+              flush=True)
         del engines
     return 0
 

@@ -4,7 +4,7 @@ import logging as _logging
 from pagedserve.config import EngineArgs
 from pagedserve.demo_model_path import default_model_path
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -26,5 +26,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "EngineArgs", "SamplingParams", "BeamSearchParams", "RequestOutputKind", "RequestOutput",
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "RequestOutputKind", "RequestOutput",
            "CompletionOutput", "Logprob", "default_model_path", "__version__"]

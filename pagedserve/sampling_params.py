@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from pagedserve.errors import InvalidRequestError
 
@@ -16,6 +18,59 @@ class RequestOutputKind(enum.Enum):
 # Above this many samples per request the KV pool is better spent on other requests.
 MAX_N = 128
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs; the engine's own is EngineArgs.max_logprobs
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output, as in vLLM: exactly one of a JSON schema, a regex, a list of choices, a grammar
+    (Lark / EBNF, llguidance's syntax) or any JSON object."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON: compact separators only, no free whitespace (vLLM's name)
+    # The request field the constraint came from (errors name it): structured_outputs, response_format, ...
+    source: str = "structured_outputs"
+
+    def param(self, kind: str | None = None) -> str:
+        return f"{self.source}.{kind}" if self.source == "structured_outputs" and kind else self.source
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise InvalidRequestError(f"{self.source} needs exactly one of json, regex, choice, grammar, "
+                                      f"json_object; got {given or 'none'}.", param=self.source)
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as exc:
+                raise InvalidRequestError(f"{self.param('json')}: not valid JSON: {exc}",
+                                          param=self.param("json")) from exc
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise InvalidRequestError(f"{self.param('json')} must be a JSON schema object.", param=self.param("json"))
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise InvalidRequestError(f"{self.param('choice')} must be a non-empty list of non-empty strings.",
+                                      param=self.param("choice"))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"{self.param(name)} must be a non-empty string.", param=self.param(name))
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None) \
+            if not self.json_object else "json_object"
+
+    def key(self) -> tuple[str, str]:
+        """A hashable identity of the constraint (the grammar cache key)."""
+        value: Any = getattr(self, self.kind)
+        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        return self.kind, text + ("\0compact" if self.disable_any_whitespace else "")
+
 
 
 @dataclass
@@ -38,6 +93,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -84,6 +140,8 @@ class SamplingParams:
             raise bad("seed", self.seed, "an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "a list of non-empty strings")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative integers")
 

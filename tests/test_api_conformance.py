@@ -60,6 +60,10 @@ def _ids_out_of_vocab(value: Any, vocab: int) -> bool:
     return False
 
 
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
+
+
 def business_rule_broken(path: str, body: Any, error: dict[str, Any], vocab: int) -> str | None:
     """Why a schema-valid `body` may be refused with this 400 `error` (a rule of protocol.BUSINESS_RULES that
     the body really breaks), or None when it breaks none of them: then the refusal is a conformance bug."""
@@ -112,6 +116,45 @@ def business_rule_broken(path: str, body: Any, error: dict[str, Any], vocab: int
         # Not a business rule: the value is outside the schema's int64 range, but schemathesis compares it as
         # a double, where 2**63 - 1 + 200 == 2**63 - 1.
         return "seed outside int64 (JSON double rounding in the generator)"
+    if field in CONSTRAINT_FIELDS:
+        given = [f for f in CONSTRAINT_FIELDS if body.get(f) is not None
+                 and not (f == "response_format" and isinstance(body[f], dict) and body[f].get("type") == "text")]
+        if len(given) > 1:
+            return "more than one output constraint"
+        if code == "invalid_grammar":
+            return "the grammar engine refused the schema / regex / grammar"
+        fmt, so = body.get("response_format"), body.get("structured_outputs")
+        if field == "response_format" and isinstance(fmt, dict) and fmt.get("type") == "json_schema" \
+                and (fmt.get("json_schema") or {}).get("schema") is None:
+            return "json_schema without its schema"
+        if field == "structured_outputs" and isinstance(so, dict) and sum(
+                so.get(k) is not None for k in ("json", "regex", "choice", "grammar")) + bool(so.get("json_object")) != 1:
+            return "structured_outputs needs exactly one constraint"
+        if field in ("guided_json", "structured_outputs") and isinstance(body.get(field), (dict, str)):
+            value = body[field] if field == "guided_json" else body[field].get("json")
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    return "the JSON schema is not JSON"
+            if value is not None and not isinstance(value, (dict, bool)):
+                return "the JSON schema is not an object"
+    if field in ("tools", "tool_choice"):
+        tools = body.get("tools") or []
+        choice = body.get("tool_choice", "auto" if tools else "none")
+        names = {t["function"]["name"] for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)}
+        if choice == "auto" and tools:
+            return '"auto" tool choice without --enable-auto-tool-choice'
+        if choice not in (None, "none") and not tools:
+            return "tool_choice without tools"
+        if isinstance(choice, dict) and (choice.get("function") or {}).get("name") not in names:
+            return "tool_choice names a function that is not among the tools"
+        if code == "invalid_grammar":
+            return "a function's parameters schema is invalid"
+        if field == "tool_choice" and choice not in (None, "none", "auto") and any(
+                body.get(f) is not None and not (f == "response_format" and isinstance(body[f], dict)
+                                                 and body[f].get("type") == "text") for f in CONSTRAINT_FIELDS):
+            return "tool_choice required / named plus another output constraint"
     if field == "stop":
         stop = body.get("stop")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -381,13 +424,15 @@ def _bad_material(vocab: int) -> dict[str, Any]:
             "stop_token_ids": [[-1], [vocab], [10**7], [2**63], "1", [1.5]],
             "priority": [1, -5, 1.5, "1"], "stream": ["yes", 1, None], "echo": ["x", 2], "best_of": [2, 0, 200, "1"],
             "cache_salt": ["", 5], "user": [5, []], "stream_options": [{"include_usage": True}, {"x": 1}, "yes"],
-            "suffix": ["x"], "logit_bias": [{"5": 1}], "tools": [[]], "response_format": [{"type": "json_object"}],
+            "suffix": ["x"], "logit_bias": [{"5": 1}], "tools": [[{}], "x", [{"type": "function", "function": {"name": "bad name!"}}]],
+            "response_format": [{"type": "bogus"}, "json", {"type": "json_schema"}],
+            "guided_regex": ["a(b", "", 5], "guided_choice": [[], [""], "a"], "structured_outputs": [{}, {"regex": "a", "choice": ["a"]}],
         },
         "prompt": ["", [], [[]], ["a", ""], [1, "a"], [[1], "a"], [[[1]]], [vocab], [10**7], [-1], [[5], [vocab + 3]],
                    [2**63], 5, None, {"text": "x"}, [1.5, 2.5], True, long_text, list(range(1, MAX_MODEL_LEN + 5))],
         "messages": [[], "hi", [{}], [{"role": "wizard", "content": "x"}], [{"role": "user", "content": 5}],
                      [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}],
-                     [{"role": "tool", "content": "x"}], [{"role": "user", "content": "x", "tool_calls": []}],
+                     [{"role": "tool", "content": 5}], [{"role": "user", "content": "x", "tool_calls": [{}]}],
                      [{"role": "user", "content": long_text}]],
         "json": [b"{", b"}{", b"null", b"[]", b"[1, 2]", b'"s"', b"", b"\xff\xfe\x00", b'{"prompt": NaN}',
                  b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "temperature": Infinity}',

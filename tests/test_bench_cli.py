@@ -7,7 +7,7 @@ import pytest
 
 from pagedserve.benchmarks.cli import add_bench_parser
 
-ENGINE = ["--num-threads", "1", "--num-kv-blocks", "256", "--max-model-len", "512"]
+ENGINE = ["--num-threads", "1", "--num-kv-blocks", "256", "--max-model-len", "512", "--dtype", "float32"]
 
 
 def run_bench(argv):

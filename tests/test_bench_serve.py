@@ -146,6 +146,12 @@ def bench_model(tmp_path_factory):
     return make_model(get_shape("tiny-llama"), str(tmp_path_factory.mktemp("bench_tiny")), verbose=False)
 
 
+def args_list(port: int, model: str, out) -> list[str]:
+    return ["serve", "--port", str(port), "--tokenizer", model, "--dataset-name", "mixed", "--num-prompts", "6",
+            "--ignore-eos", "--request-rate", "50", "--seed", "1", "--result-filename", str(out), "--disable-tqdm",
+            "--ready-check-timeout-sec", "120"]
+
+
 def test_serve_against_our_server(bench_model, tmp_path):
     pytest.importorskip("pagedserve.entrypoints.openai.api_server")
     port = _free_port()
@@ -156,16 +162,17 @@ def test_serve_against_our_server(bench_model, tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     try:
         out = tmp_path / "ours.json"
-        args = bench_args(["serve", "--port", str(port), "--tokenizer", bench_model, "--dataset-name", "mixed",
-                           "--num-prompts", "6", "--ignore-eos", "--request-rate", "50", "--seed", "1",
-                           "--result-filename", str(out), "--disable-tqdm", "--ready-check-timeout-sec", "120"])
+        args = bench_args(args_list(port, bench_model, out))
         # the mixed workload's long prompts would not fit max_model_len 512: shrink it for the smoke test
         from pagedserve.benchmarks import datasets as ds
 
         old = ds.MIXED_PROMPT_RANGE, ds.MIXED_OUTPUT_RANGE
         ds.MIXED_PROMPT_RANGE, ds.MIXED_OUTPUT_RANGE = (8, 64), (4, 16)
+        constrained_out = tmp_path / "json_schema.json"
+        constrained = bench_args([*args_list(port, bench_model, constrained_out), "--structured-output", "json_schema"])
         try:
             assert args.func(args) == 0
+            assert constrained.func(constrained) == 0  # same workload, every request JSON-schema constrained
         finally:
             ds.MIXED_PROMPT_RANGE, ds.MIXED_OUTPUT_RANGE = old
         r = json.loads(out.read_text())
@@ -174,6 +181,9 @@ def test_serve_against_our_server(bench_model, tmp_path):
         assert r["total_output_tokens"] == sum(r["output_lens"]) > 0
         assert all(0 < t for t in r["ttfts"])
         assert r["mean_ttft_ms"] > 0 and r["request_throughput"] > 0
+        c = json.loads(constrained_out.read_text())
+        assert c["structured_output"] == "json_schema" and c["completed"] == 6 and c["failed"] == 0, c["errors"]
+        assert c["output_lens"] == r["output_lens"]  # the schema cannot be complete before max_tokens
     finally:
         proc.terminate()
         try:

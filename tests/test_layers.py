@@ -36,19 +36,23 @@ def _native_vs_torch(fn, monkeypatch):
     return native, fn()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 64])
-def test_fused_norm_rotary_silu_match_pytorch(rows, monkeypatch):
+def test_fused_norm_rotary_silu_match_pytorch(rows, dtype, monkeypatch):
+    """The layers with the native ops and with the PyTorch fallback, in the model's dtype (a bfloat16 model has
+    bfloat16 norm weights and rotary tables: model.to(dtype) converts the buffers too)."""
     from pagedserve.model_executor.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
 
     g = torch.Generator().manual_seed(rows)
     norm = RMSNorm(80, 1e-6)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(80, generator=g))
-    x, residual = torch.randn(rows, 80, generator=g), torch.randn(rows, 80, generator=g)
-    gate_up = torch.randn(rows, 2 * 48, generator=g)
+    norm = norm.to(dtype)
+    x, residual = torch.randn(rows, 80, generator=g).to(dtype), torch.randn(rows, 80, generator=g).to(dtype)
+    gate_up = torch.randn(rows, 2 * 48, generator=g).to(dtype)
     heads, kv_heads, d = 6, 2, 32
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g)
-    rotary = RotaryEmbedding(d, 4096, 10000.0, None)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    rotary = RotaryEmbedding(d, 4096, 10000.0, None).to(dtype)
     cos_sin = rotary.cos_sin(torch.randint(0, 4096, (rows,), generator=g))
 
     def run():
@@ -58,6 +62,8 @@ def test_fused_norm_rotary_silu_match_pytorch(rows, monkeypatch):
         return norm(x), fused, res, silu_and_mul(gate_up), apply_rotary(qk, cos_sin)
 
     native, reference = _native_vs_torch(run, monkeypatch)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
     for a, b in zip(native, reference):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert a.dtype == b.dtype == dtype
+        torch.testing.assert_close(a, b, **tol)
     torch.testing.assert_close(native[2], residual + x)  # the residual stream was updated in place

@@ -540,22 +540,34 @@ def test_scheduler_prefix_hit_sets_num_cached_tokens():
     assert sched.kv.prefix_cache_hits == 8 and sched.kv.prefix_cache_queries == 20
 
 
-def test_no_prefix_hit_on_blocks_scheduled_in_the_same_step():
-    """Blocks are registered only after the forward wrote them: two identical prompts admitted in one step
-    each compute their own blocks; the next identical prompt hits."""
+def test_identical_prompts_arriving_together_share_blocks_once_written():
+    """Blocks are registered only after the forward wrote them: a request whose next block another request is
+    writing waits one step and then hits it, instead of computing it again."""
     sched = make_scheduler(block_size=4)
     prompt = list(range(1000, 1010))
-    a, b = make_request("a", prompt, max_tokens=2), make_request("b", prompt, max_tokens=2)
+    a, b = make_request("a", prompt, max_tokens=3), make_request("b", prompt, max_tokens=3)
     sched.add_request(a)
     sched.add_request(b)
     out = step(sched)
-    assert chunk_sizes(out) == {"a": 10, "b": 10}
-    assert b.num_cached_tokens == 0
-    c = make_request("c", prompt, max_tokens=2)
-    sched.add_request(c)
+    assert chunk_sizes(out) == {"a": 10}
+    assert sched.kv.get_computed_blocks(b).num_tokens == 8
     out = step(sched)
-    assert chunk_sizes(out) == {"a": 1, "b": 1, "c": 2}
-    assert c.num_cached_tokens == 8
+    assert chunk_sizes(out) == {"a": 1, "b": 2}
+    assert b.num_cached_tokens == 8 and not sched.kv.pending_hashes
+
+
+def test_a_failed_writer_leaves_no_pending_block_behind():
+    sched = make_scheduler(block_size=4)
+    prompt = list(range(1000, 1010))
+    a, b = make_request("a", prompt), make_request("b", prompt)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()  # a's forward "fails": it is finished without update_from_output
+    assert chunk_sizes(out) == {"a": 10} and sched.kv.pending_hashes
+    sched.finish_requests("a", RequestStatus.FINISHED_ERROR)
+    assert not sched.kv.pending_hashes and not sched.kv.block_pool.cached_blocks
+    out = step(sched)
+    assert chunk_sizes(out) == {"b": 10}  # nothing to wait for, nothing unwritten to hit
 
 
 def test_sibling_samples_wait_for_the_leader_prompt_then_share_it():
@@ -563,7 +575,6 @@ def test_sibling_samples_wait_for_the_leader_prompt_then_share_it():
     prompt = list(range(1000, 1010))
     leader = make_request("r#0", prompt, max_tokens=4)
     sibling = make_request("r#1", prompt, max_tokens=2)
-    sibling.prefill_leader = leader
     sched.add_request(leader)
     sched.add_request(sibling)
     out = step(sched)

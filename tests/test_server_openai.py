@@ -256,7 +256,7 @@ def test_openai_client_sees_typed_errors(server, client, model):
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model=model, messages=MESSAGES, tools=[
             {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}])
-    assert exc.value.param == "tools"
+    assert exc.value.param == "tool_choice"  # "auto" (the default with tools) needs --enable-auto-tool-choice
     with pytest.raises(openai.NotFoundError) as exc:
         client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=4)
     assert exc.value.code == "model_not_found"

@@ -42,6 +42,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="gamma shape of inter-arrival times: 1 = Poisson, <1 burstier, >1 more uniform")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--structured-output", choices=sorted(STRUCTURED_OUTPUT_BODIES), default=None,
+                   help="constrain every request: json_schema (response_format with an array schema that cannot "
+                        "be complete before max_tokens, so lengths match the unconstrained run), regex or choice "
+                        "(vLLM's structured_outputs; these end early)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl",
                    help="comma list of ttft,tpot,itl,e2el to print percentiles for")
@@ -62,10 +66,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------------------
 # one request
 
+# What --structured-output adds to each request body.
+STRUCTURED_OUTPUT_BODIES: dict[str, dict[str, Any]] = {
+    "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "bench", "schema": {
+        "type": "array", "minItems": 10000, "items": {
+            "type": "object", "properties": {"id": {"type": "integer"}, "tag": {"type": "string", "maxLength": 8}},
+            "required": ["id", "tag"], "additionalProperties": False}}}}},
+    "regex": {"structured_outputs": {"regex": "[a-z ]{1,200}\\.[0-9]{1,8}"}},
+    "choice": {"structured_outputs": {"choice": ["positive", "negative", "neutral"]}},
+}
+
 
 def _payload(backend: str, model: str, sample: ds.SampleRequest, ignore_eos: bool, temperature: float,
-             tokenizer=None) -> dict[str, Any]:
+             tokenizer=None, extra_body: dict[str, Any] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {
+        **(extra_body or {}),
         "model": model,
         "max_tokens": sample.expected_output_len,
         "temperature": temperature,
@@ -193,7 +208,8 @@ async def benchmark(*, base_url: str, api_url: str, backend: str, model: str | N
                     request_rate: float = float("inf"), burstiness: float = 1.0, max_concurrency: int | None = None,
                     ignore_eos: bool = False, temperature: float = 0.0, disable_tqdm: bool = False,
                     seed: int = 0, num_warmups: int = 0, ready_check_timeout_sec: float = 600,
-                    request_timeout: float = 6 * 3600, tokenizer=None, verbose: bool = True):
+                    request_timeout: float = 6 * 3600, tokenizer=None, verbose: bool = True,
+                    extra_body: dict[str, Any] | None = None):
     """Run the load; returns (model, outcomes in sample order, benchmark duration in seconds)."""
     import httpx
     from tqdm import tqdm
@@ -216,13 +232,13 @@ async def benchmark(*, base_url: str, api_url: str, backend: str, model: str | N
         first = samples[0]
         if ready_check_timeout_sec > 0:
             log("Starting initial single prompt test run...")
-            out = await wait_until_ready(client, api_url, _payload(backend, model, first, ignore_eos, temperature, tokenizer),
+            out = await wait_until_ready(client, api_url, _payload(backend, model, first, ignore_eos, temperature, tokenizer, extra_body),
                                          first.prompt_len, chat, ready_check_timeout_sec)
             if not out.success:
                 raise ValueError(f"Initial test run failed - check the benchmark arguments. Error: {out.error}")
             log("Initial test run completed.")
         for _ in range(num_warmups):
-            await send_request(client, api_url, _payload(backend, model, first, ignore_eos, temperature, tokenizer),
+            await send_request(client, api_url, _payload(backend, model, first, ignore_eos, temperature, tokenizer, extra_body),
                                first.prompt_len, chat)
         log("Starting main benchmark run...")
         distribution = "Poisson process" if burstiness == 1.0 else "Gamma distribution"
@@ -234,7 +250,7 @@ async def benchmark(*, base_url: str, api_url: str, backend: str, model: str | N
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
         async def one(sample: ds.SampleRequest) -> RequestOutcome:
-            body = _payload(backend, model, sample, ignore_eos, temperature, tokenizer)
+            body = _payload(backend, model, sample, ignore_eos, temperature, tokenizer, extra_body)
             if sem is None:
                 out = await send_request(client, api_url, body, sample.prompt_len, chat)
             else:
@@ -282,7 +298,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, temperature=args.temperature,
         disable_tqdm=args.disable_tqdm, seed=args.seed, num_warmups=args.num_warmups,
         ready_check_timeout_sec=args.ready_check_timeout_sec, request_timeout=args.request_timeout,
-        tokenizer=tokenizer))
+        tokenizer=tokenizer, extra_body=STRUCTURED_OUTPUT_BODIES.get(args.structured_output)))
     metrics = calculate_metrics(outcomes, duration, percentiles, slos)
     failed = [o.error for o in outcomes if not o.success]
     if failed:
@@ -306,6 +322,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
         "ignore_eos": args.ignore_eos,
+        "structured_output": args.structured_output,
         "goodput_slos_ms": slos or None,
     }
     result.update(result_dict(metrics, outcomes))

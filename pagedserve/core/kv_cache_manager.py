@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedserve.core.block_pool import HASH_FUNCTIONS, BlockPool, KVBlock
+from pagedserve.core.block_pool import HASH_FUNCTIONS, BlockHash, BlockPool, KVBlock
 from pagedserve.core.request import Request
 
 
@@ -30,6 +30,9 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         # how many leading blocks of each request are registered in the prefix cache
         self.num_cached_blocks: dict[str, int] = {}
+        # full blocks scheduled but not yet written (registered only once written): hash -> request ids
+        self.pending_hashes: dict[BlockHash, set[str]] = {}
+        self._pending_of: dict[str, list[BlockHash]] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -66,6 +69,17 @@ class KVCacheManager:
             blocks.append(block)
         return PrefixHit(blocks, len(blocks) * self.block_size)
 
+    def prefix_in_flight(self, request: Request) -> bool:
+        """Whether the first block after the request's cached chain is being written by a running request.
+        Waiting a step lets it hit that block (n > 1 samples, identical prompts arriving together) instead of
+        computing it again; blocks are registered only once written, so it cannot hit them in this step."""
+        if not self.enable_caching or not self.pending_hashes:
+            return False
+        hit = self.get_computed_blocks(request)
+        index = len(hit.blocks)
+        return index < (request.num_tokens - 1) // self.block_size and \
+            request.block_hashes[index] in self.pending_hashes
+
     def allocate_slots(self, request: Request, num_new_tokens: int, prefix_hit: PrefixHit = NO_HIT) -> list[KVBlock] | None:
         """Give the request room for `num_new_tokens` more tokens (after any prefix hit).
 
@@ -88,7 +102,27 @@ class KVCacheManager:
         blocks.extend(prefix_hit.blocks)
         new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
         blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._mark_pending(request, min(num_tokens_after, request.num_tokens) // self.block_size)
         return new_blocks
+
+    def _mark_pending(self, request: Request, num_full: int) -> None:
+        start = self.num_cached_blocks.get(request.request_id, 0) + len(self._pending_of.get(request.request_id, ()))
+        if num_full <= start:
+            return
+        self._update_block_hashes(request)
+        mine = self._pending_of.setdefault(request.request_id, [])
+        for block_hash in request.block_hashes[start:num_full]:
+            self.pending_hashes.setdefault(block_hash, set()).add(request.request_id)
+            mine.append(block_hash)
+
+    def _clear_pending(self, request_id: str) -> None:
+        for block_hash in self._pending_of.pop(request_id, ()):
+            holders = self.pending_hashes.get(block_hash)
+            if holders is not None:
+                holders.discard(request_id)
+                if not holders:
+                    del self.pending_hashes[block_hash]
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's full blocks up to `num_computed_tokens` in the prefix cache.
@@ -98,6 +132,7 @@ class KVCacheManager:
         """
         if not self.enable_caching or request.request_id not in self.req_to_blocks:
             return
+        self._clear_pending(request.request_id)  # whatever was scheduled is written now
         num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
         start = self.num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:
@@ -112,6 +147,7 @@ class KVCacheManager:
         """Release the request's blocks, last block first: under pressure its tail is evicted before its head."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        self._clear_pending(request.request_id)
         self.block_pool.free_blocks(reversed(blocks))
 
     def _update_block_hashes(self, request: Request) -> None:

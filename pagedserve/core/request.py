@@ -47,7 +47,6 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         sample_index: int = 0,
-        prefill_leader: "Request | None" = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -58,8 +57,6 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.sample_index = sample_index
-        # n > 1: sample 0. Its siblings wait for it to write the prompt's KV, then share those blocks.
-        self.prefill_leader = prefill_leader
 
         self.status = RequestStatus.WAITING
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -87,14 +84,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
-
-    @property
-    def waits_for_leader(self) -> bool:
-        """A sibling sample is not admitted while its leader is still computing the shared prompt: prompt
-        blocks are registered in the prefix cache only once written, and waiting lets it hit them."""
-        leader = self.prefill_leader
-        return (leader is not None and leader.status == RequestStatus.RUNNING
-                and leader.num_computed_tokens < leader.num_prompt_tokens)
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

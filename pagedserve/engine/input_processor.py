@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.config import EngineConfig
+from pagedserve.engine.structured_output import StructuredOutputManager
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import SamplingParams
 
@@ -34,12 +35,15 @@ class ProcessedRequest:
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    grammar: str | None = None  # structured output: the compiled llguidance grammar
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Any,
+                 structured_output: StructuredOutputManager | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.structured_output = structured_output
 
     @property
     def vocab_size(self) -> int:
@@ -142,9 +146,15 @@ class InputProcessor:
         if not token_ids:
             raise InvalidRequestError(f"{prompt_param} must not be empty.", param=prompt_param)
         max_tokens = self._check_length(len(token_ids), params.max_tokens, prompt_param)
+        grammar = None
+        if params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise InvalidRequestError("This engine does not support structured outputs.",
+                                          param="structured_outputs", code="unsupported_parameter")
+            grammar = self.structured_output.grammar(params.structured_outputs)
         return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
                                 max_tokens, time.time() if arrival_time is None else arrival_time, priority,
-                                cache_salt)
+                                cache_salt, grammar)
 
 
 # ------------------------------------------------------------------------------------------ chat
@@ -155,8 +165,9 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                 continue_final_message: bool = False, chat_template: str | None = None,
-                chat_template_kwargs: dict[str, Any] | None = None) -> str:
-    """Messages -> the prompt text through the model's chat template (transformers' apply_chat_template)."""
+                chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None) -> str:
+    """Messages -> the prompt text through the model's chat template (transformers' apply_chat_template);
+    `tools` (OpenAI's function definitions) are rendered by the template, as the model was trained to see them."""
     if not messages:
         raise InvalidRequestError("messages must contain at least one message.", param="messages")
     if add_generation_prompt and continue_final_message:
@@ -169,7 +180,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, add_generatio
     if clash:
         raise InvalidRequestError(f"chat_template_kwargs may not set {clash}.", param="chat_template_kwargs")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template,
+        text = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template, tools=tools,
                                              add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, **kwargs)
     except Exception as exc:  # jinja TemplateError (raise_exception in templates), ValueError, ...

@@ -13,6 +13,7 @@ from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutpu
 from pagedserve.engine.fault_injection import FaultInjector
 from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest
 from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.structured_output import StructuredOutputManager
 from pagedserve.metrics.loggers import StepStats
 from pagedserve.metrics.stats import EngineStats, IterationStats, SchedulerStats
 from pagedserve.model_executor.model_config import ModelConfig, resolve_model_dir
@@ -69,7 +70,8 @@ class LLMEngine:
             parallel=ParallelConfig(device.type, args.num_threads),
             limits=RequestLimits.from_args(args),
             seed=args.seed)
-        self.input_processor = InputProcessor(self.config, self.tokenizer)
+        self.structured_output = StructuredOutputManager(self.tokenizer, cfg.vocab_size)
+        self.input_processor = InputProcessor(self.config, self.tokenizer, self.structured_output)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.fault_injector = FaultInjector.from_env(self.runner.model)
         self.num_step_failures = 0
@@ -154,10 +156,11 @@ class LLMEngine:
             seq_id = processed.request_id if params.n == 1 else f"{processed.request_id}#{i}"
             sequences.append(Request(seq_id, processed.prompt_token_ids, params, processed.max_tokens,
                                      self.model_config.eos_token_ids, processed.arrival_time, processed.priority,
-                                     processed.cache_salt, sample_index=i,
-                                     prefill_leader=sequences[0] if sequences else None))
+                                     processed.cache_salt, sample_index=i))
         self.output_processor.add_request(processed, sequences)
         for seq in sequences:
+            if processed.grammar is not None:
+                self.structured_output.add(seq.request_id, processed.grammar)
             self.scheduler.add_request(seq)
 
     def abort_request(self, request_id: str | list[str]) -> None:
@@ -165,6 +168,7 @@ class LLMEngine:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             self.scheduler.finish_requests(self.output_processor.sequence_ids(rid), RequestStatus.FINISHED_ABORTED)
             self.output_processor.abort(rid, now)
+        self.structured_output.retain(self.scheduler.requests)
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
@@ -173,6 +177,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
+        grammars = self.structured_output
         if sched_out.is_empty:
             self.last_iteration = IterationStats()
             return []
@@ -181,16 +186,21 @@ class LLMEngine:
         try:
             if self.fault_injector is not None:
                 self.fault_injector.arm(sched_out)
-            runner_out = self.runner.execute_model(sched_out)
+            runner_out = self.runner.execute_model(sched_out, grammars if grammars.matchers else None)
         except Exception as exc:
             return self._fail_step(sched_out, exc)
         progressed = self.scheduler.update_from_output(sched_out, runner_out.sampled)
         now = time.time()
         to_stop, failed = self.output_processor.process_tokens(progressed, runner_out.logprobs, now)
+        if grammars.matchers:  # a completed grammar ends its sequence ("stop"), like EOS
+            to_stop += [r.request_id for r in progressed
+                        if not r.is_finished and grammars.accept(r.request_id, r.all_token_ids[-1])]
         if to_stop:
             self.scheduler.finish_requests(to_stop, RequestStatus.FINISHED_STOPPED)
         outputs = self._fail_requests(failed, now) if failed else []
         outputs += self.output_processor.make_outputs(now)
+        if grammars.matchers:
+            grammars.retain(self.scheduler.requests)
         self.last_iteration = IterationStats(
             num_scheduled_tokens=sched_out.num_scheduled_tokens,
             num_prompt_tokens=sched_out.num_scheduled_tokens - num_decode_tokens,
@@ -212,7 +222,9 @@ class LLMEngine:
                      type(exc).__name__, exc, len(user_ids), user_ids, exc_info=exc)
         self.last_iteration = IterationStats()
         message = f"engine step failed: {type(exc).__name__}: {exc}"
-        return self._fail_requests(dict.fromkeys(user_ids, message), time.time())
+        outputs = self._fail_requests(dict.fromkeys(user_ids, message), time.time())
+        self.structured_output.retain(self.scheduler.requests)
+        return outputs
 
     def _fail_requests(self, failed: dict[str, str], now: float) -> list[RequestOutput]:
         outputs = []

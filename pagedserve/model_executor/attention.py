@@ -22,6 +22,8 @@ import torch.nn.functional as F
 
 from pagedserve.model_executor.kernels import cpu_kernels
 
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the native kernels read and write (any KV cache dtype)
+
 
 @dataclass
 class PrefillSpan:
@@ -51,7 +53,7 @@ class AttentionMetadata:
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    kernels = cpu_kernels() if k.device.type == "cpu" and k.dtype == torch.float32 else None
+    kernels = cpu_kernels() if k.device.type == "cpu" and k.dtype in NATIVE_DTYPES else None
     if kernels is not None:  # one call for K and V, straight from the QKV output, no intermediate copies
         kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
         return
@@ -67,13 +69,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     d = meta.num_decodes
-    kernels = cpu_kernels() if q.device.type == "cpu" else None
-    if d and kernels is not None:  # float32 q is read in place from the QKV output and out written in place
-        fp32 = q.dtype == torch.float32
-        o = kernels.paged_decode_attention(q[:d].float(), k_cache, v_cache, meta.decode_block_tables,
-                                           meta.decode_context_lens, scale, out[:d] if fp32 else None)
-        if not fp32:
-            out[:d] = o
+    kernels = cpu_kernels() if q.device.type == "cpu" and q.dtype in NATIVE_DTYPES else None
+    if d and kernels is not None:  # q is read in place from the QKV output and out written in place
+        kernels.paged_decode_attention(q[:d], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                       scale, out[:d])
     elif d:
         bt = meta.decode_block_tables
         keys = k_cache[bt].view(d, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)

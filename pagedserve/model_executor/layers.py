@@ -11,12 +11,15 @@ from torch import nn
 from pagedserve.model_executor.kernels import cpu_kernels
 
 
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def native_ops(x: torch.Tensor):
-    """The compiled fused ops (kernels/layer_ops.cpp) when they apply to x (float32 on CPU), else None.
+    """The compiled fused ops (kernels/layer_ops.cpp) when they apply to x (float32 or bfloat16 on CPU), else None.
 
     On CPU at decode batch sizes these small ops cost more in per-op dispatch than in arithmetic: RMSNorm alone
-    is six ATen ops."""
-    if x.dtype != torch.float32 or x.device.type != "cpu":
+    is six ATen ops (and in bfloat16 PyTorch adds conversions to float32 and back around each)."""
+    if x.dtype not in NATIVE_DTYPES or x.device.type != "cpu":
         return None
     return cpu_kernels()
 
@@ -30,7 +33,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm(x); with `residual`: residual += x (in place), then RMSNorm(residual) - a decoder layer's
         residual add fused with the norm after it."""
-        ops = native_ops(x) if x.dim() == 2 else None
+        ops = native_ops(x) if x.dim() == 2 or (x.dim() == 3 and residual is None) else None
         if ops is not None:
             return ops.rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
@@ -38,6 +41,15 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+    def forward_inplace(self, x: torch.Tensor) -> bool:
+        """RMSNorm of x ([T, heads, D], e.g. the q or k heads inside the QKV output) written over x by the native
+        op; False (x untouched) when it does not apply."""
+        ops = native_ops(x)
+        if ops is None:
+            return False
+        ops.rms_norm(x, None, self.weight, self.eps, x)
+        return True
 
 
 # Measured in BENCHMARKS.md (section 6): on the decoder's matrices MKL's F.linear beats pre-packed oneDNN at 1-3
@@ -53,8 +65,10 @@ class Linear(nn.Module):
       * "torch": F.linear (MKL on x86);
       * "onednn" (what "auto" picks on CPU): the weight pre-packed once for oneDNN (`mkldnn._linear_pointwise`),
         which picks much better kernels than MKL for the small-M products of decode on some CPUs; below
-        ONEDNN_MIN_ROWS rows it hands over to the unpacked weight (kept too): one row to the native AVX-512
-        GEMV (kernels/layer_ops.cpp) where it is built, otherwise F.linear;
+        ONEDNN_MIN_ROWS rows (float32) it hands over to the unpacked weight (kept too): one row to the native
+        AVX-512 GEMV (kernels/layer_ops.cpp) where it is built, otherwise F.linear. bfloat16 stays on oneDNN at
+        every row count: the native bfloat16 GEMV (VDPBF16PS) measured equal at batch 1 on SmolLM2 and 10% slower
+        on Qwen3-0.6B (BENCHMARKS.md section 6, "bfloat16 end to end"), the weights streaming from memory;
       * "int8": weight-only int8, per-output-channel scales, activations quantized per call (fbgemm
         dynamic quantization) - a quarter of the weight bytes, for memory-bound decode.
     """
@@ -86,11 +100,11 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "onednn":
-            if x.shape[0] >= ONEDNN_MIN_ROWS or x.dtype != torch.float32:  # bf16: oneDNN wins at every M
+            if x.shape[0] >= ONEDNN_MIN_ROWS or x.dtype != torch.float32:  # bf16: oneDNN at every M (see below)
                 return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
             ops = native_ops(x) if x.shape[0] == 1 else None
-            if ops is not None:  # batch-1 decode: a GEMV that streams the weight at the memory bandwidth
-                return ops.gemv(x, self.weight, self.bias)
+            if ops is not None and ops.native_gemv():  # batch-1 decode: a GEMV that streams the weight at the
+                return ops.gemv(x, self.weight, self.bias)  # memory bandwidth
             return F.linear(x, self.weight, self.bias)
         if self.backend == "int8":
             return torch.ops.quantized.linear_dynamic(x.float(), self._packed, True).to(x.dtype)

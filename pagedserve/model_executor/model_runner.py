@@ -8,7 +8,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -36,9 +38,32 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":  # float32 where bf16 matmuls are slow or emulated (CPU); bf16 on GPUs
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[dtype]
+    """The model dtype for `--dtype` ("auto" or a name). "auto" is bfloat16 on GPUs and on CPUs with AMX-BF16 or
+    AVX512-BF16 (as vLLM's CPU backend picks: bfloat16 GEMMs and the native bfloat16 ops run there at ~2x the
+    float32 speed), float32 on other CPUs (bfloat16 arithmetic is emulated there). Logs which and why."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cuda":
+        logger.info("dtype auto: bfloat16 (CUDA device).")
+        return torch.bfloat16
+    if device.type == "cpu":
+        from pagedserve.model_executor.kernels import cpu_flags, has_bf16_compute
+
+        if has_bf16_compute():
+            units = [name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"))
+                     if flag in cpu_flags()]
+            logger.info("dtype auto: bfloat16 (this CPU has %s; pass --dtype float32 for float32).",
+                        " and ".join(units))
+            return torch.bfloat16
+        logger.info("dtype auto: float32 (this CPU has neither AMX-BF16 nor AVX512-BF16, so bfloat16 would be "
+                    "emulated; pass --dtype bfloat16 to force it).")
+    return torch.float32
+
+
+class TokenMaskSource(Protocol):
+    """Structured output's side of a step (engine/structured_output.py)."""
+
+    def start_masks(self, sequence_ids: list[str]) -> "Future[torch.Tensor] | None": ...
 
 
 @dataclass
@@ -105,17 +130,21 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, out: SchedulerOutput, token_masks: TokenMaskSource | None = None) -> ModelRunnerOutput:
+        """token_masks (structured output): asked for the sampling rows' allowed-token bitmask before the
+        forward, so that it is computed while the forward runs."""
         for request_id in out.finished_request_ids:
             self.generators.pop(request_id, None)
         # decodes first: attention batches them together
         items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta, logits_indices, sampling_items = self._prepare_inputs(items)
+        masks = token_masks.start_masks([i.request.request_id for i in sampling_items]) \
+            if token_masks is not None and sampling_items else None
         t0 = time.perf_counter()
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
         result = ModelRunnerOutput(forward_time=time.perf_counter() - t0)
         if sampling_items:
-            self._sample(logits, sampling_items, result)
+            self._sample(logits, sampling_items, result, masks.result() if masks is not None else None)
         return result
 
     def _prepare_inputs(self, items: list[ScheduledRequest]):
@@ -171,7 +200,8 @@ class ModelRunner:
         pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
         return input_ids, pos_t, meta, torch.tensor(logits_indices, dtype=torch.long, device=dev), sampling_items
 
-    def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest], result: ModelRunnerOutput) -> None:
+    def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest], result: ModelRunnerOutput,
+                allowed_token_bitmask: torch.Tensor | None = None) -> None:
         requests = [item.request for item in items]
         params = [r.sampling_params for r in requests]
         generators = {}
@@ -192,6 +222,7 @@ class ModelRunner:
             [r.prompt_token_ids for r in requests] if any_penalty else [],
             [r.output_token_ids for r in requests] if any_penalty else [],
             banned, self.device)
+        meta.allowed_token_bitmask = allowed_token_bitmask
         out = self.sampler(logits, meta, self.default_generator)
         token_ids = out.sampled_token_ids.tolist()
         for r, token in zip(requests, token_ids):

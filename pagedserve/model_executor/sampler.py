@@ -45,6 +45,8 @@ class SamplingMetadata:
     output_token_ids: list[Sequence[int]] | None = None  # per row, tokens generated so far
     banned_token_ids: dict[int, list[int]] = field(default_factory=dict)  # row -> ids forced to -inf
     max_num_logprobs: int | None = None  # None: no logprobs; k >= 0: top-k plus the sampled token
+    # Structured output: [N, ceil(V/32)] int32 bitmask of allowed tokens per row (all ones: free row), or None.
+    allowed_token_bitmask: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -121,6 +123,10 @@ class Sampler:
         raw_logprobs = None if metadata.max_num_logprobs is None else torch.log_softmax(logits, dim=-1)
         logits = apply_penalties(logits, metadata)
         logits = apply_banned_tokens(logits, metadata.banned_token_ids)
+        if metadata.allowed_token_bitmask is not None:
+            from llguidance.torch import apply_token_bitmask_inplace
+
+            apply_token_bitmask_inplace(logits, metadata.allowed_token_bitmask.to(logits.device))
         sampled = _sample(logits, metadata, default_generator)
         logprobs = None
         if raw_logprobs is not None:

@@ -35,6 +35,7 @@ from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, Compl
 from pagedserve.entrypoints.openai import protocol as api_docs  # route docs (responses=)
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from pagedserve.entrypoints.openai.serving_engine import ClientDisconnected, OpenAIServing
 
 logger = logging.getLogger("pagedserve.api")
@@ -71,6 +72,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "429 with Retry-After (SGLang's name)")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413 before they are read")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="the model family's tool-call format: hermes (Hermes / Qwen <tool_call>), llama3_json, "
+                        "mistral ([TOOL_CALLS])")
     p.add_argument("--max-consecutive-step-failures", type=int, default=5,
                    help="/health answers 503 after this many failed engine steps in a row (until one succeeds)")
     EngineArgs.add_cli_args(p)  # --served-model-name, --max-num-seqs, --num-kv-blocks, ... (vLLM names)
@@ -168,7 +174,9 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
     max_model_len = config.model.max_model_len
     log_requests = bool(arg("enable_log_requests", False))
     completion = OpenAIServingCompletion(engine_client, served, log_requests)
-    chat = OpenAIServingChat(engine_client, served, log_requests)
+    chat = OpenAIServingChat(engine_client, served, log_requests,
+                             tool_call_parser=arg("tool_call_parser", None) if arg("enable_auto_tool_choice", False)
+                             else None)
     base = OpenAIServing(engine_client, served, log_requests)
 
     registry = CollectorRegistry()
@@ -330,6 +338,9 @@ class GracefulServer(uvicorn.Server):
 def run_server(args: argparse.Namespace) -> int:
     from pagedserve.config import EngineArgs
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (one of: "
+                         f"{', '.join(TOOL_CALL_PARSERS)}).")
     engine_args = EngineArgs.from_cli_args(args)
     t0 = time.perf_counter()
     logger.info("Starting: loading the model, building/loading native kernels and warming up before binding "

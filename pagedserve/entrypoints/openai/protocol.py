@@ -1,7 +1,7 @@
 """Pydantic models for the OpenAI-compatible API (request shapes follow OpenAI, extras follow vLLM).
 
-Every request model forbids unknown fields: a field this server does not implement (tools,
-response_format, logit_bias, suffix, ...) is rejected with a 400 that names it instead of being
+Every request model forbids unknown fields: a field this server does not implement (logit_bias,
+suffix, functions, ...) is rejected with a 400 that names it instead of being
 silently ignored.  Types are strict (no "1" -> 1 coercion; ints are accepted where floats are, and whole
 floats such as 2.0 where ints are: JSON has one number type); NaN and Infinity are refused.
 
@@ -67,6 +67,33 @@ class StreamOptions(_Request):
 StopType = Optional[Union[NonEmptyStr, list[NonEmptyStr]]]
 
 
+class JsonSchemaFormat(_Request):
+    name: NonEmptyStr = Field(max_length=64)
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema", description="a JSON schema")
+    strict: Optional[bool] = None
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: text (no constraint), any JSON object, or a JSON schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's structured_outputs: exactly one constraint."""
+    json_: Optional[Union[dict[str, Any], str]] = Field(None, alias="json", description="a JSON schema")
+    regex: Optional[NonEmptyStr] = None
+    choice: Optional[Annotated[list[NonEmptyStr], Field(min_length=1)]] = None
+    grammar: Optional[NonEmptyStr] = Field(None, description="a Lark / EBNF grammar (llguidance syntax)")
+    json_object: Optional[bool] = None
+    disable_any_whitespace: bool = False
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
+
+
 class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -93,6 +120,13 @@ class _SamplingFields(_Request):
     stop_token_ids: Optional[list[TokenId]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # ---- structured output: OpenAI's response_format, vLLM's structured_outputs and older guided_* names
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsRequest] = None
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[NonEmptyStr] = None
+    guided_choice: Optional[Annotated[list[NonEmptyStr], Field(min_length=1)]] = None
+    guided_grammar: Optional[NonEmptyStr] = None
 
 
 # ---------------------------------------------------------------------------------------- completions
@@ -165,10 +199,26 @@ class ChatTextPart(_Request):
     text: str
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class FunctionCall(_Request):
+    name: FunctionName
+    arguments: str = Field(description="the arguments, a JSON object as a string")
+
+
+class ToolCall(_Request):
+    id: NonEmptyStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ChatTextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = Field(None, description="assistant messages: the calls it made")
+    tool_call_id: Optional[str] = Field(None, description="tool messages: the call this is the result of")
 
     def text(self) -> str:
         if self.content is None:
@@ -178,8 +228,33 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(_Request):
+    name: FunctionName
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = Field(None, description="a JSON schema of the arguments")
+    strict: Optional[bool] = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: FunctionName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = Field(
+        None, description='default "auto" when tools are given ("auto" needs --enable-auto-tool-choice)')
+    parallel_tool_calls: bool = True
     max_tokens: Optional[Int(ge=1)] = None
     max_completion_tokens: Optional[Int(ge=1)] = None
     logprobs: bool = False
@@ -204,9 +279,21 @@ class ChatCompletionLogProbs(_Response):
     content: Optional[list[ChatLogProbsContent]] = None
 
 
+class ResponseFunctionCall(_Response):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: Optional[str] = None
+    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(_Response):
@@ -226,9 +313,22 @@ class ChatCompletionResponse(_Response):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(_Response):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(_Response):
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+
 class DeltaMessage(_Response):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):  # OpenAI sends {"content": "..."} and a final {}, not nulls
@@ -360,6 +460,13 @@ BUSINESS_RULES: dict[str, str] = {
     "max_completion_tokens": "400 if both it and max_tokens are given and they differ",
     "add_generation_prompt / continue_final_message": "400 if both are true",
     "chat_template_kwargs": "400 if it sets a reserved key",
+    "response_format / structured_outputs / guided_*": "400 if more than one constraint is given (tool_choice "
+                                                       "required or a named function counts as one), json_schema "
+                                                       "without its schema, or the schema / regex / grammar is "
+                                                       "invalid",
+    "tools / tool_choice": "400 if tool_choice names a function not in tools, is required / named without tools, "
+                           "is auto without --enable-auto-tool-choice, or a function's parameters schema is "
+                           "invalid",
 }
 
 _ERROR_DESCRIPTIONS: dict[int, str] = {

@@ -1,9 +1,9 @@
-"""POST /v1/chat/completions: messages -> tokenizer.apply_chat_template(add_generation_prompt=True) -> one
-engine request with n samples."""
+"""POST /v1/chat/completions: messages (and tools) -> tokenizer.apply_chat_template(add_generation_prompt=True)
+-> one engine request with n samples; tool calls per entrypoints/openai/tool_calls.py."""
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -13,14 +13,21 @@ from pagedserve.entrypoints.openai.errors import BadRequest, exception_to_openai
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionLogProbs, ChatCompletionRequest,
                                                     ChatCompletionResponse, ChatCompletionResponseChoice,
                                                     ChatCompletionStreamChoice, ChatCompletionStreamResponse,
-                                                    ChatResponseMessage, DeltaMessage, PromptTokensDetails,
-                                                    UsageInfo)
+                                                    ChatResponseMessage, DeltaFunctionCall, DeltaMessage,
+                                                    DeltaToolCall, PromptTokensDetails, UsageInfo)
 from pagedserve.entrypoints.openai.serving_engine import (SSE_DONE, ChoiceState, OpenAIServing, SSEResponse,
                                                           chat_logprobs,
                                                           merge_streams, new_request_id, run_unless_disconnected)
+from pagedserve.entrypoints.openai.tool_calls import (ToolPlan, extract_tool_calls, new_call_id, plan_tools,
+                                                      template_tools)
+from pagedserve.errors import InvalidRequestError
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, *args: Any, tool_call_parser: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tool_call_parser = tool_call_parser  # set with --enable-auto-tool-choice --tool-call-parser
+
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request | None = None):
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
@@ -34,8 +41,15 @@ class OpenAIServingChat(OpenAIServing):
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, requested, num_top)
+        plan = plan_tools(req, self.tool_call_parser)
+        if plan.constraint is not None:
+            if params.structured_outputs is not None:
+                raise InvalidRequestError(f"Give one output constraint: tool_choice {plan.mode!r} constrains the "
+                                          f"output already.", param="tool_choice")
+            params.structured_outputs = plan.constraint
         _, prompt = await self.encode_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                           req.chat_template_kwargs)
+                                           req.chat_template_kwargs,
+                                           tools=template_tools(req) if plan.mode != "none" or req.tools else None)
         if not prompt:
             raise BadRequest("The messages render to zero tokens.", param="messages")
         request_id = new_request_id("chatcmpl")
@@ -43,13 +57,28 @@ class OpenAIServingChat(OpenAIServing):
         model = self.served_model_name
         streams = await self.submit(request_id, [prompt], params, req, prompt_param="messages")
         if req.stream:
-            return SSEResponse(self._stream(req, request_id, created, model, prompt, streams[0]),
+            return SSEResponse(self._stream(req, plan, request_id, created, model, prompt, streams[0]),
                                on_close=lambda: self.abort_streams(streams))
-        return await run_unless_disconnected(raw_request, self._full(req, request_id, created, model, prompt,
+        return await run_unless_disconnected(raw_request, self._full(req, plan, request_id, created, model, prompt,
                                                                       streams[0]),
                                              lambda: self.abort_streams(streams))
 
-    async def _full(self, req: ChatCompletionRequest, request_id: str, created: int, model: str,
+    def _tool_calls(self, plan: ToolPlan, st: ChoiceState) -> tuple[str | None, list, str | None]:
+        """-> (content, tool calls, finish reason) of a finished choice."""
+        if plan.mode in ("none",) or st.finish_reason not in ("stop", "length"):
+            return st.text, [], st.finish_reason
+        content, calls = extract_tool_calls(plan, st.text, self.tool_call_parser)
+        return content, calls, "tool_calls" if calls and st.finish_reason == "stop" else st.finish_reason
+
+    def _whole_tool_calls_chunk(self, plan: ToolPlan, st: ChoiceState) -> ChatCompletionStreamChoice:
+        content, calls, finish = self._tool_calls(plan, st)
+        deltas = [DeltaToolCall(index=i, id=call.id, type="function",
+                                function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments))
+                  for i, call in enumerate(calls)]
+        return ChatCompletionStreamChoice(index=st.index, delta=DeltaMessage(content=content, tool_calls=deltas or None),
+                                          finish_reason=finish, stop_reason=st.stop_reason)
+
+    async def _full(self, req: ChatCompletionRequest, plan: ToolPlan, request_id: str, created: int, model: str,
                     prompt: list[int], stream: RequestStream) -> JSONResponse:
         states = [ChoiceState(index=i) for i in range(req.n)]
         cached = 0
@@ -62,11 +91,14 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             self.abort_streams([stream])
         num_top = req.top_logprobs or 0
-        choices = [ChatCompletionResponseChoice(
-            index=st.index, message=ChatResponseMessage(role="assistant", content=st.text),
-            logprobs=ChatCompletionLogProbs(content=chat_logprobs(self.tokenizer, st.token_ids, st.logprobs, num_top))
-            if req.logprobs else None,
-            finish_reason=st.finish_reason, stop_reason=st.stop_reason) for st in states]
+        choices = []
+        for st in states:
+            content, calls, finish = self._tool_calls(plan, st)
+            choices.append(ChatCompletionResponseChoice(
+                index=st.index, message=ChatResponseMessage(role="assistant", content=content, tool_calls=calls),
+                logprobs=ChatCompletionLogProbs(content=chat_logprobs(self.tokenizer, st.token_ids, st.logprobs,
+                                                                      num_top)) if req.logprobs else None,
+                finish_reason=finish, stop_reason=st.stop_reason))
         completion_tokens = sum(len(st.token_ids) for st in states)
         usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=completion_tokens,
                           total_tokens=len(prompt) + completion_tokens,
@@ -74,8 +106,11 @@ class OpenAIServingChat(OpenAIServing):
         resp = ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
         return JSONResponse(resp.model_dump())
 
-    async def _stream(self, req: ChatCompletionRequest, request_id: str, created: int, model: str,
+    async def _stream(self, req: ChatCompletionRequest, plan: ToolPlan, request_id: str, created: int, model: str,
                       prompt: list[int], stream: RequestStream) -> AsyncIterator[str]:
+        """Named function: the arguments stream as delta.tool_calls pieces (the first one carries id and name).
+        required / auto: the text is held until the choice ends, then its calls (or its text) go out whole, so
+        the concatenated deltas always equal the non-streamed result."""
         states = [ChoiceState(index=i) for i in range(req.n)]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
@@ -98,17 +133,31 @@ class OpenAIServingChat(OpenAIServing):
                 for c in out.outputs:
                     st = states[c.index]
                     st.token_ids.extend(c.token_ids)
+                    st.text += c.text
                     if c.finish_reason is not None:
                         st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
+                    if plan.mode in ("required", "auto"):
+                        if c.finish_reason is not None:
+                            yield chunk(self._whole_tool_calls_chunk(plan, st))
+                        continue
                     if not c.text and c.finish_reason is None and not (req.logprobs and c.token_ids):
                         continue
                     logprobs = None
                     if req.logprobs:
                         logprobs = ChatCompletionLogProbs(
                             content=chat_logprobs(self.tokenizer, c.token_ids, c.logprobs or [], num_top))
-                    delta = DeltaMessage(content=c.text) if c.text or c.finish_reason is None else DeltaMessage()
+                    finish = c.finish_reason
+                    if plan.mode == "named":
+                        call = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=c.text))
+                        if not st.started:
+                            st.started = True
+                            call.id, call.type, call.function.name = new_call_id(), "function", plan.function_name
+                        delta = DeltaMessage(tool_calls=[call])
+                        finish = "tool_calls" if finish == "stop" else finish
+                    else:
+                        delta = DeltaMessage(content=c.text) if c.text or c.finish_reason is None else DeltaMessage()
                     yield chunk(ChatCompletionStreamChoice(index=st.index, delta=delta, logprobs=logprobs,
-                                                           finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                                           finish_reason=finish, stop_reason=c.stop_reason))
                 if out.finished:
                     cached = out.num_cached_tokens or 0
             if include_usage:

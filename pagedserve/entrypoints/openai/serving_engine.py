@@ -20,10 +20,12 @@ from pagedserve.engine.request_stream import RequestStream
 from pagedserve.engine.input_processor import render_chat
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.entrypoints.openai.errors import OpenAIError
+from pagedserve.entrypoints.openai.tool_calls import template_message
 from pagedserve.entrypoints.openai.protocol import (ChatLogProb, ChatLogProbsContent, CompletionLogProbs,
                                                     _SamplingFields)
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.errors import InvalidRequestError
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pagedserve.api")
 T = TypeVar("T")
@@ -118,15 +120,11 @@ class OpenAIServing:
     async def encode_chat(self, messages: list[Any], add_generation_prompt: bool = True,
                           continue_final_message: bool = False,
                           chat_template_kwargs: dict[str, Any] | None = None,
-                          add_special_tokens: bool = False) -> tuple[str, list[int]]:
-        conversation = []
-        for m in messages:
-            item: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            if m.name is not None:
-                item["name"] = m.name
-            conversation.append(item)
-        text = render_chat(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt,
-                           continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)
+                          add_special_tokens: bool = False,
+                          tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+        text = render_chat(self.tokenizer, [template_message(m) for m in messages],
+                           add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                           chat_template_kwargs=chat_template_kwargs, tools=tools)
         # The template already has BOS & co: like vLLM, do not add special tokens again.
         return text, await self.encode(text, add_special_tokens=add_special_tokens)
 
@@ -144,7 +142,8 @@ class OpenAIServing:
             max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens, output_kind=RequestOutputKind.DELTA)
+            skip_special_tokens=req.skip_special_tokens, output_kind=RequestOutputKind.DELTA,
+            structured_outputs=structured_outputs(req))
 
     # ------------------------------------------------------------------------------ submitting
     async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
@@ -175,6 +174,35 @@ class OpenAIServing:
         live = [s.request_id for s in streams if not s.closed]
         if live:
             self.engine_client.abort_nowait(live)
+
+
+def structured_outputs(req: _SamplingFields) -> StructuredOutputsParams | None:
+    """OpenAI's response_format, vLLM's structured_outputs or the older guided_* fields -> one constraint."""
+    sources: list[tuple[str, dict[str, Any]]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        sources.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise InvalidRequestError("response_format of type json_schema needs json_schema.schema.",
+                                      param="response_format.json_schema")
+        sources.append(("response_format", {"json": fmt.json_schema.schema_}))
+    so = req.structured_outputs
+    if so is not None:
+        sources.append(("structured_outputs", {"json": so.json_, "regex": so.regex, "choice": so.choice,
+                                               "grammar": so.grammar, "json_object": so.json_object,
+                                               "disable_any_whitespace": so.disable_any_whitespace}))
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        if getattr(req, name) is not None:
+            sources.append((name, {kind: getattr(req, name)}))
+    if not sources:
+        return None
+    if len(sources) > 1:
+        raise InvalidRequestError(f"Give one output constraint; got {[name for name, _ in sources]}.",
+                                  param=sources[1][0])
+    source, kwargs = sources[0]
+    return StructuredOutputsParams(**kwargs, source=source)
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -1,35 +1,235 @@
-"""Native CPU kernels (paged decode attention, fused per-layer small ops), compiled on first use with the
-local C++ compiler (torch.utils.cpp_extension).
+"""Native CPU kernels (paged decode attention, KV writes, fused per-layer small ops, batch-1 GEMV), compiled
+with the local C++ compiler (torch.utils.cpp_extension) the first time they are needed on a CPU, then cached.
 
-If compiling fails (no compiler, no ninja), callers fall back to the pure PyTorch path; set
-PAGEDSERVE_CPU_KERNELS=0 to force that path.
+Instruction sets. The sources are compiled for one instruction-set level, picked at run time from what this
+CPU has (`detect_isa`): "avx512bf16" (AVX-512 F/BW/VL/DQ + AVX512-BF16: Zen 4, Cooper Lake, Sapphire Rapids
+and later), "avx512", "avx2" (AVX2 + FMA + F16C) or "generic" (the compiler's baseline). Each level is its
+own extension with explicit `-m` flags (never `-march=native`), and its name carries the level and a hash of
+the sources and flags, so a build made on one CPU is never loaded on a CPU that lacks its instructions, and a
+changed source or flag never loads a stale build. PAGEDSERVE_CPU_ISA=avx2 (or any level the CPU has) forces a
+lower level, e.g. to test the AVX2 code on an AVX-512 machine.
+
+Build cache and locks. Builds live in torch's extension directory (TORCH_EXTENSIONS_DIR, default
+~/.cache/torch_extensions/...), one folder per extension name. A process that builds or loads holds an flock
+on `pagedserve.lock` in that folder (its pid and host written inside, for messages): the kernel releases it when
+the process dies, so a killed build never leaves it held; torch's own `lock` file found there while we hold ours
+is stale (left by a killed build: torch would wait on it forever) and is removed. A lock held by a live process
+is waited for at most PAGEDSERVE_KERNEL_BUILD_TIMEOUT seconds (default 300); after that the engine runs on the
+PyTorch path with a warning instead of hanging.
+
+`load_cpu_kernels()` builds or loads the kernels (call it at engine start-up, before serving); `cpu_kernels()`
+is the cached accessor the layers use. If compiling fails (no compiler, no ninja), both return None and
+callers fall back to the pure PyTorch path; PAGEDSERVE_CPU_KERNELS=0 forces that path.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import platform
+import socket
+import threading
+import time
 from pathlib import Path
 
 logger = logging.getLogger("pagedserve")
 
+KERNEL_DIR = Path(__file__).resolve().parent
+SOURCES = ("paged_attention.cpp", "layer_ops.cpp")
+HEADERS = ("vec.h",)
+
+# Instruction-set levels, best first: (name, /proc/cpuinfo flags it needs, compiler flags).
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c")
+ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx512bf16": (_AVX512 + ("avx512_bf16",),
+                   ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                    "-mavx512bf16")),
+    "avx512": (_AVX512, ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")),
+    "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
+    "generic": ((), ()),
+}
+BASE_CFLAGS = ("-O3", "-fopenmp", "-ffast-math")
+LOCK_NAME = "pagedserve.lock"
+DEFAULT_LOCK_TIMEOUT_S = 300.0
+
 
 @functools.cache
-def cpu_kernels():
-    """The compiled module, or None when unavailable."""
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them (empty off Linux/x86)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def supported_isas(flags: frozenset[str] | None = None) -> list[str]:
+    """The levels this CPU can run, best first ("generic" always)."""
+    flags = cpu_flags() if flags is None else flags
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+    return [name for name, (needs, _) in ISA_LEVELS.items()
+            if name == "generic" or (x86 and all(f in flags for f in needs))]
+
+
+def detect_isa() -> str:
+    """The level to build for: PAGEDSERVE_CPU_ISA if set (must be one this CPU runs), else the best one."""
+    supported = supported_isas()
+    forced = os.environ.get("PAGEDSERVE_CPU_ISA", "").strip().lower()
+    if forced:
+        if forced not in ISA_LEVELS:
+            raise ValueError(f"PAGEDSERVE_CPU_ISA={forced!r}: expected one of {', '.join(ISA_LEVELS)}")
+        if forced not in supported:
+            raise ValueError(f"PAGEDSERVE_CPU_ISA={forced!r}: this CPU supports only {', '.join(supported)}")
+        return forced
+    return supported[0]
+
+
+def has_bf16_compute() -> bool:
+    """True on CPUs with AMX-BF16 or AVX512-BF16 (where bfloat16 GEMMs and small ops beat float32)."""
+    flags = cpu_flags()
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def build_flags(isa: str) -> list[str]:
+    return [*BASE_CFLAGS, *ISA_LEVELS[isa][1]]
+
+
+def extension_name(isa: str, sources: tuple[Path, ...] | None = None, cflags: list[str] | None = None) -> str:
+    """`pagedserve_cpu_<isa>_<hash>`: the hash covers the source and header bytes, the flags and the level."""
+    if sources is None:
+        sources = tuple(KERNEL_DIR / n for n in SOURCES + HEADERS)
+    cflags = build_flags(isa) if cflags is None else cflags
+    h = hashlib.sha256()
+    for path in sources:
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    h.update(" ".join(cflags).encode() + b"\0" + isa.encode())
+    return f"pagedserve_cpu_{isa}_{h.hexdigest()[:16]}"
+
+
+# ---------------------------------------------------------------------------------------------- build lock
+def acquire_build_lock(build_dir: Path, timeout_s: float, poll_s: float = 0.2) -> int | None:
+    """Lock `build_dir/pagedserve.lock` (an flock: the kernel drops it when its holder dies, so a killed build can
+    never leave it held). A live holder is waited for at most `timeout_s` seconds (None then). Returns the file
+    descriptor to pass to `release_build_lock`. While we hold it, a torch `lock` file in the directory is stale
+    (every build runs under our lock): it is removed, or torch would wait on it forever."""
+    import fcntl
+
+    path = build_dir / LOCK_NAME
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    deadline = time.monotonic() + timeout_s
+    warned = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                return None
+            if not warned:
+                try:
+                    holder = path.read_text().strip() or "?"
+                except OSError:
+                    holder = "?"
+                logger.warning("Waiting (at most %.0f s) for another process (pid, host: %s) building the native "
+                               "kernels in %s.", timeout_s, holder, build_dir)
+                warned = True
+            time.sleep(poll_s)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+    torch_lock = build_dir / "lock"
+    if torch_lock.exists():
+        logger.warning("Removing a stale torch extension lock %s (left by a killed build).", torch_lock)
+        try:
+            torch_lock.unlink()
+        except FileNotFoundError:
+            pass
+    return fd
+
+
+def release_build_lock(fd: int) -> None:
+    import fcntl
+
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+def _build_directory(name: str) -> Path:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False))
+
+
+def build_extension(name: str, sources: list[Path], cflags: list[str], timeout_s: float | None = None):
+    """Build (or load the cached build of) one extension under the lock; None when it cannot be had."""
+    from torch.utils.cpp_extension import load
+
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("PAGEDSERVE_KERNEL_BUILD_TIMEOUT", DEFAULT_LOCK_TIMEOUT_S))
+    build_dir = _build_directory(name)
+    lock = acquire_build_lock(build_dir, timeout_s)
+    if lock is None:
+        logger.warning("Native CPU kernels: another live process has held the build lock %s for over %.0f s; "
+                       "using the PyTorch path.", build_dir / LOCK_NAME, timeout_s)
+        return None
+    try:
+        built = any(build_dir.glob(f"{name}*.so")) or any(build_dir.glob(f"{name}*.pyd"))
+        t0 = time.perf_counter()
+        if not built:
+            logger.warning("Building native kernels %s (first start on this CPU, ~40 s)...", name)
+        module = load(name=name, sources=[str(s) for s in sources], extra_cflags=list(cflags),
+                      extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        logger.info("Native CPU kernels %s %s in %.1f s.", name, "loaded" if built else "built",
+                    time.perf_counter() - t0)
+        return module
+    finally:
+        release_build_lock(lock)
+
+
+_lock = threading.Lock()
+_loaded: dict[str, object] = {}
+_UNSET = object()
+_default = _UNSET  # what cpu_kernels() returns, once known
+
+
+def load_cpu_kernels(isa: str | None = None):
+    """Build or load the native kernels for `isa` (default: `detect_isa()`); the module, or None when they are
+    disabled (PAGEDSERVE_CPU_KERNELS=0) or cannot be built. Cached per level; call it at engine start-up so the
+    first request does not wait for a compiler."""
+    global _default
     if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") == "0":
         return None
-    logger.info("Loading the native CPU kernels (compiled on first use, then cached by torch).")
-    try:
-        from torch.utils.cpp_extension import load
+    with _lock:
+        default = isa is None
+        try:
+            isa = isa or detect_isa()
+            if isa not in supported_isas():  # never load code this CPU cannot run
+                raise ValueError(f"this CPU cannot run the {isa!r} build (it supports {', '.join(supported_isas())})")
+        except ValueError as exc:
+            logger.warning("Native CPU kernels: %s; using the PyTorch path.", exc)
+            if default:
+                _default = None
+            return None
+        if isa not in _loaded:
+            module = None
+            try:
+                sources = [KERNEL_DIR / n for n in SOURCES]
+                module = build_extension(extension_name(isa), sources, build_flags(isa))
+            except Exception as exc:  # no compiler / ninja: the torch path still works
+                logger.warning("Native CPU kernels unavailable (%s: %s); using the PyTorch path.",
+                               type(exc).__name__, exc)
+            _loaded[isa] = module
+        if default:
+            _default = _loaded[isa]
+        return _loaded[isa]
 
-        return load(
-            name="pagedserve_cpu_kernels",
-            sources=[str(Path(__file__).with_name(name)) for name in ("paged_attention.cpp", "layer_ops.cpp")],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler / ninja: the torch path still works
-        logger.warning("Native CPU kernels unavailable (%s: %s); using the PyTorch path.", type(exc).__name__, exc)
-        return None
+
+def cpu_kernels():
+    """The compiled module for this CPU (built or loaded on the first call, then cached), or None."""
+    if _default is _UNSET:
+        return load_cpu_kernels()
+    return _default

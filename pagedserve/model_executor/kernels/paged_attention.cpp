@@ -2,30 +2,24 @@
 //
 // One task per sequence, all its query heads: each token's K/V row (every KV head) is one contiguous read, once
 // per step; pass 1 scores all keys, pass 2 sums values weighted by the softmax. With fewer sequences than
-// threads, each context is split into ranges whose partial softmaxes are merged after. Queries, accumulation and
-// output are float32 whatever the cache dtype (float32, bfloat16 or float16): a bfloat16 cache halves the bytes
-// that decode attention streams.
-#include <torch/extension.h>
+// threads, each context is split into ranges whose partial softmaxes are merged after. Queries and output are
+// float32 or bfloat16 (the model's dtype), accumulation float32, whatever the cache dtype (float32, bfloat16 or
+// float16): a bfloat16 cache halves the bytes that decode attention streams.
+#include "vec.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
-namespace {
+using ps::bf16;
+using ps::from_float;
+using ps::to_float;
 
-// Cache element -> float. bfloat16 is read as its bits (a shift), which the compiler vectorizes.
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t bf16_bits) {
-  const uint32_t u = static_cast<uint32_t>(bf16_bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline float to_float(at::Half x) { return static_cast<float>(x); }
+namespace {
 
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t n) {
@@ -41,25 +35,25 @@ inline void axpy(float a, const T* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * to_float(x[i]);
 }
 
-// Calls f with a null pointer of the cache's element type (bfloat16 read as its bits: see to_float).
-template <typename F>
-void with_cache_type(at::ScalarType dtype, F&& f) {
-  switch (dtype) {
-    case torch::kFloat: return f(static_cast<float*>(nullptr));
-    case torch::kBFloat16: return f(static_cast<uint16_t*>(nullptr));
-    case torch::kHalf: return f(static_cast<at::Half*>(nullptr));
-    default: TORCH_CHECK(false, "unsupported KV cache dtype ", dtype);
-  }
-}
-
-template <typename T>
-T* cache_ptr(const torch::Tensor& cache) {
-  return reinterpret_cast<T*>(cache.data_ptr());
-}
-
 struct Shape {
   int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, q_stride;  // q_stride: per sequence
 };
+
+// Per head: the max score m, the sum l of exp(score - m) over n scores (overwritten by exp(score - m)).
+inline void softmax_rows(float* scores, int64_t heads, int64_t n, float* m, float* l) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* sc = scores + h * n;
+    const float mx = *std::max_element(sc, sc + n);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      sc[t] = std::exp(sc[t] - mx);
+      sum += sc[t];
+    }
+    m[h] = mx;
+    l[h] = sum;
+  }
+}
 
 // Unnormalised attention of all query heads of one sequence over its tokens [t0, t1): per head the max score m,
 // the sum l of exp(score - m) and acc = sum of exp(score - m) * value. An empty range gives l = 0.
@@ -77,27 +71,16 @@ void attend(const float* qf, const T* k_cache, const T* v_cache, const int64_t* 
     const T* k_row = k_cache + (table[t / s.block_size] * s.block_size + t % s.block_size) * row;
     for (int64_t h = 0; h < heads; ++h) scores[h * n + t - t0] = dot(qf + h * d, k_row + (h / group) * d, d);
   }
-  for (int64_t h = 0; h < heads; ++h) {
-    float* sc = scores.data() + h * n;
-    const float mx = *std::max_element(sc, sc + n);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      sc[t] = std::exp(sc[t] - mx);
-      sum += sc[t];
-    }
-    m[h] = mx;
-    l[h] = sum;
-  }
+  softmax_rows(scores.data(), heads, n, m, l);
   for (int64_t t = t0; t < t1; ++t) {
     const T* v_row = v_cache + (table[t / s.block_size] * s.block_size + t % s.block_size) * row;
     for (int64_t h = 0; h < heads; ++h) axpy(scores[h * n + t - t0], v_row + (h / group) * d, acc + h * d, d);
   }
 }
 
-template <typename T>
-void decode_kernel(const float* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
-                   const int64_t* context_lens, float* out, Shape s, float scale) {
+template <typename TQ, typename T>
+void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                   const int64_t* context_lens, TQ* out, Shape s, float scale) {
   const int64_t heads = s.num_heads, d = s.head_dim;
   // Fewer sequences than threads (batch 1): split each context into `parts` ranges, one task each, and merge
   // the partial softmaxes after (as flash-decoding does); otherwise one task per sequence.
@@ -110,8 +93,8 @@ void decode_kernel(const float* q, const T* k_cache, const T* v_cache, const int
     std::vector<float> qf(heads * d), acc(heads * d), m(heads), l(heads), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / parts, part = task % parts, len = context_lens[seq];
-      const float* qs = q + seq * s.q_stride;
-      for (int64_t i = 0; i < heads * d; ++i) qf[i] = qs[i] * scale;
+      const TQ* qs = q + seq * s.q_stride;
+      for (int64_t i = 0; i < heads * d; ++i) qf[i] = to_float(qs[i]) * scale;
       float* a = parts > 1 ? part_acc.data() + task * heads * d : acc.data();
       float* mm = parts > 1 ? part_m.data() + task * heads : m.data();
       float* ll = parts > 1 ? part_l.data() + task * heads : l.data();
@@ -120,7 +103,9 @@ void decode_kernel(const float* q, const T* k_cache, const T* v_cache, const int
       if (parts == 1) {
         for (int64_t h = 0; h < heads; ++h) {
           const float inv = 1.f / ll[h];
-          for (int64_t i = 0; i < d; ++i) out[(seq * heads + h) * d + i] = a[h * d + i] * inv;
+          TQ* o = out + (seq * heads + h) * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) o[i] = from_float<TQ>(a[h * d + i] * inv);
         }
       }
     }
@@ -135,107 +120,119 @@ void decode_kernel(const float* q, const T* k_cache, const T* v_cache, const int
         if (part_l[i] > 0.f && (!any || part_m[i] > mx)) mx = part_m[i], any = true;
       }
       float denom = 0.f;
-      float* o = out + (seq * heads + h) * d;
-      std::fill(o, o + d, 0.f);
+      std::vector<float> o(d, 0.f);
       for (int64_t p = 0; p < parts; ++p) {
         const int64_t i = (seq * parts + p) * heads + h;
         if (part_l[i] == 0.f) continue;  // an empty range
         const float w = std::exp(part_m[i] - mx);
         denom += w * part_l[i];
-        axpy(w, part_acc.data() + i * d, o, d);
+        axpy(w, part_acc.data() + i * d, o.data(), d);
       }
       const float inv = 1.f / denom;
-      for (int64_t i = 0; i < d; ++i) o[i] *= inv;
+      TQ* dst = out + (seq * heads + h) * d;
+      for (int64_t i = 0; i < d; ++i) dst[i] = from_float<TQ>(o[i] * inv);
     }
   }
 }
 
 }  // namespace
 
-// q: [S, H, D] float32 (heads contiguous, any stride between sequences: a view of the fused QKV output);
-// k_cache, v_cache: [num_blocks, block_size, KVH, D] float32, bfloat16 or float16; block_tables: [S, max_blocks]
-// int64; context_lens: [S] int64. Writes into `out` ([S, H, D] float32, contiguous) when given; returns it.
+// q: [S, H, D] float32 or bfloat16 (heads contiguous, any stride between sequences: a view of the fused QKV
+// output); k_cache, v_cache: [num_blocks, block_size, KVH, D] float32, bfloat16 or float16; block_tables:
+// [S, max_blocks] int64; context_lens: [S] int64. Accumulates in float32; writes into `out` ([S, H, D], q's
+// dtype, contiguous) when given; returns it.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
                                      c10::optional<torch::Tensor> out_opt) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
-              "q must be float32 [S, H, D] with contiguous heads");
+  TORCH_CHECK(ps::is_act_dtype(q.scalar_type()) && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be float32 or bfloat16 [S, H, D] with contiguous heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong);
   auto bt = block_tables.contiguous();
   auto lens = context_lens.contiguous();
   auto out = out_opt.has_value() ? *out_opt : torch::empty(q.sizes(), q.options());
-  TORCH_CHECK(out.scalar_type() == torch::kFloat && out.is_contiguous() && out.sizes() == q.sizes(),
-              "out must be a contiguous float32 tensor shaped like q");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.is_contiguous() && out.sizes() == q.sizes(),
+              "out must be a contiguous tensor shaped like q, of q's dtype");
   const Shape s{q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), bt.size(1), q.stride(0)};
   const float sc = static_cast<float>(scale);
-  const auto* qp = q.data_ptr<float>();
   const auto* tp = bt.data_ptr<int64_t>();
   const auto* lp = lens.data_ptr<int64_t>();
-  auto* op = out.data_ptr<float>();
-  with_cache_type(k_cache.scalar_type(), [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    decode_kernel<T>(qp, cache_ptr<T>(k_cache), cache_ptr<T>(v_cache), tp, lp, op, s, sc);
+  ps::with_act_type(q.scalar_type(), [&](auto* qtag) {
+    using TQ = std::remove_pointer_t<decltype(qtag)>;
+    ps::with_cache_type(k_cache.scalar_type(), [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      decode_kernel<TQ, T>(ps::ptr<TQ>(q), ps::ptr<T>(k_cache), ps::ptr<T>(v_cache), tp, lp, ps::ptr<TQ>(out), s, sc);
+    });
   });
   return out;
 }
 
 namespace {
 
-inline void store(float x, float* to) { *to = x; }
-inline void store(float x, uint16_t* to) {  // round to nearest even, as c10::BFloat16 does
-  *to = c10::BFloat16(x).x;
-}
-inline void store(float x, at::Half* to) { *to = static_cast<at::Half>(x); }
-
-template <typename T>
-void scatter_rows(const float* src, int64_t src_stride, T* cache, const int64_t* slots, int64_t tokens, int64_t row) {
+template <typename TS, typename T>
+void scatter_rows(const TS* src, int64_t src_stride, T* cache, const int64_t* slots, int64_t tokens, int64_t row) {
   at::parallel_for(0, tokens, 64, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
-      const float* from = src + i * src_stride;
+      const TS* from = src + i * src_stride;
       T* to = cache + slots[i] * row;
-      for (int64_t j = 0; j < row; ++j) store(from[j], to + j);
+      if constexpr (std::is_same_v<TS, T>) {
+        std::memcpy(to, from, row * sizeof(T));
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < row; ++j) to[j] = from_float<T>(to_float(from[j]));
+      }
     }
   });
 }
 
 }  // namespace
 
-// k, v: [T, KVH, D] float32 (heads contiguous, any stride between tokens); caches [num_blocks, block_size, KVH,
-// D] float32, bfloat16 or float16; slot_mapping: [T] int64. Writes token i's K and V at slot slot_mapping[i].
+// k, v: [T, KVH, D] float32 or bfloat16 (heads contiguous, any stride between tokens); caches [num_blocks,
+// block_size, KVH, D] float32, bfloat16 or float16; slot_mapping: [T] int64. Writes token i's K and V at slot
+// slot_mapping[i], converted to the cache dtype (rounded to nearest even).
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_mapping) {
   for (const auto& t : {k, v})
-    TORCH_CHECK(t.scalar_type() == torch::kFloat && t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2),
-                "k and v must be float32 [T, KVH, D] with contiguous heads");
+    TORCH_CHECK(ps::is_act_dtype(t.scalar_type()) && t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2),
+                "k and v must be float32 or bfloat16 [T, KVH, D] with contiguous heads");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k and v must share a dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type());
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.numel() == k.size(0));
   auto slots = slot_mapping.contiguous();
   const int64_t tokens = k.size(0), row = k.size(1) * k.size(2);
   const int64_t* sp = slots.data_ptr<int64_t>();
-  with_cache_type(k_cache.scalar_type(), [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    scatter_rows(k.data_ptr<float>(), k.stride(0), cache_ptr<T>(k_cache), sp, tokens, row);
-    scatter_rows(v.data_ptr<float>(), v.stride(0), cache_ptr<T>(v_cache), sp, tokens, row);
+  ps::with_act_type(k.scalar_type(), [&](auto* stag) {
+    using TS = std::remove_pointer_t<decltype(stag)>;
+    ps::with_cache_type(k_cache.scalar_type(), [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      scatter_rows(ps::ptr<TS>(k), k.stride(0), ps::ptr<T>(k_cache), sp, tokens, row);
+      scatter_rows(ps::ptr<TS>(v), v.stride(0), ps::ptr<T>(v_cache), sp, tokens, row);
+    });
   });
 }
 
 // layer_ops.cpp
-torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps,
+                       c10::optional<torch::Tensor> out);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+bool native_gemv();
+const char* kernel_isa();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("scale"), py::arg("out") = py::none());
-  m.def("write_kv", &write_kv, "write new K/V rows into the paged cache at their slots (float32 K/V)");
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row; with residual: residual += x in place, then its RMSNorm "
-        "(float32)", py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] projection (float32)");
-  m.def("rotary_inplace", &rotary_inplace, "Neox-style rotary embedding in place (float32)");
-  m.def("gemv", &gemv, "x W^T (+ b) for one row x (float32)", py::arg("x"), py::arg("weight"),
+  m.def("write_kv", &write_kv, "write new K/V rows (float32 or bfloat16) into the paged cache at their slots");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row ([rows, n] or [T, heads, n]); with residual: residual += x in "
+        "place, then its RMSNorm; with out (may be x): written there (float32 or bfloat16)", py::arg("x"),
+        py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("out") = py::none());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] projection (float32 or bfloat16)");
+  m.def("rotary_inplace", &rotary_inplace, "Neox-style rotary embedding in place (float32 or bfloat16)");
+  m.def("gemv", &gemv, "x W^T (+ b) for one row x (float32 or bfloat16)", py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none());
+  m.def("native_gemv", &native_gemv, "whether gemv is the native kernel in this build (else at::linear)");
+  m.def("isa", &kernel_isa, "the instruction-set level this build targets");
 }

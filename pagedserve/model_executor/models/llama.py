@@ -36,8 +36,12 @@ class Attention(nn.Module):
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, :self.q_size + self.kv_size].view(t, heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
+        if self.q_norm is not None:  # Qwen3: per-head norms, in place in the QKV output where native (no cat)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+            if self.q_norm.forward_inplace(q):
+                self.k_norm.forward_inplace(k)  # same tensor, dtype and device: applies too
+            else:
+                qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         qk = apply_rotary(qk, cos_sin)  # q and k heads rotated together: half the small ops
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)

@@ -1,0 +1,132 @@
+"""Structured output: per-sequence grammar state (llguidance) -> the token masks of the next step.
+
+Constrained and free requests share one step: the manager fills one bitmask row per constrained sequence that
+samples this step (free rows stay all-ones), the sampler applies it to the logits in one vectorized op, and
+only constrained requests pay for their masks. The masks are computed on a worker thread while the model
+forward runs (llguidance releases the GIL), so their cost overlaps the forward instead of adding to it.
+
+Grammars are compiled once per distinct constraint (an LRU cache); compiling and validating happens at
+add_request time, on the caller's thread, so a bad schema is a 400 naming the field and never blocks a step.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from pagedserve.errors import InvalidRequestError
+from pagedserve.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger("pagedserve")
+
+_GRAMMAR_CACHE_SIZE = 256
+# JSON whitespace: free, but in bounded runs (enough for pretty-printed nesting), so that a weak model cannot
+# spend all of max_tokens on whitespace between two tokens; disable_any_whitespace makes it compact instead.
+_JSON_WHITESPACE = {"whitespace_pattern": "[ \\t\\n\\r]{0,24}"}
+_JSON_COMPACT = {"whitespace_flexible": False}
+
+
+def _lark_choice(choices: list[str]) -> str:
+    # JSON string literals are valid Lark literals: quotes and escapes come out right.
+    return "start: " + " | ".join(json.dumps(c) for c in choices)
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._ll_tokenizer = None  # built on first use (~0.1-1 s)
+        self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self.matchers: dict[str, Any] = {}  # sequence id -> llguidance.LLMatcher
+        self._executor: ThreadPoolExecutor | None = None
+        self.mask_time = 0.0  # seconds spent filling masks (overlapped with the forward)
+
+    @property
+    def ll_tokenizer(self):
+        if self._ll_tokenizer is None:
+            import llguidance.hf
+
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
+        return self._ll_tokenizer
+
+    # ------------------------------------------------------------------------------ grammars
+    def grammar(self, params: StructuredOutputsParams) -> str:
+        """The llguidance grammar of a constraint, compiled and validated once (InvalidRequestError if bad)."""
+        key = params.key()
+        cached = self._grammars.get(key)
+        if cached is not None:
+            self._grammars.move_to_end(key)
+            return cached
+        import llguidance
+
+        kind, text = key
+        param = params.param(kind)
+        if kind in ("json", "json_object"):
+            schema = {"type": "object"} if kind == "json_object" else params.json
+            if isinstance(schema, dict) and "x-guidance" not in schema:
+                schema = {**schema, "x-guidance": _JSON_COMPACT if params.disable_any_whitespace else _JSON_WHITESPACE}
+            text = json.dumps(schema)
+            kind = "json"
+        if kind == "choice":
+            source = llguidance.grammar_from("lark", _lark_choice(params.choice or []))
+        else:
+            try:
+                source = llguidance.grammar_from({"json": "json", "regex": "regex", "grammar": "grammar"}[kind], text)
+            except Exception as exc:  # e.g. a GBNF grammar that does not parse
+                raise InvalidRequestError(f"Invalid {kind}: {exc}", param=param, code="invalid_grammar") from exc
+        error = llguidance.LLMatcher.validate_grammar(source, self.ll_tokenizer)
+        if error:
+            raise InvalidRequestError(f"Invalid {kind}: {error}", param=param, code="invalid_grammar")
+        self._grammars[key] = source
+        if len(self._grammars) > _GRAMMAR_CACHE_SIZE:
+            self._grammars.popitem(last=False)
+        return source
+
+    # ------------------------------------------------------------------------------ per sequence
+    def add(self, sequence_id: str, grammar: str) -> None:
+        import llguidance
+
+        self.matchers[sequence_id] = llguidance.LLMatcher(self.ll_tokenizer, grammar)
+
+    def retain(self, live_sequence_ids) -> None:
+        """Drop the state of every sequence that is no longer live (finished, aborted or failed)."""
+        for sid in [sid for sid in self.matchers if sid not in live_sequence_ids]:
+            del self.matchers[sid]
+
+    def accept(self, sequence_id: str, token_id: int) -> bool:
+        """Advance a sequence's grammar by its sampled token. True when the grammar is complete (the
+        sequence should stop) or the token broke it."""
+        matcher = self.matchers.get(sequence_id)
+        if matcher is None:
+            return False
+        if not matcher.consume_token(token_id):
+            logger.warning("structured output: token %d rejected for %s (%s)", token_id, sequence_id,
+                           matcher.get_error())
+            return True
+        return matcher.is_stopped()
+
+    # ------------------------------------------------------------------------------ masks
+    def start_masks(self, sequence_ids: list[str]) -> "Future[torch.Tensor] | None":
+        """Begin filling the bitmask of this step's sampling rows (row i <-> sequence_ids[i]) on a worker
+        thread; None when none of them is constrained."""
+        rows = [(i, self.matchers[sid]) for i, sid in enumerate(sequence_ids) if sid in self.matchers]
+        if not rows:
+            return None
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-grammar")
+        return self._executor.submit(self._fill, len(sequence_ids), rows)
+
+    def _fill(self, num_rows: int, rows: list[tuple[int, Any]]) -> torch.Tensor:
+        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+        t0 = time.perf_counter()
+        bitmask = allocate_token_bitmask(num_rows, self.vocab_size)  # all ones: free rows allow every token
+        for row, matcher in rows:
+            fill_next_token_bitmask(matcher, bitmask, row)
+        self.mask_time += time.perf_counter() - t0
+        return bitmask

@@ -1,0 +1,188 @@
+"""Every native CPU op, in every instruction-set build this CPU can run (the best one, plain AVX-512 without BF16,
+AVX2), against the PyTorch reference, in float32 and bfloat16."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.model_executor import kernels as K
+
+BF16_TOL = dict(atol=2e-2, rtol=1.6e-2)  # one bfloat16 rounding step
+FP32_TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _isas_to_test() -> list[str]:
+    supported = K.supported_isas()
+    wanted = [supported[0]] + [isa for isa in ("avx512", "avx2") if isa in supported and isa != supported[0]]
+    return wanted if supported[0] != "generic" else ["generic"]
+
+
+@pytest.fixture(scope="module", params=_isas_to_test())
+def ops(request):
+    module = K.load_cpu_kernels(request.param)
+    if module is None:
+        pytest.fail(f"the native CPU kernels ({request.param}) did not build (needs a C++ compiler and ninja)")
+    assert module.isa() == request.param
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _tol(dtype):
+    return FP32_TOL if dtype == torch.float32 else BF16_TOL
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weight_fp32", [False, True])
+@pytest.mark.parametrize("rows, n", [(1, 80), (7, 576), (33, 100)])
+def test_rms_norm(ops, dtype, weight_fp32, rows, n):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(n, generator=g)
+    w = w if weight_fp32 else w.to(dtype)
+    big = torch.randn(rows, n + 16, generator=g).to(dtype)
+    x = big[:, :n]  # strided rows, as the model passes views
+    residual = torch.randn(rows, n, generator=g).to(dtype)
+    expected = F.rms_norm(x.float(), (n,), w.float(), 1e-6).to(dtype)
+    torch.testing.assert_close(ops.rms_norm(x, None, w, 1e-6), expected, **_tol(dtype))
+    res = residual.clone()
+    out = ops.rms_norm(x, res, w, 1e-6)
+    summed = (residual + x)  # PyTorch's add in the stream's dtype (one rounding)
+    torch.testing.assert_close(res, summed, atol=0, rtol=0)
+    torch.testing.assert_close(out, F.rms_norm(summed.float(), (n,), w.float(), 1e-6).to(dtype), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, n", [(1, 48), (5, 1536), (40, 37)])
+def test_silu_and_mul(ops, dtype, rows, n):
+    g = torch.Generator().manual_seed(n)
+    gate_up = (torch.randn(rows, 2 * n, generator=g) * 3).to(dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expected = (F.silu(gate) * up).to(dtype)
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), expected, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cos_dtype", ["float32", "same"])
+@pytest.mark.parametrize("tokens, d", [(1, 64), (9, 128), (20, 32)])
+def test_rotary(ops, dtype, cos_dtype, tokens, d):
+    g = torch.Generator().manual_seed(tokens)
+    heads, kv_heads = 6, 2
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    x = qkv[:, :(heads + kv_heads) * d].view(tokens, heads + kv_heads, d)  # strided, as in the model
+    angles = torch.rand(tokens, 1, d // 2, generator=g) * 100
+    cos, sin = angles.cos(), angles.sin()
+    if cos_dtype == "same":
+        cos, sin = cos.to(dtype), sin.to(dtype)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    c, s = cos.float(), sin.float()
+    expected = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(dtype)
+    untouched = qkv[:, (heads + kv_heads) * d:].clone()
+    ops.rotary_inplace(x, cos, sin)
+    torch.testing.assert_close(x, expected, **_tol(dtype))
+    assert torch.equal(qkv[:, (heads + kv_heads) * d:], untouched)
+
+
+@pytest.mark.parametrize("src_dtype", DTYPES)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_kv(ops, src_dtype, cache_dtype):
+    g = torch.Generator().manual_seed(3)
+    tokens, kvh, d, blocks, bs = 21, 3, 64, 8, 16
+    qkv = torch.randn(tokens, (3 + 2 * kvh) * d, generator=g).to(src_dtype)
+    k = qkv[:, 3 * d:(3 + kvh) * d].view(tokens, kvh, d)
+    v = qkv[:, (3 + kvh) * d:].view(tokens, kvh, d)
+    k_cache = torch.zeros(blocks, bs, kvh, d, dtype=cache_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(blocks * bs, generator=g)[:tokens]
+    ops.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(-1, kvh, d)[slots], k.to(cache_dtype))  # rounded as .to() rounds
+    assert torch.equal(v_cache.view(-1, kvh, d)[slots], v.to(cache_dtype))
+    others = torch.ones(blocks * bs, dtype=torch.bool)
+    others[slots] = False
+    assert not k_cache.view(-1, kvh, d)[others].any() and not v_cache.view(-1, kvh, d)[others].any()
+
+
+@pytest.mark.parametrize("q_dtype", DTYPES)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_seqs, threads", [(1, 2), (4, 2), (3, 1)])
+def test_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads):
+    g = torch.Generator().manual_seed(num_seqs)
+    heads, kvh, d, bs, blocks = 9, 3, 64, 16, 40
+    k_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
+    v_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
+    lens = torch.randint(1, 5 * bs, (num_seqs,), generator=g)
+    tables = torch.randperm(blocks, generator=g)[:num_seqs * 5].view(num_seqs, 5)
+    qkv = torch.randn(num_seqs, (heads + 2 * kvh) * d, generator=g).to(q_dtype)
+    q = qkv[:, :heads * d].view(num_seqs, heads, d)  # strided between sequences, as in the model
+    torch.set_num_threads(threads)
+    out = ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, d ** -0.5)
+    into = torch.empty(num_seqs, heads, d, dtype=q_dtype)
+    ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, d ** -0.5, into)
+    assert out.dtype == q_dtype and torch.equal(out, into)
+    for i in range(num_seqs):
+        keys = k_cache[tables[i]].reshape(-1, kvh, d)[:lens[i]].float().repeat_interleave(heads // kvh, dim=1)
+        values = v_cache[tables[i]].reshape(-1, kvh, d)[:lens[i]].float().repeat_interleave(heads // kvh, dim=1)
+        scores = torch.einsum("hd,thd->ht", q[i].float(), keys) * d ** -0.5
+        expected = torch.einsum("ht,thd->hd", scores.softmax(-1), values)
+        torch.testing.assert_close(out[i].float(), expected, **(_tol(q_dtype) if q_dtype != torch.float32 else
+                                                                dict(atol=1e-5, rtol=1e-4)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k", [(163, 100), (1536, 576), (5, 31), (4, 64), (64, 33)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv(ops, dtype, n, k, bias):
+    g = torch.Generator().manual_seed(n * k)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    expected = F.linear(x.float(), w.float(), None if b is None else b.float())
+    y = ops.gemv(x, w, b)
+    assert y.dtype == dtype and y.shape == (1, n)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=1.6e-2)
+    torch.testing.assert_close(y.float(), expected, **tol)
+
+
+def test_forced_isa_is_the_one_loaded():
+    """PAGEDSERVE_CPU_ISA picks the build that cpu_kernels() (what the layers call) returns."""
+    isa = _isas_to_test()[-1]
+    code = "from pagedserve.model_executor.kernels import cpu_kernels; print(cpu_kernels().isa())"
+    env = {**os.environ, "PAGEDSERVE_CPU_ISA": isa}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == isa
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head_in_place(ops, dtype):
+    """Qwen3's q/k norms: [T, heads, D] views inside the QKV output, normed in place (out=x) or into a new tensor."""
+    g = torch.Generator().manual_seed(5)
+    tokens, heads, kv_heads, d = 7, 4, 2, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    w = torch.randn(d, generator=g).to(dtype)
+    q = qkv[:, :heads * d].view(tokens, heads, d)
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(tokens, kv_heads, d)
+    expected_q = F.rms_norm(q.float(), (d,), w.float(), 1e-6).to(dtype)
+    expected_k = F.rms_norm(k.float(), (d,), w.float(), 1e-6).to(dtype)
+    v_before = qkv[:, (heads + kv_heads) * d:].clone()
+    fresh = ops.rms_norm(k, None, w, 1e-6)
+    assert fresh.is_contiguous() and fresh.shape == k.shape
+    torch.testing.assert_close(fresh, expected_k, **_tol(dtype))
+    assert ops.rms_norm(q, None, w, 1e-6, q).data_ptr() == q.data_ptr()
+    ops.rms_norm(k, None, w, 1e-6, k)
+    torch.testing.assert_close(q, expected_q, **_tol(dtype))
+    torch.testing.assert_close(k, expected_k, **_tol(dtype))
+    assert torch.equal(qkv[:, (heads + kv_heads) * d:], v_before)

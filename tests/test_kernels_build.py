@@ -1,0 +1,150 @@
+"""The native-kernel build cache: keyed by instruction set, sources and flags; a lock left by a killed build never
+hangs a later start; a lock held by a live process is waited for a bounded time, then the PyTorch path is used.
+
+The lock cases run in a subprocess with a timeout and a temporary TORCH_EXTENSIONS_DIR (the shared cache is not
+touched), and build a tiny extension rather than the real kernels so they take seconds."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pagedserve.model_executor import kernels as K
+
+TINY_SOURCE = textwrap.dedent("""
+    #include <Python.h>
+    #define PS_CAT2(a, b) a##b
+    #define PS_CAT(a, b) PS_CAT2(a, b)
+    static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "tiny", nullptr, -1, nullptr};
+    PyMODINIT_FUNC PS_CAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&def); }
+""")
+
+
+def test_cache_key_changes_with_isa_sources_and_flags(tmp_path):
+    src = tmp_path / "a.cpp"
+    src.write_text("int f() { return 1; }\n")
+    names = {isa: K.extension_name(isa, (src,), K.build_flags(isa)) for isa in K.ISA_LEVELS}
+    assert len(set(names.values())) == len(K.ISA_LEVELS)  # one build per instruction-set level
+    assert all(name.startswith(f"pagedserve_cpu_{isa}_") for isa, name in names.items())
+    assert K.extension_name("avx2", (src,), K.build_flags("avx2")) == names["avx2"]  # stable
+    assert K.extension_name("avx2", (src,), K.build_flags("avx2") + ["-DX"]) != names["avx2"]  # flags
+    src.write_text("int f() { return 2; }\n")
+    assert K.extension_name("avx2", (src,), K.build_flags("avx2")) != names["avx2"]  # sources
+    # the real kernels: the default name covers the header too, and no level is built with -march=native
+    assert K.extension_name("avx2") != K.extension_name("avx512")
+    assert not any("march" in flag for isa in K.ISA_LEVELS for flag in K.build_flags(isa))
+
+
+def test_isa_detection_and_forcing(monkeypatch):
+    avx2_only = frozenset({"avx", "avx2", "fma", "f16c", "sse4_2"})
+    zen4 = avx2_only | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
+    if K.platform.machine().lower() in ("x86_64", "amd64"):
+        assert K.supported_isas(avx2_only) == ["avx2", "generic"]
+        assert K.supported_isas(zen4) == ["avx512bf16", "avx512", "avx2", "generic"]
+        assert K.supported_isas(zen4 - {"avx512_bf16"})[0] == "avx512"
+    assert K.supported_isas(frozenset())[-1] == "generic"
+    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "generic")
+    assert K.detect_isa() == "generic"
+    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "avx9000")
+    with pytest.raises(ValueError, match="PAGEDSERVE_CPU_ISA"):
+        K.detect_isa()
+    monkeypatch.delenv("PAGEDSERVE_CPU_ISA")
+    assert K.detect_isa() == K.supported_isas()[0]
+
+
+HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, f"{os.getpid()} holder\\n".encode())
+print("HELD", flush=True)
+time.sleep(600)
+"""
+
+
+def _hold_lock(path: Path) -> subprocess.Popen:
+    """A live process holding the build lock (as a concurrent build would)."""
+    p = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(path)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "HELD"
+    return p
+
+
+def _run(code: str, ext_dir: Path, timeout: float, **env) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext_dir), **env}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_a_build_killed_while_holding_the_locks_does_not_hang_the_next_start(tmp_path):
+    """A build killed half-way leaves torch's `lock` file (torch would wait on it forever) and our lock file, whose
+    flock died with it: the next start removes the first, takes the second at once, and builds."""
+    src = tmp_path / "tiny.cpp"
+    src.write_text(TINY_SOURCE)
+    name = K.extension_name("generic", (src,), ["-O0"])
+    build_dir = tmp_path / "ext" / name
+    build_dir.mkdir(parents=True)
+    holder = _hold_lock(build_dir / K.LOCK_NAME)
+    (build_dir / "lock").write_text("")
+    holder.kill()  # SIGKILL mid-"build"
+    holder.wait()
+    assert (build_dir / K.LOCK_NAME).exists() and (build_dir / "lock").exists()
+    code = f"""
+        import logging; logging.basicConfig(level=logging.INFO)
+        from pathlib import Path
+        from pagedserve.model_executor import kernels as K
+        m = K.build_extension({name!r}, [Path({str(src)!r})], ["-O0"], timeout_s=600)
+        print("LOADED", m.__name__)
+    """
+    r = _run(code, tmp_path / "ext", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "LOADED tiny" in r.stdout
+    assert "stale torch extension lock" in r.stderr and "Waiting" not in r.stderr
+    assert "Building native kernels" in r.stderr  # said what it was doing
+    assert not (build_dir / "lock").exists()
+    # the second start finds the build: loads it, builds nothing
+    r = _run(code, tmp_path / "ext", timeout=300)
+    assert r.returncode == 0 and "LOADED tiny" in r.stdout and "Building" not in r.stderr, r.stderr[-3000:]
+
+
+def test_a_live_lock_holder_is_waited_for_a_bounded_time(tmp_path):
+    """Another live process holds the lock of the real kernels: the wait ends after the timeout, with a warning,
+    and the engine's accessor answers None (the PyTorch path) instead of hanging."""
+    isa = K.detect_isa()
+    build_dir = tmp_path / "ext" / K.extension_name(isa)
+    build_dir.mkdir(parents=True)
+    holder = _hold_lock(build_dir / K.LOCK_NAME)
+    try:
+        code = """
+            import logging; logging.basicConfig(level=logging.INFO)
+            from pagedserve.model_executor.kernels import cpu_kernels, load_cpu_kernels
+            print("RESULT", load_cpu_kernels(), cpu_kernels())
+        """
+        r = _run(code, tmp_path / "ext", timeout=120, PAGEDSERVE_KERNEL_BUILD_TIMEOUT="1")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "RESULT None None" in r.stdout
+    assert "Waiting (at most 1 s)" in r.stderr and f"{holder.pid} holder" in r.stderr
+    assert "held the build lock" in r.stderr and "PyTorch path" in r.stderr
+    assert not list(build_dir.glob("*.so"))
+
+
+def test_acquire_release(tmp_path):
+    fd = K.acquire_build_lock(tmp_path, timeout_s=1)
+    assert fd is not None
+    assert (tmp_path / K.LOCK_NAME).read_text().split()[0] == str(os.getpid())
+    K.release_build_lock(fd)
+    holder = _hold_lock(tmp_path / K.LOCK_NAME)
+    try:
+        assert K.acquire_build_lock(tmp_path, timeout_s=0.3) is None  # held by a live process
+    finally:
+        holder.kill()
+        holder.wait()
+    fd = K.acquire_build_lock(tmp_path, timeout_s=5)  # its holder died: free at once
+    assert fd is not None
+    K.release_build_lock(fd)

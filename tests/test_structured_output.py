@@ -1,0 +1,269 @@
+"""Structured output with the real engine (llguidance masks in the vectorized sampler): JSON schema, regex,
+choice and grammar constraints, mixed with free requests in one batch; n > 1, seeds, preemption; invalid
+constraints refused naming the field; the OpenAI / vLLM request fields over HTTP with the official client."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.errors import InvalidRequestError
+from pagedserve.sampling_params import StructuredOutputsParams as SO
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                              "maximum": 999}},
+          "required": ["ok", "n"], "additionalProperties": False}
+GRAMMAR = 'start: "def " NAME "(" NAME? "):"\nNAME: /[a-z_]{1,8}/'
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(str(model_dir), num_threads=1, num_kv_blocks=256, max_model_len=512, dtype="float32")
+
+
+def prompts(k: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 700, (8 + 3 * i,), generator=g).tolist() for i in range(k)]
+
+
+def check(kind: str, text: str) -> None:
+    if kind == "json":
+        obj = json.loads(text)
+        assert set(obj) == {"ok", "n"} and isinstance(obj["ok"], bool) and 0 <= obj["n"] <= 999
+    elif kind == "regex":
+        assert re.fullmatch(r"[A-Z]{2}-\d{3}", text), text
+    elif kind == "choice":
+        assert text in ("red", "green", "blue"), text
+    elif kind == "grammar":
+        assert re.fullmatch(r"def [a-z_]{1,8}\(([a-z_]{1,8})?\):", text), text
+    elif kind == "json_object":
+        assert isinstance(json.loads(text), dict)
+
+
+CONSTRAINTS = {
+    "json": SO(json=SCHEMA, disable_any_whitespace=True),
+    "regex": SO(regex=r"[A-Z]{2}-\d{3}"),
+    "choice": SO(choice=["red", "green", "blue"]),
+    "grammar": SO(grammar=GRAMMAR),
+    "json_object": SO(json_object=True, disable_any_whitespace=True),
+}
+
+
+def test_every_kind_in_one_mixed_batch_and_free_rows_unaffected(llm):
+    ps = prompts(6)
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(prompt_token_ids=[ps[5]], sampling_params=free, use_tqdm=False)[0].outputs[0].token_ids
+    params = [SamplingParams(temperature=0, max_tokens=120, structured_outputs=c) for c in CONSTRAINTS.values()]
+    outs = llm.generate(prompt_token_ids=ps, sampling_params=params + [free], use_tqdm=False)
+    for kind, out in zip(CONSTRAINTS, outs):
+        c = out.outputs[0]
+        if kind == "json_object" and c.finish_reason == "length":  # any object: a random model may write on
+            assert c.text.startswith("{")
+            continue
+        assert c.finish_reason == "stop", (kind, c.text)
+        check(kind, c.text)
+    assert outs[5].outputs[0].token_ids == alone  # the free row of the batch saw no mask
+    assert not llm.llm_engine.structured_output.matchers  # per-sequence grammar state is dropped at the end
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 10}, "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                                              "maxItems": 3}},
+        "required": ["name", "tags"], "additionalProperties": False}}, "required": ["user"],
+     "additionalProperties": False},
+    {"type": "object", "$defs": {"pt": {"type": "object", "properties": {"x": {"type": "integer"},
+                                                                         "y": {"type": "integer"}},
+                                        "required": ["x", "y"], "additionalProperties": False}},
+     "properties": {"a": {"$ref": "#/$defs/pt"}, "b": {"$ref": "#/$defs/pt"}}, "required": ["a", "b"],
+     "additionalProperties": False},
+    {"type": "array", "items": {"type": "number", "minimum": -5, "maximum": 5}, "minItems": 1, "maxItems": 4},
+    {"enum": ["alpha", "beta", 3, None]},
+    {"type": "object", "properties": {"kind": {"const": "pt"}, "ok": {"type": ["boolean", "null"]}},
+     "required": ["kind", "ok"], "additionalProperties": False},
+]
+
+
+def test_json_schemas_validate_over_seeds_in_a_mixed_chunked_batch(model_dir):
+    """Every schema x several seeds, all in one batch with a free request, a small token budget (chunked
+    prefill) and prefix caching on: every output validates, and the free request is unaffected."""
+    llm = LLM(str(model_dir), num_threads=1, num_kv_blocks=256, max_model_len=512, dtype="float32",
+              max_num_batched_tokens=32)
+    ps = [prompts(12)[-1], prompts(2)[1]]  # a 41-token prompt shared by the constrained requests
+    free = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    alone = llm.generate(prompt_token_ids=[ps[1]], sampling_params=free, use_tqdm=False)[0].outputs[0].token_ids
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=200, structured_outputs=SO(json=schema))
+              for schema in SCHEMAS for seed in range(4)]
+    outs = llm.generate(prompt_token_ids=[ps[0]] * len(params) + [ps[1]], sampling_params=params + [free],
+                        use_tqdm=False)
+    for (schema, out) in zip([s for s in SCHEMAS for _ in range(4)], outs):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), schema)
+    assert outs[-1].outputs[0].token_ids == alone
+    assert llm.llm_engine.get_stats().scheduler.prefix_cache_hits > 0
+
+
+def test_random_sampling_n_and_seeds_stay_inside_the_grammar(llm):
+    p = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=40, structured_outputs=SO(regex=r"[A-Z]{2}-\d{3}"))
+    out = llm.generate(prompt_token_ids=prompts(1), sampling_params=p, use_tqdm=False)[0]
+    texts = [c.text for c in out.outputs]
+    for t in texts:
+        check("regex", t)
+    again = [c.text for c in llm.generate(prompt_token_ids=prompts(1), sampling_params=p, use_tqdm=False)[0].outputs]
+    assert again == texts
+
+
+def test_constraints_survive_preemption(model_dir):
+    ps = prompts(4)
+    params = SamplingParams(temperature=0, max_tokens=100, structured_outputs=SO(regex=r"[a-z]{40}-[0-9]{20}"))
+    roomy = LLM(str(model_dir), num_threads=1, num_kv_blocks=256, max_model_len=512, dtype="float32")
+    expected = [o.outputs[0].text for o in roomy.generate(prompt_token_ids=ps, sampling_params=params, use_tqdm=False)]
+    tight = LLM(str(model_dir), num_threads=1, num_kv_blocks=16, block_size=8, max_model_len=512, dtype="float32")
+    got = [o.outputs[0].text for o in tight.generate(prompt_token_ids=ps, sampling_params=params, use_tqdm=False)]
+    assert tight.llm_engine.get_stats().scheduler.num_preemptions > 0
+    assert got == expected
+    for t in got:
+        assert re.fullmatch(r"[a-z]{40}-[0-9]{20}", t), t
+
+
+@pytest.mark.parametrize("constraint, param", [
+    (dict(regex="a(b"), "structured_outputs.regex"),
+    (dict(json={"type": "object", "properties": {"a": {"type": "no-such-type"}}}), "structured_outputs.json"),
+    (dict(json="{not json"), "structured_outputs.json"),
+    (dict(grammar="start: ( unclosed"), "structured_outputs.grammar"),
+    (dict(choice=[]), "structured_outputs.choice"),
+    (dict(regex="a", choice=["a"]), "structured_outputs"),
+])
+def test_invalid_constraints_are_refused_naming_the_field(llm, constraint, param):
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate(prompt_token_ids=prompts(1), use_tqdm=False,
+                     sampling_params=SamplingParams(max_tokens=4, structured_outputs=SO(**constraint)))
+    assert info.value.param == param
+
+
+# ------------------------------------------------------------------------------------ over HTTP
+def test_openai_response_format_and_vllm_fields(server):
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="test-key-123", max_retries=0, timeout=120)
+    model = c.models.list().data[0].id
+    messages = [{"role": "user", "content": "give me json"}]
+    r = c.chat.completions.create(model=model, messages=messages, max_tokens=120, temperature=0,
+                                  response_format={"type": "json_schema",
+                                                   "json_schema": {"name": "thing", "schema": SCHEMA}})
+    choice = r.choices[0]  # OpenAI's JSON allows free whitespace: a random model may spend max_tokens on it
+    if choice.finish_reason == "stop":
+        check("json", choice.message.content)
+    assert choice.message.content.startswith("{")
+    r = c.chat.completions.create(model=model, messages=messages, max_tokens=120, temperature=0,
+                                  extra_body={"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}})
+    assert r.choices[0].finish_reason == "stop"
+    check("json", r.choices[0].message.content)
+    r = c.completions.create(model=model, prompt="color:", max_tokens=10, temperature=0,
+                             extra_body={"guided_choice": ["red", "green", "blue"]})
+    check("choice", r.choices[0].text)
+    assert r.choices[0].finish_reason == "stop"
+    r = c.completions.create(model=model, prompt="id:", max_tokens=20, temperature=0,
+                             extra_body={"structured_outputs": {"regex": r"[A-Z]{2}-\d{3}"}})
+    check("regex", r.choices[0].text)
+    stream = c.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0, stream=True,
+                                       extra_body={"guided_grammar": GRAMMAR})
+    check("grammar", "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices))
+    with pytest.raises(openai.BadRequestError) as info:
+        c.completions.create(model=model, prompt="x", max_tokens=4, extra_body={"guided_regex": "a(b"})
+    assert info.value.body["param"] == "guided_regex"
+    with pytest.raises(openai.BadRequestError) as info:
+        c.completions.create(model=model, prompt="x", max_tokens=4,
+                             extra_body={"guided_regex": "a", "guided_choice": ["a"]})
+    assert "one output constraint" in info.value.body["message"]
+
+
+# ------------------------------------------------------------------------------------ tool calling
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string", "maxLength": 12},
+                                                                          "days": {"type": "integer", "minimum": 1,
+                                                                                   "maximum": 7}},
+                                                           "required": ["city", "days"],
+                                                           "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
+    "additionalProperties": False}}}
+
+
+def check_weather(args: str) -> None:
+    obj = json.loads(args)
+    assert set(obj) == {"city", "days"} and isinstance(obj["city"], str) and 1 <= obj["days"] <= 7
+
+
+def test_tool_calls_named_and_required_streamed_equal_full(server):
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="test-key-123", max_retries=0, timeout=120)
+    model = c.models.list().data[0].id
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    common = dict(model=model, messages=messages, tools=[WEATHER, TIME], temperature=0, max_tokens=150)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    full = c.chat.completions.create(tool_choice=named, **common).choices[0]
+    assert full.finish_reason == "tool_calls" and full.message.content is None
+    (call,) = full.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    check_weather(call.function.arguments)
+    chunks = list(c.chat.completions.create(tool_choice=named, stream=True, **common))
+    pieces = [tc for ch in chunks if ch.choices and ch.choices[0].delta.tool_calls
+              for tc in ch.choices[0].delta.tool_calls]
+    assert pieces[0].function.name == "get_weather" and pieces[0].id
+    assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == \
+        ["tool_calls"]
+
+    # one call (a random-weight model would otherwise keep appending parallel calls up to max_tokens)
+    common["parallel_tool_calls"] = False
+    full = c.chat.completions.create(tool_choice="required", **common).choices[0]
+    assert full.finish_reason == "tool_calls" and len(full.message.tool_calls) == 1
+    for call in full.message.tool_calls:
+        assert call.function.name in ("get_weather", "get_time")
+        if call.function.name == "get_weather":
+            check_weather(call.function.arguments)
+        else:
+            assert json.loads(call.function.arguments)["tz"] in ("UTC", "CET")
+    chunks = list(c.chat.completions.create(tool_choice="required", stream=True, **common))
+    streamed = [tc for ch in chunks if ch.choices and ch.choices[0].delta.tool_calls
+                for tc in ch.choices[0].delta.tool_calls]
+    assert [(t.function.name, t.function.arguments) for t in streamed] == \
+        [(t.function.name, t.function.arguments) for t in full.message.tool_calls]
+
+    # a tool result goes back through the template; "auto" needs the server flags
+    history = messages + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", '
+                                                                                             '"days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = c.chat.completions.create(model=model, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=4)
+    assert r.choices[0].message.content is not None and not r.choices[0].message.tool_calls
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model=model, messages=messages, tools=[WEATHER], max_tokens=4)
+    assert "enable-auto-tool-choice" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model=model, messages=messages, tools=[WEATHER], max_tokens=4,
+                                  tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert info.value.body["param"] == "tool_choice"
+
+
+def test_tool_call_parsers():
+    from pagedserve.entrypoints.openai.tool_calls import PARSERS
+
+    content, calls = PARSERS["hermes"]('ok <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>')
+    assert content == "ok" and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("f", {"a": 1})]
+    assert PARSERS["hermes"]("no calls here") == ("no calls here", [])
+    _, calls = PARSERS["llama3_json"]('{"name": "f", "parameters": {"x": "y"}}; {"name": "g", "parameters": {}}')
+    assert [c.function.name for c in calls] == ["f", "g"]
+    content, calls = PARSERS["mistral"]('[TOOL_CALLS] [{"name": "f", "arguments": {"q": 2}}]')
+    assert content is None and json.loads(calls[0].function.arguments) == {"q": 2}
+    assert PARSERS["mistral"]("[TOOL_CALLS] [broken")[1] == []
