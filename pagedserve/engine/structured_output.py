@@ -17,6 +17,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagedserve.errors import InvalidRequestError
@@ -112,8 +113,8 @@ class StructuredOutputManager:
 
     # ------------------------------------------------------------------------------ masks
     def start_masks(self, sequence_ids: list[str]) -> "Future[torch.Tensor] | None":
-        """Begin filling the bitmask of this step's sampling rows (row i <-> sequence_ids[i]) on a worker
-        thread; None when none of them is constrained."""
+        """Begin computing this step's allowed-token masks (row i <-> sequence_ids[i]; [N, >= V] uint8) on a
+        worker thread; None when none of the rows is constrained."""
         rows = [(i, self.matchers[sid]) for i, sid in enumerate(sequence_ids) if sid in self.matchers]
         if not rows:
             return None
@@ -128,5 +129,8 @@ class StructuredOutputManager:
         bitmask = allocate_token_bitmask(num_rows, self.vocab_size)  # all ones: free rows allow every token
         for row, matcher in rows:
             fill_next_token_bitmask(matcher, bitmask, row)
+        # Bits -> one byte per token, here on the worker rather than in the sampler (bit t%32 of word t//32;
+        # x86 and ARM are little-endian, so that is bit t%8 of byte t//8).
+        allowed = torch.from_numpy(np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little"))
         self.mask_time += time.perf_counter() - t0
-        return bitmask
+        return allowed

@@ -201,7 +201,7 @@ class ModelRunner:
         return input_ids, pos_t, meta, torch.tensor(logits_indices, dtype=torch.long, device=dev), sampling_items
 
     def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest], result: ModelRunnerOutput,
-                allowed_token_bitmask: torch.Tensor | None = None) -> None:
+                allowed_token_mask: torch.Tensor | None = None) -> None:
         requests = [item.request for item in items]
         params = [r.sampling_params for r in requests]
         generators = {}
@@ -222,7 +222,7 @@ class ModelRunner:
             [r.prompt_token_ids for r in requests] if any_penalty else [],
             [r.output_token_ids for r in requests] if any_penalty else [],
             banned, self.device)
-        meta.allowed_token_bitmask = allowed_token_bitmask
+        meta.allowed_token_mask = allowed_token_mask
         out = self.sampler(logits, meta, self.default_generator)
         token_ids = out.sampled_token_ids.tolist()
         for r, token in zip(requests, token_ids):

@@ -45,8 +45,8 @@ class SamplingMetadata:
     output_token_ids: list[Sequence[int]] | None = None  # per row, tokens generated so far
     banned_token_ids: dict[int, list[int]] = field(default_factory=dict)  # row -> ids forced to -inf
     max_num_logprobs: int | None = None  # None: no logprobs; k >= 0: top-k plus the sampled token
-    # Structured output: [N, ceil(V/32)] int32 bitmask of allowed tokens per row (all ones: free row), or None.
-    allowed_token_bitmask: torch.Tensor | None = None
+    # Structured output: [N, >= V] uint8, 1 where a row may sample the token (all ones: a free row), or None.
+    allowed_token_mask: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -123,10 +123,8 @@ class Sampler:
         raw_logprobs = None if metadata.max_num_logprobs is None else torch.log_softmax(logits, dim=-1)
         logits = apply_penalties(logits, metadata)
         logits = apply_banned_tokens(logits, metadata.banned_token_ids)
-        if metadata.allowed_token_bitmask is not None:
-            from llguidance.torch import apply_token_bitmask_inplace
-
-            apply_token_bitmask_inplace(logits, metadata.allowed_token_bitmask.to(logits.device))
+        if metadata.allowed_token_mask is not None:
+            apply_allowed_token_mask(logits, metadata.allowed_token_mask)
         sampled = _sample(logits, metadata, default_generator)
         logprobs = None
         if raw_logprobs is not None:
@@ -180,6 +178,15 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     logits -= metadata.frequency_penalty.unsqueeze(1) * output_counts
     logits -= metadata.presence_penalty.unsqueeze(1) * in_output
     return logits
+
+
+def apply_allowed_token_mask(logits: torch.Tensor, allowed: torch.Tensor) -> None:
+    """Structured output: logits[i, t] = -inf where allowed[i, t] == 0 ([N, >= V] uint8; tokens past its width are
+    never allowed). One whole-batch op."""
+    width = min(logits.shape[1], allowed.shape[1])
+    if width < logits.shape[1]:
+        logits[:, width:] = float("-inf")
+    logits[:, :width].masked_fill_(allowed[:, :width].to(logits.device) == 0, float("-inf"))
 
 
 def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: dict[int, list[int]]) -> torch.Tensor:

