@@ -120,13 +120,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run nothing: rebuild cpu_peers.md/.json from the result JSONs already in --output-dir "
                         "(same flags as the run; e.g. after an interrupted run)")
     args = p.parse_args(argv)
-    args.concurrencies = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
-    if not args.concurrencies or min(args.concurrencies) < 1:
-        p.error("--concurrency needs positive integers")
-    args.engine_list = [e.strip() for e in args.engines.split(",") if e.strip()]
-    bad = [e for e in args.engine_list if e not in ENGINES]
-    if bad:
-        p.error(f"--engines: unknown {bad}; choose from {','.join(ENGINES)}")
+    sbs.parse_engine_lists(p, args, ENGINES)
     args.precision_list = [x.strip() for x in args.precisions.split(",") if x.strip()]
     bad = [x for x in args.precision_list if x not in PRECISIONS]
     if bad:

@@ -121,6 +121,17 @@ def log(msg: str = "") -> None:
 # ---------------------------------------------------------------------------------------------------- CLI
 
 
+def parse_engine_lists(p: argparse.ArgumentParser, args: argparse.Namespace, engines) -> None:
+    """--concurrency and --engines (comma lists) -> args.concurrencies, args.engine_list; p.error on bad values."""
+    args.concurrencies = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
+    if not args.concurrencies or min(args.concurrencies) < 1:
+        p.error("--concurrency needs positive integers")
+    args.engine_list = [e.strip() for e in args.engines.split(",") if e.strip()]
+    bad = [e for e in args.engine_list if e not in engines]
+    if bad:
+        p.error(f"--engines: unknown {bad}; choose from {','.join(engines)}")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF checkpoint dir (e.g. from `pagedserve bench make-model`)")
@@ -167,13 +178,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=600, help="seconds to wait for a server's /health")
     p.add_argument("--output-dir", default=None, help="default: bench_results/side_by_side-<date>")
     args = p.parse_args(argv)
-    args.concurrencies = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
-    if not args.concurrencies or min(args.concurrencies) < 1:
-        p.error("--concurrency needs positive integers")
-    args.engine_list = [e.strip() for e in args.engines.split(",") if e.strip()]
-    bad = [e for e in args.engine_list if e not in ENGINES]
-    if bad:
-        p.error(f"--engines: unknown {bad}; choose from {','.join(ENGINES)}")
+    parse_engine_lists(p, args, ENGINES)
     if args.skip_hf:
         args.engine_list = [e for e in args.engine_list if not e.startswith("hf-")]
     if args.skip_llamacpp:

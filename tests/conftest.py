@@ -19,6 +19,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import tiny_models`
 from tiny_models import ARCHS, build_tiny_tokenizer, make_tiny_checkpoint  # noqa: E402
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny matrices on a shared 2-core box: one intra-op thread is far faster (use with usefixtures)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     """Directory holding the tiny tokenizer files (tokenizer.json, tokenizer_config.json, chat template)."""

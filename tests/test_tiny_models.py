@@ -16,13 +16,7 @@ from tiny_models import ARCHS, CHAT_TEMPLATE, build_tiny_model, build_tiny_token
 N_NEW = 32
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matrices on a shared 2-core box: one intra-op thread is far faster.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tensors(model_dir) -> dict[str, torch.Tensor]:
