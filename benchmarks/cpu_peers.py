@@ -257,6 +257,17 @@ def result_name(engine: str, precision: str, conc: int) -> str:
     return f"{engine}-{precision}-c{conc}.json"
 
 
+def serve_each_concurrency(engine: str, label: str, precision: str, base_url: str, name: str, args, out_dir: str,
+                           workloads, rows: list, skipped: dict, notes: str) -> None:
+    """`bench serve` against one running server at every --concurrency; a row each, or a skip note."""
+    for c in args.concurrencies:
+        res = run_bench_serve(engine, precision, base_url, name, c, args, out_dir)
+        if res is None:
+            skipped[f"{label} {precision} C={c}"] = "bench serve failed"
+            continue
+        rows.append(make_row(engine, precision, c, res, workloads[c], notes=notes))
+
+
 def run_bench_serve(engine: str, precision: str, base_url: str, served_name: str, conc: int, args,
                     out_dir: str) -> dict | None:
     fname = result_name(engine, precision, conc)
@@ -312,13 +323,8 @@ def run_pagedserve(args, precision: str, workloads: dict, out_dir: str, rows: li
                      env=sbs.subprocess_env())
     try:
         srv.start(args.startup_timeout)
-        for c in args.concurrencies:
-            res = run_bench_serve("pagedserve", precision, srv.base_url, name, c, args, out_dir)
-            if res is None:
-                skipped[f"pagedserve {precision} C={c}"] = "bench serve failed"
-                continue
-            rows.append(make_row("pagedserve", precision, c, res, workloads[c],
-                                 notes=f"{note}; --num-kv-blocks {blocks} (block 16)"))
+        serve_each_concurrency("pagedserve", "pagedserve", precision, srv.base_url, name, args, out_dir, workloads,
+                               rows, skipped, f"{note}; --num-kv-blocks {blocks} (block 16)")
     except RuntimeError as e:
         log(str(e))
         skipped[f"pagedserve {precision}"] = str(e).splitlines()[0]
@@ -367,14 +373,9 @@ def run_vllm(args, precision: str, workloads: dict, out_dir: str, rows: list, sk
         t0 = time.perf_counter()
         srv.start(args.startup_timeout)
         log(f"[vLLM CPU {precision}] start-up took {time.perf_counter() - t0:.0f} s")
-        for c in args.concurrencies:
-            res = run_bench_serve("vllm", precision, srv.base_url, name, c, args, out_dir)
-            if res is None:
-                skipped[f"vLLM CPU {precision} C={c}"] = "bench serve failed"
-                continue
-            rows.append(make_row("vllm", precision, c, res, workloads[c],
-                                 notes=f"{note}; VLLM_CPU_KVCACHE_SPACE={kv_gib} GiB, "
-                                       f"VLLM_CPU_OMP_THREADS_BIND=0-{args.threads - 1}"))
+        serve_each_concurrency("vllm", "vLLM CPU", precision, srv.base_url, name, args, out_dir, workloads, rows,
+                               skipped, f"{note}; VLLM_CPU_KVCACHE_SPACE={kv_gib} GiB, "
+                                        f"VLLM_CPU_OMP_THREADS_BIND=0-{args.threads - 1}")
     except RuntimeError as e:
         log(str(e))
         skipped[f"vLLM CPU {precision}"] = str(e).splitlines()[0]

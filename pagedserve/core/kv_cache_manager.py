@@ -69,13 +69,13 @@ class KVCacheManager:
             blocks.append(block)
         return PrefixHit(blocks, len(blocks) * self.block_size)
 
-    def prefix_in_flight(self, request: Request) -> bool:
-        """Whether the first block after the request's cached chain is being written by a running request.
-        Waiting a step lets it hit that block (n > 1 samples, identical prompts arriving together) instead of
-        computing it again; blocks are registered only once written, so it cannot hit them in this step."""
-        if not self.enable_caching or not self.pending_hashes:
+    def prefix_in_flight(self, request: Request, hit: PrefixHit) -> bool:
+        """Whether the first block after the request's cached chain (`hit`, from get_computed_blocks) is being
+        written by a running request. Waiting a step lets it hit that block (n > 1 samples, identical prompts
+        arriving together) instead of computing it again; blocks are registered only once written, so it cannot
+        hit them in this step."""
+        if not self.pending_hashes:
             return False
-        hit = self.get_computed_blocks(request)
         index = len(hit.blocks)
         return index < (request.num_tokens - 1) // self.block_size and \
             request.block_hashes[index] in self.pending_hashes

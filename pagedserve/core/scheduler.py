@@ -170,9 +170,9 @@ class Scheduler:
             request = self.waiting.peek()
             if request.request_id in preempted_now:  # it just gave its KV away; all behind it rank lower
                 break
-            if self.kv.prefix_in_flight(request):
-                break  # its next block is being written by a running request: hit it next step instead
             hit = self.kv.get_computed_blocks(request)
+            if self.kv.prefix_in_flight(request, hit):
+                break  # its next block is being written by a running request: hit it next step instead
             num_new = self._chunk_size(request.num_tokens - hit.num_tokens, budget)
             if num_new <= 0:
                 break
