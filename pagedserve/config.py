@@ -34,7 +34,12 @@ class EngineArgs:
     served_model_name: str | None = None
     trust_remote_code: bool = False
     revision: str | None = None
-    num_threads: int | None = None  # torch intra-op threads; None: all cores
+    num_threads: int | None = None  # torch intra-op threads per rank; None: all cores (split between the ranks)
+    # ---- parallelism (docs/PARALLEL.md)
+    tensor_parallel_size: int = 1  # -tp: heads, MLP channels and vocabulary split over this many ranks
+    pipeline_parallel_size: int = 1  # -pp: layers split over this many stages
+    distributed_executor_backend: str | None = None  # uni | mp | ray; None: uni for one rank, else mp
+    cpu_bind: str | None = None  # cores per rank, "0-31|32-63" (or env PAGEDSERVE_CPU_OMP_THREADS_BIND)
     # ---- request limits (each refused with a clear error before any work is done)
     max_logprobs: int = 20  # vLLM's name: top-N logprobs a request may ask for (beam width <= half of it)
     max_sequences_per_request: int = 256  # prompts x n of one request
@@ -67,6 +72,22 @@ class EngineArgs:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}.")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1.")
+        if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be uni, mp or ray, "
+                             f"got {self.distributed_executor_backend!r}.")
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size x "
+                             f"pipeline_parallel_size = {self.world_size} needs 'mp' or 'ray'.")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def resolved_executor_backend(self) -> str:
+        return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -75,7 +96,9 @@ class EngineArgs:
             if f.name == "model":
                 continue
             flag = "--" + f.name.replace("_", "-")
-            if f.type in ("bool", bool):
+            if f.name in SHORT_FLAGS:
+                parser.add_argument(flag, SHORT_FLAGS[f.name], type=int, default=f.default)
+            elif f.type in ("bool", bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             elif f.name == "kv_cache_memory_bytes":
                 parser.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest=f.name,
@@ -88,6 +111,9 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+
+SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}  # as vLLM
 
 
 def _field_type(f: dataclasses.Field):
@@ -140,6 +166,7 @@ class ParallelConfig:
     num_threads: int | None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"  # resolved: uni | mp | ray
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,11 @@ from pagedserve.engine.fault_injection import FaultInjector
 from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.structured_output import StructuredOutputManager
+from pagedserve.executor import create_executor
 from pagedserve.metrics.loggers import StepStats
 from pagedserve.metrics.stats import EngineStats, IterationStats, SchedulerStats
 from pagedserve.model_executor.model_config import ModelConfig, resolve_model_dir
-from pagedserve.model_executor.model_runner import ModelRunner, configure_threads, resolve_device, resolve_dtype
+from pagedserve.model_executor.model_runner import configure_threads, resolve_device, resolve_dtype
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -45,10 +46,10 @@ class LLMEngine:
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else resolve_dtype(args.kv_cache_dtype, device)
-        self.runner = ModelRunner(cfg, device, dtype, args.block_size, args.seed, args.linear_backend,
-                                  args.quantization, kv_dtype)
+        self.executor = create_executor(args, cfg, device, dtype, kv_dtype)
+        self.runner = self.executor.driver  # rank 0's runner, in this process
         num_blocks = self._num_kv_blocks(args)
-        self.runner.allocate_kv_cache(num_blocks)
+        self.executor.allocate_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                                                args.prefix_caching_hash_algo)
         budget = args.max_num_batched_tokens
@@ -67,7 +68,8 @@ class LLMEngine:
             cache=CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching, args.prefix_caching_hash_algo,
                               str(kv_dtype).removeprefix("torch.")),
             scheduler=scheduler_config,
-            parallel=ParallelConfig(device.type, args.num_threads),
+            parallel=ParallelConfig(device.type, args.num_threads, args.tensor_parallel_size,
+                                    args.pipeline_parallel_size, args.resolved_executor_backend),
             limits=RequestLimits.from_args(args),
             seed=args.seed)
         self.structured_output = StructuredOutputManager(self.tokenizer, cfg.vocab_size)
@@ -84,15 +86,19 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args)
 
+    def shutdown(self) -> None:
+        """Stop the executor's workers (a no-op for one process)."""
+        self.executor.shutdown()
+
     def _num_kv_blocks(self, args: EngineArgs) -> int:
-        per_block = self.runner.kv_bytes_per_block
+        per_block = self.executor.kv_bytes_per_block
         useful = cdiv(args.max_num_seqs * self.model_config.max_model_len, args.block_size)
         if args.num_kv_blocks is not None:
             num_blocks = args.num_kv_blocks
         elif args.kv_cache_memory_bytes is not None:
             num_blocks = args.kv_cache_memory_bytes // per_block
         else:  # a share of free memory, but never more than max_num_seqs full-length requests can use
-            num_blocks = min(int(self.runner.available_memory() * args.kv_cache_memory_fraction) // per_block, useful)
+            num_blocks = min(int(self.executor.available_memory() * args.kv_cache_memory_fraction) // per_block, useful)
         if num_blocks < 1:
             raise ValueError(f"The KV cache budget holds no block of {per_block} bytes.")
         tokens = num_blocks * args.block_size
@@ -186,7 +192,7 @@ class LLMEngine:
         try:
             if self.fault_injector is not None:
                 self.fault_injector.arm(sched_out)
-            runner_out = self.runner.execute_model(sched_out, grammars if grammars.matchers else None)
+            runner_out = self.executor.execute_model(sched_out, grammars if grammars.matchers else None)
         except Exception as exc:
             return self._fail_step(sched_out, exc)
         progressed = self.scheduler.update_from_output(sched_out, runner_out.sampled)

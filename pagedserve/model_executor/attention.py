@@ -51,6 +51,14 @@ class AttentionMetadata:
         return (positions[None, :] < self.decode_context_lens[:, None])[:, None, None, :]
 
 
+def chunk_causal_mask(first: int, context_len: int, device: torch.device) -> torch.Tensor | None:
+    """[context_len - first, context_len] bool for a prefill chunk starting at position `first`: causal over the
+    whole context, offset by what came before. None for a first chunk (plain causal over its own tokens)."""
+    if first == 0:
+        return None
+    return torch.arange(context_len, device=device)[None, :] <= torch.arange(first, context_len, device=device)[:, None]
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     kernels = cpu_kernels() if k.device.type == "cpu" and k.dtype in NATIVE_DTYPES else None

@@ -111,6 +111,26 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding holding `num_rows` consecutive vocabulary rows (all of them in one process). Under tensor
+    parallelism each rank looks up the ids in its range, zeros the others, and an all-reduce sums the one
+    non-zero contribution per token (exact: the other terms are zeros)."""
+
+    def __init__(self, num_rows: int, dim: int, parallel) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_rows, dim))
+        self.parallel = parallel
+        self.start = parallel.tp_rank * num_rows
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill_(outside[:, None], 0.0)
+        return self.parallel.all_reduce(x)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))

@@ -16,9 +16,10 @@ import numpy as np
 import torch
 
 from pagedserve.core.scheduler import ScheduledRequest, SchedulerOutput
-from pagedserve.model_executor.attention import AttentionMetadata, PrefillSpan
+from pagedserve.model_executor.attention import AttentionMetadata, PrefillSpan, chunk_causal_mask
 from pagedserve.model_executor.model_config import ModelConfig
 from pagedserve.model_executor.models.llama import LlamaForCausalLM
+from pagedserve.model_executor.parallel_state import SINGLE, ParallelState
 from pagedserve.model_executor.sampler import Sampler, SamplingMetadata
 from pagedserve.outputs import Logprob
 
@@ -76,7 +77,7 @@ class ModelRunnerOutput:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype, block_size: int,
                  seed: int = 0, linear_backend: str = "auto", quantization: str | None = None,
-                 kv_dtype: torch.dtype | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, parallel: ParallelState = SINGLE) -> None:
         self.config = model_config
         self.device = device
         self.dtype = dtype
@@ -84,7 +85,7 @@ class ModelRunner:
         self.block_size = block_size
         t0 = time.perf_counter()
         with torch.device(device):
-            model = LlamaForCausalLM(model_config)
+            model = LlamaForCausalLM(model_config, parallel)
         model.load_weights(model_config.model_dir)
         self.model = model.to(dtype).eval()
         self.model.requires_grad_(False)
@@ -112,8 +113,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ KV cache
     @property
     def kv_bytes_per_block(self) -> int:
-        c = self.config
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * self.kv_dtype.itemsize
+        """This rank's share: its layers, its KV heads."""
+        m = self.model
+        return 2 * len(m.layers) * self.block_size * m.num_local_kv_heads * self.config.head_dim * self.kv_dtype.itemsize
 
     def available_memory(self) -> int:
         if self.device.type == "cuda":
@@ -123,10 +125,9 @@ class ModelRunner:
         return int(info["MemAvailable"].split()[0]) * 1024
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        c = self.config
-        shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        shape = (num_blocks, self.block_size, self.model.num_local_kv_heads, self.config.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(c.num_layers)]
+                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in self.model.layers]
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
@@ -141,11 +142,16 @@ class ModelRunner:
         masks = token_masks.start_masks([i.request.request_id for i in sampling_items]) \
             if token_masks is not None and sampling_items else None
         t0 = time.perf_counter()
-        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+        logits = self.run_model(input_ids, positions, meta, logits_indices)
         result = ModelRunnerOutput(forward_time=time.perf_counter() - t0)
         if sampling_items:
             self._sample(logits, sampling_items, result, masks.result() if masks is not None else None)
         return result
+
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                  logits_indices: torch.Tensor) -> torch.Tensor | None:
+        """The forward over the flat batch (a parallel driver first broadcasts these inputs to its workers)."""
+        return self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
 
     def _prepare_inputs(self, items: list[ScheduledRequest]):
         bs = self.block_size
@@ -169,12 +175,9 @@ class ModelRunner:
                 decode_tables.append(used_blocks)
                 decode_lens.append(context_len)
             else:
-                mask = None
-                if first > 0:  # a later chunk: causal over the whole context, offset by what came before
-                    mask = torch.arange(context_len, device=self.device)[None, :] <= \
-                        torch.arange(first, context_len, device=self.device)[:, None]
                 prefills.append(PrefillSpan(start, n, context_len,
-                                            torch.tensor(used_blocks, dtype=torch.long, device=self.device), mask))
+                                            torch.tensor(used_blocks, dtype=torch.long, device=self.device),
+                                            chunk_causal_mask(first, context_len, self.device)))
             start += n
             if item.samples:
                 logits_indices.append(start - 1)

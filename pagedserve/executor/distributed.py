@@ -1,0 +1,193 @@
+"""The driver side of a multi-rank executor: rank 0 runs in the engine process, workers are processes (`mp`) or
+Ray actors (`ray`); the subclasses only start, watch and stop the workers.
+
+Every step the driver prepares the batch, broadcasts it (step_broadcast.py), runs its own shard and samples from
+the logits it gathers or receives. A failure inside the forward leaves the ranks at different points of their
+collective sequence, so it is fatal for the whole group: the executor records why (naming the rank that died
+when one did), stops the workers and fails every later step at once with ExecutorDeadError, instead of waiting on
+a peer that will never answer.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from abc import abstractmethod
+
+import torch
+
+from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.executor.base import Executor, ExecutorDeadError
+from pagedserve.executor.cpu_binding import bind_threads
+from pagedserve.executor.step_broadcast import Command, ControlChannel, pack_step
+from pagedserve.executor.worker import RunnerArgs, WorkerSpec
+from pagedserve.model_executor.attention import AttentionMetadata
+from pagedserve.model_executor.model_runner import ModelRunner, ModelRunnerOutput, TokenMaskSource
+from pagedserve.model_executor.parallel_state import ParallelLayout, ParallelState, create_store, init_parallel_state
+
+logger = logging.getLogger("pagedserve")
+
+# How long a collective may wait for a silent peer (a hung, not dead, worker) before it raises. A dead worker is
+# noticed at once: its sockets close.
+ENV_TIMEOUT = "PAGEDSERVE_DIST_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0
+DEATH_GRACE_S = 2.0  # after a failed collective, how long to look for the worker that died (to name it)
+
+
+class DriverModelRunner(ModelRunner):
+    """Rank 0's runner: broadcasts each forward's inputs before running its own shard, and receives the logits from
+    the last pipeline stage when it is not that stage."""
+
+    channel: ControlChannel
+    mid_collective = False  # True from the broadcast until the step's last collective returned
+
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                  logits_indices: torch.Tensor) -> torch.Tensor | None:
+        self.mid_collective = True
+        self.channel.send(Command.STEP, pack_step(input_ids, positions, meta, logits_indices))
+        logits = super().run_model(input_ids, positions, meta, logits_indices)
+        parallel: ParallelState = self.model.parallel
+        if logits is None and logits_indices.numel():
+            logits = parallel.recv_logits_from_last_stage(logits_indices.numel(), self.config.vocab_size)
+            logits = logits.to(self.device)
+        self.mid_collective = False
+        return logits
+
+
+class DistributedExecutor(Executor):
+    backend = ""
+
+    def __init__(self, runner_args: RunnerArgs, layout: ParallelLayout, cpus: list[list[int]] | None,
+                 num_threads: int | None) -> None:
+        self.layout = layout
+        self.runner_args = runner_args
+        self._dead_reason: str | None = None
+        self._stopped = False
+        world = layout.world_size
+        timeout_s = float(os.environ.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S))
+        threads = [num_threads or (len(cpus[r]) if cpus else max(1, (os.cpu_count() or 1) // world))
+                   for r in range(world)]
+        host = self._store_host()
+        store = create_store(host, world, timeout_s)
+        self._launch([WorkerSpec(rank, layout, host, store.port, timeout_s, runner_args,
+                                 cpus[rank] if cpus else None, threads[rank]) for rank in range(1, world)])
+        try:
+            bind_threads(cpus[0] if cpus else None, threads[0])
+            parallel = self._join(store, timeout_s)
+            self.driver = runner_args.build(parallel, DriverModelRunner)
+            self.driver.channel = ControlChannel(parallel.world_group)
+        except BaseException:
+            self._stop_workers()
+            raise
+        logger.info("%s executor: %d ranks (tensor parallel %d x pipeline parallel %d), %s threads per rank%s",
+                    self.backend, world, layout.tp_size, layout.pp_size, threads,
+                    f", cores {cpus}" if cpus else "")
+
+    # ------------------------------------------------------------------ worker management (per backend)
+    @abstractmethod
+    def _store_host(self) -> str:
+        """The address workers reach the driver's rendezvous store at."""
+
+    @abstractmethod
+    def _launch(self, specs: list[WorkerSpec]) -> None:
+        ...
+
+    @abstractmethod
+    def _dead_workers(self) -> list[str]:
+        """One line per worker that is gone (rank, pid or actor, exit status); empty while all run."""
+
+    @abstractmethod
+    def _stop_workers(self) -> None:
+        """Make sure no worker survives (after a clean shutdown message, or after a failure)."""
+
+    # ------------------------------------------------------------------ start-up
+    def _join(self, store, timeout_s: float) -> ParallelState:
+        """The rendezvous blocks until every rank arrives: wait for it while watching for workers that die first."""
+        result: dict = {}
+
+        def join() -> None:
+            try:
+                result["state"] = init_parallel_state(self.layout, 0, store, self.runner_args.device, timeout_s)
+            except Exception as exc:  # handed to the waiting thread
+                result["error"] = exc
+
+        thread = threading.Thread(target=join, name="pagedserve-rendezvous", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            dead = self._dead_workers()
+            if dead:
+                raise ExecutorDeadError(f"{self.backend} executor: a worker died during start-up: {'; '.join(dead)}")
+        if "error" in result:
+            raise result["error"]
+        return result["state"]
+
+    # ------------------------------------------------------------------ the engine's calls
+    def execute_model(self, out: SchedulerOutput, token_masks: TokenMaskSource | None = None) -> ModelRunnerOutput:
+        return self._guarded(self.driver.execute_model, out, token_masks)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        def allocate() -> None:
+            self.driver.mid_collective = True
+            self.driver.channel.send(Command.ALLOCATE_KV_CACHE, torch.tensor([num_blocks]))
+            self.driver.mid_collective = False
+            self.driver.allocate_kv_cache(num_blocks)
+
+        self._guarded(allocate)
+
+    def _guarded(self, fn, *args):
+        if self._dead_reason is None:
+            dead = self._dead_workers()
+            if dead:
+                self._mark_dead(f"{self.backend} executor: worker {'; '.join(dead)}")
+        if self._dead_reason is not None:
+            raise ExecutorDeadError(self._dead_reason)
+        try:
+            return fn(*args)
+        except Exception as exc:
+            if not self.driver.mid_collective:
+                raise  # input preparation or sampling, on the driver alone: only this step fails
+            self._mark_dead(self._explain(exc))
+            raise ExecutorDeadError(self._dead_reason) from exc
+
+    def _explain(self, exc: Exception) -> str:
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while True:
+            dead = self._dead_workers()
+            if dead or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        cause = f"worker {'; '.join(dead)}" if dead else f"a collective failed ({type(exc).__name__}: {exc})"
+        return f"{self.backend} executor: {cause}; the tensor/pipeline-parallel group cannot continue"
+
+    def _mark_dead(self, reason: str) -> None:
+        self._dead_reason = reason
+        logger.error("%s; failing every request from now on", reason)
+        self.shutdown()
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead_reason
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Per rank: its layers x its KV heads. Ranks on one host share its memory (sum); GPUs have their own (max)."""
+        layout, args = self.layout, self.runner_args
+        cfg = args.model_config
+        per_rank = [2 * len(layout.layer_range(cfg.num_layers, layout.coords(rank)[0])) * args.block_size
+                    * layout.local_kv_heads(cfg.num_kv_heads) * cfg.head_dim * args.kv_dtype.itemsize
+                    for rank in range(layout.world_size)]
+        return sum(per_rank) if args.device.type == "cpu" else max(per_rank)
+
+    def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._dead_reason is None:
+            try:
+                self.driver.channel.send(Command.SHUTDOWN)
+            except Exception:  # a worker is already gone: stopping the rest below is all that is left
+                logger.warning("%s executor: shutdown message failed", self.backend, exc_info=True)
+        self._stop_workers()
+        self.driver.model.parallel.shutdown()

@@ -1,0 +1,92 @@
+"""The driver's per-step message to its workers: the flat forward inputs, packed into one int64 tensor.
+
+Workers do not need the scheduler's request state: the driver (rank 0, in the engine process) prepares the
+batch exactly as a single process would (token ids, positions, slot mapping, block tables, prefill spans, which
+rows produce logits) and broadcasts those integers. Sampling, penalties, structured-output masks and per-request
+generators stay on the driver, which alone receives the full logits. A message is two broadcasts over the gloo
+world group: a fixed header [command, payload length] and the payload.
+
+Payload of a STEP: [num_tokens, num_decodes, table_width, num_prefills, num_logits, block_size], then
+input_ids, positions, slot_mapping (num_tokens each), the decode block table (num_decodes x table_width) and
+context lengths, per prefill [start, num_tokens, context_len, num_blocks] + its block ids, the logits indices.
+"""
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.distributed as dist
+
+from pagedserve.model_executor.attention import AttentionMetadata, PrefillSpan, chunk_causal_mask
+
+HEADER_LEN = 6
+
+
+class Command(enum.IntEnum):
+    STEP = 1
+    ALLOCATE_KV_CACHE = 2  # payload: [num_blocks]
+    SHUTDOWN = 3
+
+
+StepInputs = tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]  # ids, positions, meta, logits rows
+
+
+def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+              logits_indices: torch.Tensor) -> torch.Tensor:
+    d = meta.num_decodes
+    width = meta.decode_block_tables.shape[1] if d else 0
+    header = [input_ids.numel(), d, width, len(meta.prefills), logits_indices.numel(), meta.block_size]
+    parts = [torch.tensor(header, dtype=torch.long), input_ids, positions, meta.slot_mapping]
+    if d:
+        parts += [meta.decode_block_tables.flatten(), meta.decode_context_lens]
+    for span in meta.prefills:
+        parts += [torch.tensor([span.start, span.num_tokens, span.context_len, span.block_ids.numel()]),
+                  span.block_ids]
+    parts.append(logits_indices)
+    return torch.cat([p.to("cpu", torch.long) for p in parts])
+
+
+def unpack_step(buf: torch.Tensor, device: torch.device) -> StepInputs:
+    num_tokens, d, width, num_prefills, num_logits, block_size = buf[:HEADER_LEN].tolist()
+    at = HEADER_LEN
+
+    def take(n: int) -> torch.Tensor:
+        nonlocal at
+        at += n
+        return buf[at - n:at].to(device)
+
+    input_ids, positions, slot_mapping = take(num_tokens), take(num_tokens), take(num_tokens)
+    tables = lens = None
+    if d:
+        tables, lens = take(d * width).view(d, width), take(d)
+    prefills = []
+    for _ in range(num_prefills):
+        start, n, context_len, num_blocks = buf[at:at + 4].tolist()
+        at += 4
+        prefills.append(PrefillSpan(start, n, context_len, take(num_blocks),
+                                    chunk_causal_mask(context_len - n, context_len, device)))
+    logits_indices = take(num_logits)
+    meta = AttentionMetadata(slot_mapping, d, tables, lens, block_size, prefills)
+    return input_ids, positions, meta, logits_indices
+
+
+class ControlChannel:
+    """Rank 0 broadcasts commands; every other rank receives them in the same order."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def send(self, command: Command, payload: torch.Tensor | None = None) -> None:
+        payload = torch.empty(0, dtype=torch.long) if payload is None else payload
+        self.group.broadcast(torch.tensor([int(command), payload.numel()]), 0).wait()
+        if payload.numel():
+            self.group.broadcast(payload, 0).wait()
+
+    def recv(self) -> tuple[Command, torch.Tensor]:
+        header = torch.empty(2, dtype=torch.long)
+        self.group.broadcast(header, 0).wait()
+        command, length = header.tolist()
+        payload = torch.empty(length, dtype=torch.long)
+        if length:
+            self.group.broadcast(payload, 0).wait()
+        return Command(command), payload
