@@ -65,6 +65,10 @@ class FakeEngine:
         self.num_steps = 0
         self.aborted: list[str] = []
         self.thread_ids: set[int] = set()
+        self.dead_reason: str | None = None
+
+    def shutdown(self) -> None:
+        pass
 
     def add_processed_request(self, processed):
         self.thread_ids.add(threading.get_ident())

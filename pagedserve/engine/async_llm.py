@@ -151,6 +151,8 @@ class AsyncLLM:
     def health(self) -> EngineHealth:
         if self._dead is not None:
             return EngineHealth(False, "dead", f"the engine loop died: {self._dead!r}")
+        if self.engine.dead_reason is not None:  # a worker rank is gone: no step can run any more
+            return EngineHealth(False, "dead", self.engine.dead_reason)
         if self._thread is None:
             return EngineHealth(False, "starting", "the engine loop has not started")
         if not self._thread.is_alive():
@@ -255,10 +257,14 @@ class AsyncLLM:
             self._cond.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():  # the engine is idle for good: stop its workers
+            self.engine.shutdown()
 
     def _check_accepting(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"The engine loop died: {self._dead!r}")
+        if self.engine.dead_reason is not None:
+            raise EngineDeadError(f"The engine cannot run: {self.engine.dead_reason}")
         if self._stop or self._draining:
             raise EngineShuttingDown("The server is shutting down; not accepting new requests.")
         if self._thread is None or not self._thread.is_alive():

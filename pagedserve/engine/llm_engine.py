@@ -90,6 +90,11 @@ class LLMEngine:
         """Stop the executor's workers (a no-op for one process)."""
         self.executor.shutdown()
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why no step can run any more (a worker rank died); None while the engine can serve."""
+        return self.executor.dead_reason
+
     def _num_kv_blocks(self, args: EngineArgs) -> int:
         per_block = self.executor.kv_bytes_per_block
         useful = cdiv(args.max_num_seqs * self.model_config.max_model_len, args.block_size)

@@ -57,6 +57,7 @@ class DriverModelRunner(ModelRunner):
 
 class DistributedExecutor(Executor):
     backend = ""
+    health_check_interval_s = 0.0  # how often a step first asks whether every worker still runs
 
     def __init__(self, runner_args: RunnerArgs, layout: ParallelLayout, cpus: list[list[int]] | None,
                  num_threads: int | None) -> None:
@@ -64,6 +65,7 @@ class DistributedExecutor(Executor):
         self.runner_args = runner_args
         self._dead_reason: str | None = None
         self._stopped = False
+        self._next_health_check = 0.0
         world = layout.world_size
         timeout_s = float(os.environ.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S))
         threads = [num_threads or (len(cpus[r]) if cpus else max(1, (os.cpu_count() or 1) // world))
@@ -78,7 +80,7 @@ class DistributedExecutor(Executor):
             self.driver = runner_args.build(parallel, DriverModelRunner)
             self.driver.channel = ControlChannel(parallel.world_group)
         except BaseException:
-            self._stop_workers()
+            self._stop_workers(graceful=False)
             raise
         logger.info("%s executor: %d ranks (tensor parallel %d x pipeline parallel %d), %s threads per rank%s",
                     self.backend, world, layout.tp_size, layout.pp_size, threads,
@@ -98,8 +100,9 @@ class DistributedExecutor(Executor):
         """One line per worker that is gone (rank, pid or actor, exit status); empty while all run."""
 
     @abstractmethod
-    def _stop_workers(self) -> None:
-        """Make sure no worker survives (after a clean shutdown message, or after a failure)."""
+    def _stop_workers(self, graceful: bool) -> None:
+        """Make sure no worker survives: after the shutdown message (`graceful`) give them time to exit, after a
+        failure stop them at once (they may be waiting inside a collective that will never complete)."""
 
     # ------------------------------------------------------------------ start-up
     def _join(self, store, timeout_s: float) -> ParallelState:
@@ -137,7 +140,9 @@ class DistributedExecutor(Executor):
         self._guarded(allocate)
 
     def _guarded(self, fn, *args):
-        if self._dead_reason is None:
+        now = time.monotonic()
+        if self._dead_reason is None and now >= self._next_health_check:
+            self._next_health_check = now + self.health_check_interval_s
             dead = self._dead_workers()
             if dead:
                 self._mark_dead(f"{self.backend} executor: worker {'; '.join(dead)}")
@@ -158,7 +163,7 @@ class DistributedExecutor(Executor):
             if dead or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        cause = f"worker {'; '.join(dead)}" if dead else f"a collective failed ({type(exc).__name__}: {exc})"
+        cause = f"worker {'; '.join(dead)}" if dead else f"the forward failed ({type(exc).__name__}: {exc})"
         return f"{self.backend} executor: {cause}; the tensor/pipeline-parallel group cannot continue"
 
     def _mark_dead(self, reason: str) -> None:
@@ -189,5 +194,5 @@ class DistributedExecutor(Executor):
                 self.driver.channel.send(Command.SHUTDOWN)
             except Exception:  # a worker is already gone: stopping the rest below is all that is left
                 logger.warning("%s executor: shutdown message failed", self.backend, exc_info=True)
-        self._stop_workers()
+        self._stop_workers(graceful=self._dead_reason is None)
         self.driver.model.parallel.shutdown()

@@ -29,12 +29,10 @@ class MultiprocExecutor(DistributedExecutor):
         return [f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
                 for rank, proc in self._procs.items() if not proc.is_alive()]
 
-    def _stop_workers(self) -> None:
+    def _stop_workers(self, graceful: bool) -> None:
         for proc in self._procs.values():
-            proc.join(JOIN_TIMEOUT_S)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            proc.join(JOIN_TIMEOUT_S if graceful else 0)
+        _kill(list(self._procs.values()))
 
     @property
     def worker_pids(self) -> dict[int, int]:

@@ -47,12 +47,15 @@ class WorkerSpec:
     num_threads: int
 
 
-def die_with_parent() -> None:
-    """A worker must not outlive its engine (Linux: SIGKILL when the parent exits)."""
+def name_process_and_die_with_parent(rank: int) -> None:
+    """`ps` shows the worker as pagedserve-rN, and it must not outlive its engine (Linux: SIGKILL when the parent
+    exits)."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
     except OSError:  # not glibc: the closed sockets still end the loop
-        pass
+        return
+    libc.prctl(15, f"pagedserve-r{rank}".encode())  # PR_SET_NAME
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 @torch.inference_mode()
@@ -79,6 +82,6 @@ def run_worker(spec: WorkerSpec) -> None:
 
 def multiproc_worker_main(spec: WorkerSpec) -> None:
     """Entry point of a `mp` worker process."""
-    die_with_parent()
+    name_process_and_die_with_parent(spec.rank)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{spec.rank} %(levelname)s %(message)s")
     run_worker(spec)
