@@ -273,3 +273,90 @@ def test_ray_backend_same_outputs_and_dead_actor(ray_cluster, tiny_model_dir, ti
         assert all("rank 1 (Ray actor)" in o.error for o in outs), outs[0].error
     finally:
         llm.llm_engine.shutdown()
+
+
+# ------------------------------------------------------------------------------------------- two "machines"
+TWO_NODE_DRIVER = """
+import json, sys, time
+import ray
+from pagedserve import LLM, SamplingParams
+ray.init()
+deadline = time.monotonic() + 120
+while len([n for n in ray.nodes() if n["Alive"]]) < 2:
+    assert time.monotonic() < deadline, "the second node did not join"
+    time.sleep(0.5)
+hosts = [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU")]
+llm = LLM(sys.argv[1], dtype="float32", num_threads=1, num_kv_blocks=256, tensor_parallel_size=2,
+          distributed_executor_backend="ray")
+outs = llm.generate(prompt_token_ids=json.loads(sys.argv[2]), use_tqdm=False,
+                    sampling_params=SamplingParams(temperature=0, max_tokens=int(sys.argv[3]), ignore_eos=True))
+print(json.dumps({"worker_hosts": hosts, "driver_host": ray.util.get_node_ip_address(),
+                  "tokens": [o.outputs[0].token_ids for o in outs]}))
+llm.llm_engine.shutdown()
+"""
+
+
+@pytest.fixture
+def two_namespaces():
+    """Two network namespaces joined by a veth pair: two "machines" (10.215.0.1, 10.215.0.2) that reach each other
+    only through that link. Needs root (CAP_NET_ADMIN) and iproute2; skipped otherwise."""
+    pytest.importorskip("ray", reason="the Ray backend needs `pip install pagedserve[ray]`")
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("two network namespaces need root and iproute2 (`ip netns`)")
+    tag = os.getpid() % 100000
+    nodes = [(f"ps{tag}a", f"v{tag}a", "10.215.0.1", "10.215.0.2"), (f"ps{tag}b", f"v{tag}b", "10.215.0.2", "10.215.0.1")]
+    commands = [["ip", "netns", "add", nodes[0][0]], ["ip", "netns", "add", nodes[1][0]],
+                ["ip", "link", "add", nodes[0][1], "type", "veth", "peer", "name", nodes[1][1]]]
+    for ns, dev, addr, peer in nodes:
+        commands += [["ip", "link", "set", dev, "netns", ns], ["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev],
+                     ["ip", "-n", ns, "link", "set", dev, "up"], ["ip", "-n", ns, "link", "set", "lo", "up"],
+                     ["ip", "-n", ns, "route", "add", "default", "via", peer, "dev", dev]]
+    try:
+        for command in commands:
+            setup = subprocess.run(command, capture_output=True, text=True)
+            if setup.returncode:
+                pytest.skip(f"cannot build two network namespaces here ({' '.join(command)}: {setup.stderr.strip()})")
+        yield nodes
+    finally:
+        for ns, *_ in nodes:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # takes its end of the veth pair along
+
+
+def test_ray_tensor_parallel_across_two_network_namespaces(two_namespaces, tiny_model_dir, tiny_tokenizer):
+    """The multi-node path without any address outside this machine: a Ray head (no CPUs: it can host no worker) in
+    one namespace, a Ray node with one CPU in the other, the engine in the first; gloo between the two over the
+    veth link. The worker rank must run on the second "machine", and the outputs are HF's."""
+    import json
+
+    model_dir = tiny_model_dir("llama")
+    prompts = mixed_prompts(tiny_tokenizer, n=3, lengths=(5, 60))
+    (ns_a, dev_a, ip_a, _), (ns_b, dev_b, ip_b, _) = two_namespaces
+    ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    port = 6379
+    heads = []
+    try:
+        for ns, dev, extra in ((ns_a, dev_a, ["--head", "--port", str(port), "--num-cpus", "0",
+                                                "--include-dashboard=false", "--node-ip-address", ip_a]),
+                               (ns_b, dev_b, ["--address", f"{ip_a}:{port}", "--num-cpus", "1",
+                                              "--node-ip-address", ip_b])):
+            env = dict(os.environ, GLOO_SOCKET_IFNAME=dev)  # gloo binds to the namespace's end of the link
+            heads.append(subprocess.Popen(["ip", "netns", "exec", ns, ray_cli, "start", "--block",
+                                           "--disable-usage-stats", "--temp-dir", os.path.join(temp_dir, ns), *extra],
+                                          env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL))
+            time.sleep(3 if ns == ns_a else 0)  # the head first
+        env = dict(os.environ, GLOO_SOCKET_IFNAME=dev_a, RAY_ADDRESS=f"{ip_a}:{port}",
+                   PAGEDSERVE_DIST_TIMEOUT_S="60")
+        driver = subprocess.run(["ip", "netns", "exec", ns_a, sys.executable, "-c", TWO_NODE_DRIVER, str(model_dir),
+                                 json.dumps(prompts), str(MAX_TOKENS)], env=env, capture_output=True, text=True,
+                                timeout=300)
+        assert driver.returncode == 0, driver.stderr[-3000:]
+        result = json.loads(driver.stdout.strip().splitlines()[-1])
+    finally:
+        for head in heads:
+            _kill_session(head.pid)
+            head.wait()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert result["driver_host"] == ip_a and result["worker_hosts"] == [ip_b]
+    assert result["tokens"] == [r.token_ids for r in hf_greedy(model_dir, prompts, MAX_TOKENS)]
