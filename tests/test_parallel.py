@@ -215,6 +215,7 @@ def ray_cluster(monkeypatch):
     from test_server_helpers import free_port
 
     port = free_port()
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # a loopback-only test cluster; whatever ~/.ray/auth_token holds
     ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's unix socket paths live under it
     log = open(os.path.join(temp_dir, "head.log"), "wb")
@@ -297,12 +298,13 @@ llm.llm_engine.shutdown()
 
 
 @pytest.fixture
-def two_namespaces():
+def two_namespaces(monkeypatch):
     """Two network namespaces joined by a veth pair: two "machines" (10.215.0.1, 10.215.0.2) that reach each other
     only through that link. Needs root (CAP_NET_ADMIN) and iproute2; skipped otherwise."""
     pytest.importorskip("ray", reason="the Ray backend needs `pip install pagedserve[ray]`")
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("two network namespaces need root and iproute2 (`ip netns`)")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # a test cluster reachable only through the veth link
     tag = os.getpid() % 100000
     nodes = [(f"ps{tag}a", f"v{tag}a", "10.215.0.1", "10.215.0.2"), (f"ps{tag}b", f"v{tag}b", "10.215.0.2", "10.215.0.1")]
     commands = [["ip", "netns", "add", nodes[0][0]], ["ip", "netns", "add", nodes[1][0]],
