@@ -19,7 +19,8 @@ from pagedserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedserve.model_executor.attention import AttentionMetadata, PrefillSpan
 from pagedserve.model_executor.model_config import ModelConfig
 from pagedserve.model_executor.models.llama import LlamaForCausalLM
-from pagedserve.model_executor.sampler import Sampler, SamplingMetadata
+from pagedserve.model_executor.rejection_sampler import DraftBatch, rejection_sample
+from pagedserve.model_executor.sampler import LogprobsTensors, Sampler, SamplingMetadata
 from pagedserve.outputs import Logprob
 
 logger = logging.getLogger("pagedserve")
@@ -63,20 +64,24 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 class TokenMaskSource(Protocol):
     """Structured output's side of a step (engine/structured_output.py)."""
 
+    matchers: dict  # sequence id -> its grammar's matcher
+
     def start_masks(self, sequence_ids: list[str]) -> "Future[torch.Tensor] | None": ...
 
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
-    logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)  # for requests that asked
+    # request id -> its new tokens: the drafts the target accepted, then one token sampled by the target
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)  # one per new token, if asked
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts proposed for the next step
     forward_time: float = 0.0  # the model forward alone (no input prep, no sampling)
 
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype, block_size: int,
                  seed: int = 0, linear_backend: str = "auto", quantization: str | None = None,
-                 kv_dtype: torch.dtype | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, drafter: "Drafter | None" = None) -> None:
         self.config = model_config
         self.device = device
         self.dtype = dtype
@@ -97,6 +102,7 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.drafter = drafter  # speculative decoding: proposes each sampling request's next drafts
 
     def _pick_linear_backend(self, requested: str, quantization: str | None) -> str:
         if quantization == "int8":
@@ -135,6 +141,8 @@ class ModelRunner:
         forward, so that it is computed while the forward runs."""
         for request_id in out.finished_request_ids:
             self.generators.pop(request_id, None)
+        if self.drafter is not None:
+            self.drafter.forget(out.finished_request_ids, out.preempted_request_ids)
         # decodes first: attention batches them together
         items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta, logits_indices, sampling_items = self._prepare_inputs(items)
@@ -145,6 +153,10 @@ class ModelRunner:
         result = ModelRunnerOutput(forward_time=time.perf_counter() - t0)
         if sampling_items:
             self._sample(logits, sampling_items, result, masks.result() if masks is not None else None)
+            if self.drafter is not None:
+                constrained = token_masks.matchers if token_masks is not None else {}
+                result.spec_token_ids = self.drafter.propose(sampling_items, result.sampled, len(out.scheduled),
+                                                             constrained)
         return result
 
     def _prepare_inputs(self, items: list[ScheduledRequest]):
@@ -160,6 +172,7 @@ class ModelRunner:
             first = r.num_computed_tokens
             context_len = first + n
             tokens.extend(r.all_token_ids[first:context_len])
+            tokens.extend(item.spec_token_ids)  # they follow the known tokens: context_len counts them
             pos = np.arange(first, context_len)
             table = np.asarray(item.block_ids, dtype=np.int64)
             positions.append(pos)
@@ -176,8 +189,8 @@ class ModelRunner:
                 prefills.append(PrefillSpan(start, n, context_len,
                                             torch.tensor(used_blocks, dtype=torch.long, device=self.device), mask))
             start += n
-            if item.samples:
-                logits_indices.append(start - 1)
+            if item.samples:  # the last known token's position and every draft's
+                logits_indices.extend(range(start - 1 - len(item.spec_token_ids), start))
                 sampling_items.append(item)
         dev = self.device
         decode_bt = decode_lens_t = None
@@ -202,11 +215,34 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest], result: ModelRunnerOutput,
                 allowed_token_mask: torch.Tensor | None = None) -> None:
+        """One row of logits per sampling request, or k + 1 for a request with k drafts (verified here)."""
         requests = [item.request for item in items]
-        params = [r.sampling_params for r in requests]
+        drafts = [item.spec_token_ids for item in items]
+        speculative = any(drafts)
+        rows = [len(d) + 1 for d in drafts]
+        row_requests = [r for r, n in zip(requests, rows) for _ in range(n)] if speculative else requests
+        meta = self._sampling_metadata(row_requests)
+        if allowed_token_mask is not None:  # one mask row per request (constrained requests never draft)
+            meta.allowed_token_mask = allowed_token_mask.repeat_interleave(torch.tensor(rows), dim=0) \
+                if speculative else allowed_token_mask
+        logprobs: LogprobsTensors | None
+        if speculative:
+            draft_probs = [self.drafter.draft_probs(r.request_id) if d else None for r, d in zip(requests, drafts)]
+            verified = rejection_sample(logits, meta, DraftBatch(drafts, draft_probs), self.default_generator)
+            token_lists, logprobs = verified.token_ids, verified.logprobs
+        else:
+            out = self.sampler(logits, meta, self.default_generator)
+            token_lists, logprobs = [[t] for t in out.sampled_token_ids.tolist()], out.logprobs
+        for r, tokens in zip(requests, token_lists):
+            result.sampled[r.request_id] = tokens
+        if logprobs is not None:
+            self._collect_logprobs(requests, token_lists, logprobs, result)
+
+    def _sampling_metadata(self, row_requests: list) -> SamplingMetadata:
+        params = [r.sampling_params for r in row_requests]
         generators = {}
         banned = {}
-        for row, r in enumerate(requests):
+        for row, r in enumerate(row_requests):
             p = r.sampling_params
             if p.seed is not None and not p.greedy:
                 g = self.generators.get(r.request_id)
@@ -217,29 +253,41 @@ class ModelRunner:
             if r.num_output_tokens < p.min_tokens:
                 banned[row] = sorted(r.eos_token_ids | set(p.stop_token_ids))
         any_penalty = any(p.needs_penalties for p in params)
-        meta = SamplingMetadata.build(
+        return SamplingMetadata.build(
             params, generators,
-            [r.prompt_token_ids for r in requests] if any_penalty else [],
-            [r.output_token_ids for r in requests] if any_penalty else [],
+            [r.prompt_token_ids for r in row_requests] if any_penalty else [],
+            [r.output_token_ids for r in row_requests] if any_penalty else [],
             banned, self.device)
-        meta.allowed_token_mask = allowed_token_mask
-        out = self.sampler(logits, meta, self.default_generator)
-        token_ids = out.sampled_token_ids.tolist()
-        for r, token in zip(requests, token_ids):
-            result.sampled[r.request_id] = token
-        if out.logprobs is None:
-            return
-        lp = out.logprobs
+
+    @staticmethod
+    def _collect_logprobs(requests: list, token_lists: list[list[int]], lp: LogprobsTensors,
+                          result: ModelRunnerOutput) -> None:
+        """lp has one row per produced token, requests in order."""
         top_ids, top_lps = lp.top_token_ids.tolist(), lp.top_logprobs.tolist()
         sampled_lps, sampled_ranks = lp.sampled_logprobs.tolist(), lp.sampled_ranks.tolist()
-        for row, r in enumerate(requests):
+        row = 0
+        for r, tokens in zip(requests, token_lists):
             k = r.sampling_params.logprobs
-            if k is None:
-                continue
-            entry = {token_ids[row]: Logprob(sampled_lps[row], sampled_ranks[row])}
-            for rank, (tid, tlp) in enumerate(zip(top_ids[row][:k], top_lps[row][:k]), start=1):
-                entry.setdefault(tid, Logprob(tlp, rank))
-            result.logprobs[r.request_id] = entry
+            if k is not None:
+                entries = []
+                for i, token in enumerate(tokens, start=row):
+                    entry = {token: Logprob(sampled_lps[i], sampled_ranks[i])}
+                    for rank, (tid, tlp) in enumerate(zip(top_ids[i][:k], top_lps[i][:k]), start=1):
+                        entry.setdefault(tid, Logprob(tlp, rank))
+                    entries.append(entry)
+                result.logprobs[r.request_id] = entries
+            row += len(tokens)
+
+
+class Drafter(Protocol):
+    """Speculative decoding's proposer side (spec_decode/): drafts for each sampling request of the step."""
+
+    def propose(self, items: list[ScheduledRequest], sampled: dict[str, list[int]], batch_size: int,
+                constrained: dict) -> dict[str, list[int]]: ...
+
+    def draft_probs(self, request_id: str) -> torch.Tensor | None: ...
+
+    def forget(self, finished_ids: list[str], preempted_ids: list[str]) -> None: ...
 
 
 def configure_threads(num_threads: int | None) -> None:
