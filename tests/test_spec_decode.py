@@ -225,3 +225,61 @@ def test_greedy_rows_accept_exactly_the_argmax_prefix():
     assert out.token_ids == [[1, 0], [0]]  # draft 1 accepted, draft 2 rejected: the argmax 0 instead
     out = rejection_sample(logits, meta, DraftBatch([[1, 0], []], [None, None]), None)
     assert out.token_ids == [[1, 0, 2], [0]]  # both accepted, then the bonus token
+
+
+# ---------------------------------------------------------------------------- draft model
+def _draft(model_dir, k: int = 3) -> dict:
+    return {"model": str(model_dir), "num_speculative_tokens": k, "disable_by_batch_size": 64}
+
+
+@pytest.mark.parametrize("config", ["default", "budget-16-chunked", "pool-fits-longest-only"])
+def test_draft_model_identical_to_the_target_accepts_every_draft(config, tiny_model_dir, tiny_tokenizer):
+    """Draft = target: greedy drafts are exactly the target's tokens, so every one is accepted, whatever the
+    batch, chunking or preemption did to the draft's own KV cache."""
+    model_dir = tiny_model_dir("qwen3")
+    prompts = mixed_prompts(tiny_tokenizer, n=6, lengths=(6, 120))
+    kwargs = {"default": dict(num_kv_blocks=512), **_configs(prompts)}[config]
+    llm, ours = generate(model_dir, prompts, speculative_config=_draft(model_dir), **kwargs)
+    stats = llm.llm_engine.scheduler.spec_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens, stats
+    _, plain = generate(model_dir, prompts, num_kv_blocks=512)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in plain]
+    check_drained(llm)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_draft_model_greedy_matches_transformers(arch, tiny_model_dir, tiny_tokenizer):
+    """A different (smaller) draft: some drafts rejected, outputs still the target's, token for token."""
+    model_dir = tiny_model_dir(arch)
+    draft_dir = tiny_model_dir(arch, seed=7, num_hidden_layers=1)
+    prompts = repetitive_prompts(tiny_tokenizer, n=6)
+    llm, ours = generate(model_dir, prompts, num_kv_blocks=512, speculative_config=_draft(draft_dir))
+    check_speculated(llm, accepted=False)
+    _, plain = generate(model_dir, prompts, num_kv_blocks=512)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in plain]
+    assert_greedy_match(ours, hf_greedy(model_dir, prompts, MAX_TOKENS))
+    check_drained(llm)
+
+
+def test_draft_model_sampling_with_seeds_and_logprobs(tiny_model_dir, tiny_tokenizer):
+    model_dir = tiny_model_dir("llama")
+    prompts = mixed_prompts(tiny_tokenizer, n=4, lengths=(6, 60))
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=20, ignore_eos=True, logprobs=1)
+              for i in range(3)] + [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
+    llm = LLM(str(model_dir), dtype="float32", num_threads=1, num_kv_blocks=512,
+              speculative_config=_draft(model_dir))
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    stats = llm.llm_engine.scheduler.spec_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    for out in outs:
+        o = out.outputs[0]
+        assert len(o.token_ids) == 20
+        if o.logprobs is not None:
+            assert len(o.logprobs) == 20 and all(t in lp for t, lp in zip(o.token_ids, o.logprobs))
+    check_drained(llm)
+
+
+def test_draft_model_must_share_the_vocabulary(tiny_model_dir):
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(str(tiny_model_dir("llama")), dtype="float32", num_kv_blocks=64,
+            speculative_config={"model": str(tiny_model_dir("llama", vocab_size=800)), "num_speculative_tokens": 2})

@@ -20,7 +20,6 @@ from pagedserve.model_executor.model_config import ModelConfig, resolve_model_di
 from pagedserve.model_executor.model_runner import ModelRunner, configure_threads, resolve_device, resolve_dtype
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.spec_decode.drafter import make_drafter
 
 logger = logging.getLogger("pagedserve")
 
@@ -47,7 +46,7 @@ class LLMEngine:
         dtype = resolve_dtype(args.dtype, device)
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else resolve_dtype(args.kv_cache_dtype, device)
         self.runner = ModelRunner(cfg, device, dtype, args.block_size, args.seed, args.linear_backend,
-                                  args.quantization, kv_dtype, make_drafter(args.speculative, cfg.max_model_len))
+                                  args.quantization, kv_dtype, args.speculative)
         num_blocks = self._num_kv_blocks(args)
         self.runner.allocate_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,

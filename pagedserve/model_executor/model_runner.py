@@ -12,16 +12,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
 import torch
 
+from pagedserve.config import SpeculativeConfig
 from pagedserve.core.scheduler import ScheduledRequest, SchedulerOutput
-from pagedserve.model_executor.attention import AttentionMetadata, PrefillSpan
+from pagedserve.model_executor.input_batch import TokenSpan, prepare_batch
 from pagedserve.model_executor.model_config import ModelConfig
 from pagedserve.model_executor.models.llama import LlamaForCausalLM
 from pagedserve.model_executor.rejection_sampler import DraftBatch, rejection_sample
 from pagedserve.model_executor.sampler import LogprobsTensors, Sampler, SamplingMetadata
 from pagedserve.outputs import Logprob
+from pagedserve.spec_decode.drafter import make_drafter
 
 logger = logging.getLogger("pagedserve")
 
@@ -81,28 +82,20 @@ class ModelRunnerOutput:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype, block_size: int,
                  seed: int = 0, linear_backend: str = "auto", quantization: str | None = None,
-                 kv_dtype: torch.dtype | None = None, drafter: "Drafter | None" = None) -> None:
+                 kv_dtype: torch.dtype | None = None, speculative: SpeculativeConfig | None = None) -> None:
         self.config = model_config
         self.device = device
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype  # a bfloat16 cache halves what decode attention streams
         self.block_size = block_size
-        t0 = time.perf_counter()
-        with torch.device(device):
-            model = LlamaForCausalLM(model_config)
-        model.load_weights(model_config.model_dir)
-        self.model = model.to(dtype).eval()
-        self.model.requires_grad_(False)
         self.linear_backend = self._pick_linear_backend(linear_backend, quantization)
-        self.model.set_linear_backend(self.linear_backend)
-        logger.info("Loaded %s (%s, %.1fM params, %s on %s) in %.1f s", model_config.model_dir,
-                    model_config.architecture, model_config.num_params / 1e6, str(dtype).removeprefix("torch."),
-                    device, time.perf_counter() - t0)
+        self.model = load_model(model_config, device, dtype, self.linear_backend)
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.drafter = drafter  # speculative decoding: proposes each sampling request's next drafts
+        # speculative decoding: proposes each sampling request's next drafts
+        self.drafter = make_drafter(speculative, self) if speculative is not None else None
 
     def _pick_linear_backend(self, requested: str, quantization: str | None) -> str:
         if quantization == "int8":
@@ -118,8 +111,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ KV cache
     @property
     def kv_bytes_per_block(self) -> int:
-        c = self.config
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * self.kv_dtype.itemsize
+        """Bytes of one block in every layer's K and V (a draft model's cache included)."""
+        draft = self.drafter.kv_bytes_per_block if self.drafter is not None else 0
+        return kv_bytes_per_block(self.config, self.block_size, self.kv_dtype) + draft
 
     def available_memory(self) -> int:
         if self.device.type == "cuda":
@@ -129,10 +123,9 @@ class ModelRunner:
         return int(info["MemAvailable"].split()[0]) * 1024
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        c = self.config
-        shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(c.num_layers)]
+        self.kv_caches = allocate_kv_cache(self.config, num_blocks, self.block_size, self.kv_dtype, self.device)
+        if self.drafter is not None:  # same block ids, its own layers: the block tables serve both
+            self.drafter.allocate_kv_cache(num_blocks)
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
@@ -145,11 +138,13 @@ class ModelRunner:
             self.drafter.forget(out.finished_request_ids, out.preempted_request_ids)
         # decodes first: attention batches them together
         items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
-        input_ids, positions, meta, logits_indices, sampling_items = self._prepare_inputs(items)
+        sampling_items = [item for item in items if item.samples]
+        batch = prepare_batch(self._spans(items), self.block_size, self.device)
         masks = token_masks.start_masks([i.request.request_id for i in sampling_items]) \
             if token_masks is not None and sampling_items else None
         t0 = time.perf_counter()
-        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+        logits = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata,
+                            batch.logits_indices)
         result = ModelRunnerOutput(forward_time=time.perf_counter() - t0)
         if sampling_items:
             self._sample(logits, sampling_items, result, masks.result() if masks is not None else None)
@@ -159,59 +154,18 @@ class ModelRunner:
                                                              constrained)
         return result
 
-    def _prepare_inputs(self, items: list[ScheduledRequest]):
-        bs = self.block_size
-        tokens: list[int] = []
-        positions, slots = [], []
-        decode_tables, decode_lens = [], []
-        prefills: list[PrefillSpan] = []
-        logits_indices, sampling_items = [], []
-        start = 0
+    @staticmethod
+    def _spans(items: list[ScheduledRequest]) -> list[TokenSpan]:
+        spans = []
         for item in items:
-            r, n = item.request, item.num_new_tokens
+            r = item.request
             first = r.num_computed_tokens
-            context_len = first + n
-            tokens.extend(r.all_token_ids[first:context_len])
-            tokens.extend(item.spec_token_ids)  # they follow the known tokens: context_len counts them
-            pos = np.arange(first, context_len)
-            table = np.asarray(item.block_ids, dtype=np.int64)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            used_blocks = item.block_ids[:-(-context_len // bs)]
-            if n == 1:
-                decode_tables.append(used_blocks)
-                decode_lens.append(context_len)
-            else:
-                mask = None
-                if first > 0:  # a later chunk: causal over the whole context, offset by what came before
-                    mask = torch.arange(context_len, device=self.device)[None, :] <= \
-                        torch.arange(first, context_len, device=self.device)[:, None]
-                prefills.append(PrefillSpan(start, n, context_len,
-                                            torch.tensor(used_blocks, dtype=torch.long, device=self.device), mask))
-            start += n
-            if item.samples:  # the last known token's position and every draft's
-                logits_indices.extend(range(start - 1 - len(item.spec_token_ids), start))
-                sampling_items.append(item)
-        dev = self.device
-        decode_bt = decode_lens_t = None
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            table = np.zeros((len(decode_tables), width), dtype=np.int64)
-            for i, t in enumerate(decode_tables):
-                table[i, :len(t)] = t
-            decode_bt = torch.from_numpy(table).to(dev)
-            decode_lens_t = torch.tensor(decode_lens, dtype=torch.long, device=dev)
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            num_decodes=len(decode_tables),
-            decode_block_tables=decode_bt,
-            decode_context_lens=decode_lens_t,
-            block_size=bs,
-            prefills=prefills,
-        )
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
-        pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
-        return input_ids, pos_t, meta, torch.tensor(logits_indices, dtype=torch.long, device=dev), sampling_items
+            # drafts follow the known tokens (num_new_tokens counts them); a sampling span has logits at its last
+            # known token and at every draft
+            tokens = r.all_token_ids[first:first + item.num_new_tokens] + item.spec_token_ids
+            spans.append(TokenSpan(tokens, first, item.block_ids,
+                                   len(item.spec_token_ids) + 1 if item.samples else 0))
+        return spans
 
     def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest], result: ModelRunnerOutput,
                 allowed_token_mask: torch.Tensor | None = None) -> None:
@@ -279,15 +233,30 @@ class ModelRunner:
             row += len(tokens)
 
 
-class Drafter(Protocol):
-    """Speculative decoding's proposer side (spec_decode/): drafts for each sampling request of the step."""
+def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
+               linear_backend: str) -> LlamaForCausalLM:
+    t0 = time.perf_counter()
+    with torch.device(device):
+        model = LlamaForCausalLM(model_config)
+    model.load_weights(model_config.model_dir)
+    model = model.to(dtype).eval()
+    model.requires_grad_(False)
+    model.set_linear_backend(linear_backend)
+    logger.info("Loaded %s (%s, %.1fM params, %s on %s) in %.1f s", model_config.model_dir,
+                model_config.architecture, model_config.num_params / 1e6, str(dtype).removeprefix("torch."),
+                device, time.perf_counter() - t0)
+    return model
 
-    def propose(self, items: list[ScheduledRequest], sampled: dict[str, list[int]], batch_size: int,
-                constrained: dict) -> dict[str, list[int]]: ...
 
-    def draft_probs(self, request_id: str) -> torch.Tensor | None: ...
+def kv_bytes_per_block(c: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
+    return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * kv_dtype.itemsize
 
-    def forget(self, finished_ids: list[str], preempted_ids: list[str]) -> None: ...
+
+def allocate_kv_cache(c: ModelConfig, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+    return [(torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
+            for _ in range(c.num_layers)]
 
 
 def configure_threads(num_threads: int | None) -> None:

@@ -12,12 +12,13 @@ from pagedserve.spec_decode.ngram import NgramProposer
 from pagedserve.spec_decode.policy import DraftBudget
 
 
-def make_drafter(config: SpeculativeConfig | None, max_model_len: int) -> "Drafter | None":
-    if config is None:
-        return None
+def make_drafter(config: SpeculativeConfig, runner) -> "Drafter":
+    """The proposer for `config`, next to the target model's runner (a draft model runs on its device)."""
     if config.method == "ngram":
-        return NgramDrafter(config, max_model_len)
-    raise ValueError(f"speculative method {config.method!r} is not supported.")
+        return NgramDrafter(config, runner.config.max_model_len)
+    from pagedserve.spec_decode.draft_model import DraftModelDrafter
+
+    return DraftModelDrafter(config, runner)
 
 
 class Drafter(ABC):
@@ -51,6 +52,13 @@ class Drafter(ABC):
     def draft_probs(self, request_id: str) -> torch.Tensor | None:
         """The distributions the request's current drafts were drawn from ([k, V]); None: one-hot (deterministic)."""
         return None
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return 0  # a proposer with a KV cache of its own says how much it adds per block
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        pass
 
     def forget(self, finished_ids: list[str], preempted_ids: list[str]) -> None:
         for request_id in finished_ids:
