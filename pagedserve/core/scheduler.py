@@ -53,6 +53,10 @@ class SpecDecodingStats:
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
+    def snapshot(self) -> "SpecDecodingStats":
+        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                                 list(self.num_accepted_tokens_per_pos))
+
     def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens

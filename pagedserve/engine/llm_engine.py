@@ -252,7 +252,7 @@ class LLMEngine:
             prefix_cache_evictions=kv.block_pool.num_evictions,
             num_preemptions=self.scheduler.num_preemptions,
             num_step_failures=self.num_step_failures,
-            spec_decoding=self.scheduler.spec_stats if self.config.speculative else None,
+            spec_decoding=self.scheduler.spec_stats.snapshot() if self.config.speculative else None,
         )
         return EngineStats(scheduler, self.last_iteration)
 
