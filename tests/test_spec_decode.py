@@ -134,6 +134,28 @@ def test_policy_gives_no_drafts_to_large_batches_penalties_and_grammars(tiny_mod
     assert drafts_with_8 < 4 * MAX_TOKENS
 
 
+def _ngram_reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The definition, one n and one position at a time."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        for start in range(len(tokens) - n - 1, -1, -1):  # latest first; a continuation must exist
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_ngram_lookup_agrees_with_its_definition_on_random_histories():
+    import random
+
+    import numpy as np
+    rng = random.Random(0)
+    for _ in range(3000):
+        tokens = [rng.randint(0, 3) for _ in range(rng.randint(1, 30))]
+        lo = rng.randint(1, 3)
+        hi, k = rng.randint(lo, 5), rng.randint(0, 4)
+        assert propose_ngram(np.array(tokens), lo, hi, k) == (_ngram_reference(tokens, lo, hi, k) if k else [])
+
+
 def test_ngram_lookup_finds_the_latest_longest_match():
     import numpy as np
     tokens = np.array([1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2, 3])

@@ -27,8 +27,19 @@ class InputBatch:
     logits_indices: torch.Tensor
 
 
+# A span this short runs as decode rows, one per token, each attending to the context up to its own position
+# through the block table (its K/V is written before attention reads): the drafts a verification scores, and
+# short prefill tails, read the paged cache in place in the batched decode kernel instead of a gather and an
+# SDPA call per span and layer. Longer spans go to SDPA, which reads each context row once for all queries.
+MAX_DECODE_ROWS_SPAN = 8
+
+
+def runs_as_decode(num_tokens: int) -> bool:
+    return num_tokens <= MAX_DECODE_ROWS_SPAN
+
+
 def prepare_batch(spans: list[TokenSpan], block_size: int, device: torch.device) -> InputBatch:
-    """Spans of one token (decodes) must come first: attention batches them together."""
+    """Spans that run as decode rows (runs_as_decode) must come first: attention batches them together."""
     bs = block_size
     tokens: list[int] = []
     positions, slots = [], []
@@ -46,9 +57,9 @@ def prepare_batch(spans: list[TokenSpan], block_size: int, device: torch.device)
         positions.append(pos)
         slots.append(table[pos // bs] * bs + pos % bs)
         used_blocks = span.block_ids[:-(-context_len // bs)]
-        if n == 1:
-            decode_tables.append(used_blocks)
-            decode_lens.append(context_len)
+        if runs_as_decode(n):
+            decode_tables.extend([used_blocks] * n)
+            decode_lens.extend(range(first + 1, context_len + 1))
         else:
             mask = None
             if first > 0:  # a later chunk: causal over the whole context, offset by what came before

@@ -16,7 +16,7 @@ import torch
 
 from pagedserve.config import SpeculativeConfig
 from pagedserve.core.scheduler import ScheduledRequest, SchedulerOutput
-from pagedserve.model_executor.input_batch import TokenSpan, prepare_batch
+from pagedserve.model_executor.input_batch import TokenSpan, prepare_batch, runs_as_decode
 from pagedserve.model_executor.model_config import ModelConfig
 from pagedserve.model_executor.models.llama import LlamaForCausalLM
 from pagedserve.model_executor.rejection_sampler import DraftBatch, rejection_sample
@@ -136,8 +136,8 @@ class ModelRunner:
             self.generators.pop(request_id, None)
         if self.drafter is not None:
             self.drafter.forget(out.finished_request_ids, out.preempted_request_ids)
-        # decodes first: attention batches them together
-        items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        # decode rows first: attention batches them together
+        items = sorted(out.scheduled, key=lambda s: not runs_as_decode(s.num_new_tokens))
         sampling_items = [item for item in items if item.samples]
         batch = prepare_batch(self._spans(items), self.block_size, self.device)
         masks = token_masks.start_masks([i.request.request_id for i in sampling_items]) \

@@ -15,7 +15,7 @@ import torch
 
 from pagedserve.config import SpeculativeConfig
 from pagedserve.core.scheduler import ScheduledRequest
-from pagedserve.model_executor.input_batch import TokenSpan, prepare_batch
+from pagedserve.model_executor.input_batch import TokenSpan, prepare_batch, runs_as_decode
 from pagedserve.model_executor.model_config import ModelConfig, resolve_model_dir
 from pagedserve.model_executor.sampler import (SamplingMetadata, inverse_cdf_sample, processed_logits,
                                                sampling_probs)
@@ -83,7 +83,7 @@ class DraftModelDrafter(Drafter):
         # 1. catch up on unseen tokens; the last position's logits give each request's first draft
         spans = [TokenSpan(tokens[self.num_valid.get(r.request_id, 0):], self.num_valid.get(r.request_id, 0),
                            block_ids, 1) for _, r, tokens, block_ids, _ in active]
-        order = sorted(range(len(spans)), key=lambda j: len(spans[j].token_ids) != 1)  # decodes first
+        order = sorted(range(len(spans)), key=lambda j: not runs_as_decode(len(spans[j].token_ids)))
         logits = self._forward([spans[j] for j in order])
         logits = logits[torch.argsort(torch.tensor(order))]  # back to `active` order
         for _, r, tokens, _, _ in active:

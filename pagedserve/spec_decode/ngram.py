@@ -4,22 +4,33 @@ earlier occurrence. No model, no state: code edits, quotes and extraction copy l
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def propose_ngram(token_ids: np.ndarray, min_n: int, max_n: int, num_drafts: int) -> list[int]:
-    """Up to num_drafts tokens that followed the latest earlier occurrence of the longest matching suffix."""
+    """Up to num_drafts tokens that followed the latest earlier occurrence of the longest matching suffix
+    (at least min_n, at most max_n tokens long)."""
     length = len(token_ids)
     if num_drafts <= 0 or length < min_n + 1:
         return []
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        # windows that start early enough to have at least one token after them (so never the suffix itself)
-        windows = sliding_window_view(token_ids[:length - 1], n)
-        hits = np.flatnonzero((windows == token_ids[length - n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return token_ids[start:start + num_drafts].tolist()
-    return []
+    # candidates: earlier positions holding the last token (each with at least one token after it); then the
+    # match is extended backwards, one comparison per candidate per extra token, never a scan per n
+    ends = np.flatnonzero(token_ids[:length - 1] == token_ids[length - 1])
+    if ends.size == 0:
+        return []
+    match_len = np.ones(ends.size, dtype=np.int64)
+    alive = np.ones(ends.size, dtype=bool)
+    for back in range(1, min(max_n, length - 1)):
+        earlier = ends - back
+        alive &= earlier >= 0
+        alive[alive] &= token_ids[earlier[alive]] == token_ids[length - 1 - back]
+        if not alive.any():
+            break
+        match_len += alive
+    best = match_len.max()
+    if best < min_n:
+        return []
+    start = int(ends[np.flatnonzero(match_len == best)[-1]]) + 1  # the latest of the longest
+    return token_ids[start:start + num_drafts].tolist()
 
 
 class NgramProposer:
