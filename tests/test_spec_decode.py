@@ -305,3 +305,28 @@ def test_draft_model_must_share_the_vocabulary(tiny_model_dir):
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(str(tiny_model_dir("llama")), dtype="float32", num_kv_blocks=64,
             speculative_config={"model": str(tiny_model_dir("llama", vocab_size=800)), "num_speculative_tokens": 2})
+
+
+def test_constrained_and_free_requests_share_a_speculative_batch():
+    """A JSON-schema request (never drafts) next to free requests that draft: the constraint holds, and the free
+    requests get exactly their tokens without speculation."""
+    import json
+
+    import jsonschema
+
+    from pagedserve.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "size": {"type": "integer"}}, "required": ["name", "size"]}
+    prompts = ["def parse(text):\n    return text.split(',')\n\ndef parse(", "import os\nimport sys\nimport os\n",
+               "config = "]
+    free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = [free, free, SamplingParams(temperature=0, max_tokens=60,
+                                         structured_outputs=StructuredOutputsParams(json=schema))]
+    spec_llm = LLM(dtype="float32", num_threads=1, speculative_config=NGRAM)
+    got = spec_llm.generate(prompts, params, use_tqdm=False)
+    want = LLM(dtype="float32", num_threads=1).generate(prompts[:2], free, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got[:2]] == [o.outputs[0].token_ids for o in want]
+    jsonschema.validate(json.loads(got[2].outputs[0].text), schema)
+    check_speculated(spec_llm, accepted=False)
+    check_drained(spec_llm)

@@ -177,7 +177,8 @@ class ModelRunner:
         row_requests = [r for r, n in zip(requests, rows) for _ in range(n)] if speculative else requests
         meta = self._sampling_metadata(row_requests)
         if allowed_token_mask is not None:  # one mask row per request (constrained requests never draft)
-            meta.allowed_token_mask = allowed_token_mask.repeat_interleave(torch.tensor(rows), dim=0) \
+            meta.allowed_token_mask = allowed_token_mask.repeat_interleave(
+                torch.tensor(rows, device=allowed_token_mask.device), dim=0) \
                 if speculative else allowed_token_mask
         logprobs: LogprobsTensors | None
         if speculative:
