@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from hf_reference import assert_greedy_match, hf_greedy, mixed_prompts
+from test_correctness import check_engine_drained, run
 from tiny_models import ARCHS
 
 from pagedserve import LLM, SamplingParams
@@ -28,17 +29,7 @@ def repetitive_prompts(tokenizer, n: int = 8) -> list[list[int]]:
 
 
 def generate(model_dir, prompts, params=GREEDY, **engine_kwargs):
-    engine_kwargs.setdefault("dtype", "float32")
-    llm = LLM(str(model_dir), num_threads=1, **engine_kwargs)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    return llm, [o.outputs[0] for o in outs]
-
-
-def check_drained(llm: LLM) -> None:
-    engine = llm.llm_engine
-    assert not engine.has_unfinished_requests()
-    pool = engine.kv_cache_manager.block_pool
-    assert pool.num_free_blocks == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
+    return run(model_dir, prompts, params, **engine_kwargs)
 
 
 def check_speculated(llm: LLM, accepted: bool = True) -> None:
@@ -58,7 +49,7 @@ def test_ngram_greedy_matches_transformers_and_no_speculation(arch, tiny_model_d
     assert [o.token_ids for o in ours] == [o.token_ids for o in plain]
     assert_greedy_match(ours, hf_greedy(model_dir, prompts, MAX_TOKENS))
     assert all(len(o.logprobs) == len(o.token_ids) == MAX_TOKENS for o in ours)
-    check_drained(llm)
+    check_engine_drained(llm)
 
 
 def _configs(prompts):
@@ -85,7 +76,7 @@ def test_ngram_greedy_same_in_every_config(arch, config, tiny_model_dir, tiny_to
     assert [o.token_ids for o in ours] == [o.token_ids for o in plain]
     if config == "pool-fits-longest-only":
         assert llm.llm_engine.scheduler.num_preemptions > 0
-    check_drained(llm)
+    check_engine_drained(llm)
 
 
 def test_ngram_with_n_and_stops_ends_exactly_where_plain_decoding_does():
@@ -115,7 +106,7 @@ def test_ngram_with_n_and_stops_ends_exactly_where_plain_decoding_does():
             if params.logprobs is not None:
                 assert len(g.logprobs) == len(g.token_ids)
     check_speculated(spec_llm)
-    check_drained(spec_llm)
+    check_engine_drained(spec_llm)
 
 
 def test_policy_gives_no_drafts_to_large_batches_penalties_and_grammars(tiny_model_dir, tiny_tokenizer):
@@ -266,7 +257,7 @@ def test_draft_model_identical_to_the_target_accepts_every_draft(config, tiny_mo
     assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens, stats
     _, plain = generate(model_dir, prompts, num_kv_blocks=512)
     assert [o.token_ids for o in ours] == [o.token_ids for o in plain]
-    check_drained(llm)
+    check_engine_drained(llm)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -280,7 +271,7 @@ def test_draft_model_greedy_matches_transformers(arch, tiny_model_dir, tiny_toke
     _, plain = generate(model_dir, prompts, num_kv_blocks=512)
     assert [o.token_ids for o in ours] == [o.token_ids for o in plain]
     assert_greedy_match(ours, hf_greedy(model_dir, prompts, MAX_TOKENS))
-    check_drained(llm)
+    check_engine_drained(llm)
 
 
 def test_draft_model_sampling_with_seeds_and_logprobs(tiny_model_dir, tiny_tokenizer):
@@ -298,7 +289,7 @@ def test_draft_model_sampling_with_seeds_and_logprobs(tiny_model_dir, tiny_token
         assert len(o.token_ids) == 20
         if o.logprobs is not None:
             assert len(o.logprobs) == 20 and all(t in lp for t, lp in zip(o.token_ids, o.logprobs))
-    check_drained(llm)
+    check_engine_drained(llm)
 
 
 def test_draft_model_must_share_the_vocabulary(tiny_model_dir):
@@ -329,4 +320,4 @@ def test_constrained_and_free_requests_share_a_speculative_batch():
     assert [o.outputs[0].token_ids for o in got[:2]] == [o.outputs[0].token_ids for o in want]
     jsonschema.validate(json.loads(got[2].outputs[0].text), schema)
     check_speculated(spec_llm, accepted=False)
-    check_drained(spec_llm)
+    check_engine_drained(spec_llm)
