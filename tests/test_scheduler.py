@@ -634,3 +634,22 @@ def test_priority_victim_not_readmitted_in_same_step():
     assert "high" in scheduled_ids(out) and not out.preempted_request_ids
     assert not set(out.preempted_request_ids) & set(scheduled_ids(out)), (
         f"preempted {out.preempted_request_ids} and scheduled {scheduled_ids(out)} in the same step")
+
+
+def test_drafts_that_do_not_fit_an_unchunked_budget_are_dropped_not_starved():
+    sched = make_scheduler(max_num_batched_tokens=4, enable_chunked_prefill=False)
+    a, b = make_request("a", 3, max_tokens=8), make_request("b", 3, max_tokens=8)
+    sched.add_request(a)
+    step(sched)
+    sched.add_request(b)
+    step(sched)  # a decodes, b's 3-token prompt fills the rest of the budget
+    a.spec_token_ids, b.spec_token_ids = [7, 7, 7], [7, 7]  # a: 4 tokens with its drafts, b: 3
+    out = sched.schedule()
+    scheduled = {i.request.request_id: (i.num_new_tokens, i.spec_token_ids) for i in out.scheduled}
+    assert scheduled == {"a": (4, [7, 7, 7])}  # b's drafts would overflow the budget; b waits a step...
+    sched.update_from_output(out, {"a": [7, 7, 7, 100]})
+    b.spec_token_ids = [7, 7, 7, 7]
+    a.spec_token_ids = []
+    out = sched.schedule()
+    # ...and when even its drafts alone cannot fit next to a's decode, it decodes without them
+    assert {i.request.request_id: i.num_new_tokens for i in out.scheduled} == {"a": 1, "b": 1}

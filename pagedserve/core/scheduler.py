@@ -175,6 +175,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = self._chunk_size(self._num_unscheduled(request), budget)
+            if num_new <= 0 and request.spec_token_ids:  # (unchunked) its drafts do not fit: decode without them
+                request.spec_token_ids = []
+                num_new = self._chunk_size(self._num_unscheduled(request), budget)
             if num_new <= 0:  # unchunked prefill that does not fit the remaining budget
                 index += 1
                 continue
