@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass
 
 from pagedserve.core.scheduler import SchedulerConfig
@@ -45,8 +46,11 @@ class EngineArgs:
     max_sequences_per_request: int = 256  # prompts x n of one request
     max_stop_strings: int = 64  # stop strings per request
     max_stop_chars: int = 8192  # their total length
+    # ---- speculative decoding: vLLM's --speculative-config, a dict or its JSON text (see SpeculativeConfig)
+    speculative_config: dict | str | None = None
 
     def __post_init__(self) -> None:
+        self.speculative = SpeculativeConfig.parse(self.speculative_config)
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}.")
         if self.max_num_seqs < 1:
@@ -100,6 +104,10 @@ class EngineArgs:
                 parser.add_argument(flag, SHORT_FLAGS[f.name], type=int, default=f.default)
             elif f.type in ("bool", bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            elif f.name == "speculative_config":
+                parser.add_argument(flag, type=str, default=None,
+                                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                                         '"prompt_lookup_max": 4}\' or \'{"model": PATH, "num_speculative_tokens": 3}\'')
             elif f.name == "kv_cache_memory_bytes":
                 parser.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest=f.name,
                                     type=_parse_bytes, default=None,
@@ -131,6 +139,70 @@ def _parse_bytes(text: str) -> int:
     if text and text[-1] in units:
         return int(float(text[:-1]) * units[text[-1]])
     return int(text)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's fields). `ngram`: prompt lookup, drafts copied from where the request's
+    latest prompt_lookup_max..prompt_lookup_min tokens occurred before in its own prompt + output. `draft_model`:
+    a smaller model with the same tokenizer proposes, with its own paged KV cache in the same engine.
+
+    Policy (never much worse than no speculation): a request is given no drafts while it is constrained by a
+    grammar, uses penalties or still has min_tokens to reach; none at all while `disable_by_batch_size` or more
+    requests run (the step is compute-bound there, and verifying k tokens costs about k decode tokens); and each
+    request's draft length follows its own acceptance: after a verification it is accepted + 1 (at most
+    num_speculative_tokens), so a request whose drafts keep failing proposes one token, and only when a proposer
+    finds a match (ngram) or every step (draft model)."""
+    method: str  # ngram | draft_model
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 5  # one given: the other takes its value
+    prompt_lookup_max: int = 5
+    model: str | None = None  # the draft model (method draft_model)
+    disable_by_batch_size: int = 8
+
+    @classmethod
+    def parse(cls, value: "dict | str | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """From vLLM's JSON/dict form; ValueError naming the field when something is off."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a JSON object.")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+                 "disable_by_batch_size"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}.")
+        method = value.get("method") or ("draft_model" if value.get("model") else None)
+        if method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model' (or give 'model'), got "
+                             f"{value.get('method')!r}.")
+        k = value.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, 32], got {k!r}.")
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        for name, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {n!r}.")
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) exceeds prompt_lookup_max ({hi}).")
+        model = value.get("model")
+        if method == "draft_model" and not model:
+            raise ValueError("speculative_config.model (the draft model's path or name) is required for draft_model.")
+        if method == "ngram" and model:
+            raise ValueError("speculative_config.model is only for method draft_model.")
+        disable = value.get("disable_by_batch_size", 8)
+        if not isinstance(disable, int) or isinstance(disable, bool) or disable < 1:
+            raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 1, got {disable!r}.")
+        return cls(method, k, lo, hi, model, disable)
 
 
 # ------------------------------------------------------------------------------------ resolved config
@@ -191,3 +263,4 @@ class EngineConfig:
     parallel: ParallelConfig
     limits: RequestLimits
     seed: int = 0
+    speculative: SpeculativeConfig | None = None

@@ -2,7 +2,8 @@
 
 Hypothesis draws whole workloads: arrivals between steps, prompt lengths with shared prefixes, max_tokens,
 block sizes, budgets, max_num_seqs, pool sizes (always enough for the largest single request), caching
-on/off, both hash algorithms, fcfs/priority, chunked prefill on/off, prefill thresholds and aborts.
+on/off, both hash algorithms, fcfs/priority, chunked prefill on/off, prefill thresholds, aborts and speculative
+decoding (random drafts with random accept/reject patterns, with and without a draft model's lookahead slots).
 Every step is checked for the scheduler's limits and the block accounting; a simulated KV store checks
 that every token a request attends to holds exactly what that request wrote (or would have written), so
 prefix-cache hits and block reuse are checked for content, not only for counts.
@@ -46,6 +47,7 @@ class Scenario:
     requests: list[ReqSpec]
     aborts: list[tuple[int, int]] = field(default_factory=list)  # (step, request index)
     seed: int = 0
+    num_speculative_tokens: int = 0  # 0: no drafts
 
 
 @st.composite
@@ -74,6 +76,7 @@ def scenarios(draw) -> Scenario:
     min_blocks = max(cdiv(len(s.prompt) + s.max_tokens, block_size) for s in specs)
     num_blocks = min_blocks + draw(st.integers(0, 3 * min_blocks))
     chunked = draw(st.booleans())
+    num_spec = draw(st.sampled_from([0, 0, 1, 3]))
     budget = draw(st.integers(1, 64))
     threshold = draw(st.sampled_from([0, 0, 1, 3, 8]))
     if not chunked:
@@ -86,10 +89,11 @@ def scenarios(draw) -> Scenario:
         enable_chunked_prefill=chunked,
         long_prefill_token_threshold=threshold,
         policy=draw(st.sampled_from(["fcfs", "priority"])),
+        num_lookahead_tokens=num_spec if num_spec and draw(st.booleans()) else 0,
     )
     aborts = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, n - 1)), max_size=3))
     return Scenario(block_size, num_blocks, draw(st.booleans()), draw(st.sampled_from(["sha256", "builtin"])),
-                    config, specs, aborts, draw(st.integers(0, 2**16)))
+                    config, specs, aborts, draw(st.integers(0, 2**16)), num_spec)
 
 
 # ---------------------------------------------------------------------------- invariants
@@ -103,7 +107,11 @@ def check_schedule(sched: Scheduler, out: SchedulerOutput) -> None:
         r = item.request
         assert r.status == RequestStatus.RUNNING
         assert 1 <= item.num_new_tokens
-        assert r.num_computed_tokens + item.num_new_tokens <= r.num_tokens
+        # drafts only after every known token, only the request's own, never past max_model_len
+        assert r.num_computed_tokens + item.num_new_tokens == r.num_tokens + len(item.spec_token_ids) \
+            if item.spec_token_ids else r.num_computed_tokens + item.num_new_tokens <= r.num_tokens
+        assert item.spec_token_ids == r.spec_token_ids[:len(item.spec_token_ids)]
+        assert r.num_computed_tokens + item.num_new_tokens <= cfg.max_model_len
         if cfg.long_prefill_token_threshold:
             assert item.num_new_tokens <= cfg.long_prefill_token_threshold
         if not cfg.enable_chunked_prefill:
@@ -163,10 +171,15 @@ class SimulatedKV:
         self.slots: dict[tuple[int, int], int] = {}
         self._keys: dict[str, list[int]] = {}
 
-    def keys(self, r: Request, upto: int) -> list[int]:
+    def keys(self, r: Request, upto: int, drafts: list[int]) -> list[int]:
+        """Keys of positions 0..upto-1 of the request's tokens followed by this step's drafts (drafts' keys are
+        not remembered: most are rejected)."""
         keys = self._keys.setdefault(r.request_id, [])
-        while len(keys) < upto:
+        while len(keys) < min(upto, r.num_tokens):
             keys.append(hash((keys[-1] if keys else None, r.all_token_ids[len(keys)])))
+        keys = keys[:upto]
+        for token in drafts[:upto - len(keys)]:
+            keys.append(hash((keys[-1] if keys else None, token)))
         return keys
 
     def forward(self, out: SchedulerOutput) -> None:
@@ -174,20 +187,20 @@ class SimulatedKV:
         for item in out.scheduled:  # every layer writes all new K/V before any attention reads
             r = item.request
             end = r.num_computed_tokens + item.num_new_tokens
-            keys = self.keys(r, end)
+            keys = self.keys(r, end, item.spec_token_ids)
             for p in range(r.num_computed_tokens, end):
                 self.slots[(item.block_ids[p // bs], p % bs)] = keys[p]
         for item in out.scheduled:
             r = item.request
             end = r.num_computed_tokens + item.num_new_tokens
-            keys = self.keys(r, end)
+            keys = self.keys(r, end, item.spec_token_ids)
             for p in range(end):
                 assert self.slots.get((item.block_ids[p // bs], p % bs)) == keys[p], (
                     f"{r.request_id} reads wrong K/V at position {p} (block {item.block_ids[p // bs]})")
 
 
 # ---------------------------------------------------------------------------- the driver
-def run_scenario(scn: Scenario) -> None:
+def run_scenario(scn: Scenario) -> Scheduler:
     kv = KVCacheManager(scn.num_blocks, scn.block_size, scn.enable_caching, scn.hash_algo)
     sched = Scheduler(scn.config, kv)
     store = SimulatedKV(scn.block_size)
@@ -227,15 +240,28 @@ def run_scenario(scn: Scenario) -> None:
         out = sched.schedule()
         check_schedule(sched, out)
         assert not aborted & {i.request.request_id for i in out.scheduled}
-        known_before = {i.request.request_id: i.request.num_computed_tokens for i in out.scheduled}
+        known_before = {i.request.request_id: (i.request.num_computed_tokens, i.request.num_tokens)
+                        for i in out.scheduled}
         store.forward(out)
-        sampled = {i.request.request_id: sample(i.request) for i in out.scheduled if i.samples}
-        progressed = sched.update_from_output(out, sampled)
-        assert {r.request_id for r in progressed} == set(sampled)
+        # a random accept/reject pattern: a prefix of the drafts is accepted, then the "model" samples one token
+        sampled = {i.request.request_id: i.spec_token_ids[:rng.randint(0, len(i.spec_token_ids))] + [sample(i.request)]
+                   for i in out.scheduled if i.samples}
+        drafts = {r.request_id: [rng.choice(VOCAB) for _ in range(rng.randint(1, scn.num_speculative_tokens))]
+                  for r in sched.running if scn.num_speculative_tokens and rng.random() < 0.7}
+        progressed = sched.update_from_output(out, sampled, drafts)
+        assert {r.request_id for r, _ in progressed} == set(sampled)
         for item in out.scheduled:
             r = item.request
-            assert r.num_computed_tokens == known_before[r.request_id] + item.num_new_tokens
-            assert r.num_computed_tokens <= r.num_tokens
+            computed, num_tokens = known_before[r.request_id]
+            tokens = sampled.get(r.request_id, [])
+            num_rejected = len(item.spec_token_ids) - (len(tokens) - 1) if item.spec_token_ids else 0
+            if not r.is_finished:  # (a request that stopped inside its accepted drafts is freed as it is)
+                assert r.num_computed_tokens == computed + item.num_new_tokens - num_rejected
+                assert r.num_tokens == num_tokens + len(tokens)
+                assert r.num_computed_tokens <= r.num_tokens
+                assert r.spec_token_ids == drafts.get(r.request_id, [])
+            else:
+                assert r.num_tokens <= num_tokens + len(tokens)
         check_state(sched)
         step += 1
 
@@ -264,6 +290,10 @@ def run_scenario(scn: Scenario) -> None:
     if not scn.enable_caching:
         assert kv.prefix_cache_hits == 0
     assert kv.prefix_cache_hits <= kv.prefix_cache_queries
+    spec = sched.spec_stats
+    assert spec.num_accepted_tokens <= spec.num_draft_tokens
+    assert sum(spec.num_accepted_tokens_per_pos) == spec.num_accepted_tokens
+    return sched
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -287,3 +317,16 @@ def test_fcfs_preemption_storm_is_deterministic_and_finishes():
                    config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=5, max_model_len=64),
                    requests=specs)
     run_scenario(scn)
+
+
+def test_speculative_drafts_under_preemption_and_prefix_sharing():
+    """A fixed case: shared prompts, a pool for ~2 requests, drafts every step with lookahead slots."""
+    specs = [ReqSpec([1000 + i for i in range(9)] + [3 + i % 3], 14, i // 2, 0, None, 0.1, False, 0)
+             for i in range(8)]
+    scn = Scenario(block_size=2, num_blocks=14, enable_caching=True, hash_algo="builtin",
+                   config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=7, max_model_len=64,
+                                          num_lookahead_tokens=3),
+                   requests=specs, seed=7, num_speculative_tokens=3)
+    sched = run_scenario(scn)
+    assert sched.spec_stats.num_drafts > 10 and 0 < sched.spec_stats.num_accepted_tokens
+    assert sched.num_preemptions > 0 and sched.kv.prefix_cache_hits > 0

@@ -17,10 +17,10 @@ MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
 
 
-def run(model_dir, prompts, **engine_kwargs):
+def run(model_dir, prompts, params: SamplingParams = GREEDY, **engine_kwargs):
     engine_kwargs.setdefault("dtype", "float32")  # token for token with HF's float32: not `auto` (bf16 on some CPUs)
     llm = LLM(str(model_dir), num_threads=1, **engine_kwargs)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     return llm, [o.outputs[0] for o in outs]
 
 

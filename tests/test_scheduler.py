@@ -46,7 +46,7 @@ def default_token(request: Request) -> int:
 def step(sched: Scheduler, token_fn: TokenFn = default_token) -> SchedulerOutput:
     out = sched.schedule()
     check_step(sched, out)
-    sampled = {item.request.request_id: token_fn(item.request) for item in out.scheduled if item.samples}
+    sampled = {item.request.request_id: [token_fn(item.request)] for item in out.scheduled if item.samples}
     sched.update_from_output(out, sampled)
     return out
 
@@ -409,7 +409,7 @@ def test_abort_waiting_and_running(policy):
     assert sched.finish_requests(["run", "nope"], RequestStatus.FINISHED_ABORTED) == []  # idempotent
     first = sched.schedule()
     assert set(first.finished_request_ids) == {"run", "wait"}
-    sched.update_from_output(first, {i.request.request_id: 100 for i in first.scheduled if i.samples})
+    sched.update_from_output(first, {i.request.request_id: [100] for i in first.scheduled if i.samples})
     seen = set(scheduled_ids(first))
     run_until_done(sched, on_step=lambda i, out: seen.update(scheduled_ids(out)))
     assert seen == {"keep"}
@@ -436,7 +436,7 @@ def test_abort_while_step_runs_is_ignored_by_update():
     sched.add_request(r)
     out = sched.schedule()
     sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
-    progressed = sched.update_from_output(out, {"a": 100})
+    progressed = sched.update_from_output(out, {"a": [100]})
     assert progressed == []
     assert r.num_output_tokens == 0 and r.num_computed_tokens == 0
     assert not sched.has_unfinished_requests()
@@ -507,7 +507,7 @@ def test_max_tokens_one_finishes_after_prefill():
     sched.add_request(r)
     out = sched.schedule()
     assert out.scheduled[0].samples  # (a live property: read it before update_from_output)
-    sched.update_from_output(out, {"a": 100})
+    sched.update_from_output(out, {"a": [100]})
     assert r.is_finished and r.output_token_ids == [100]
 
 
@@ -518,9 +518,9 @@ def test_update_from_output_returns_progressed_requests():
     sched.add_request(a)
     sched.add_request(b)
     out = sched.schedule()
-    sampled = {i.request.request_id: 100 for i in out.scheduled if i.samples}
+    sampled = {i.request.request_id: [100] for i in out.scheduled if i.samples}
     assert sampled.keys() == {"a"}  # b's first chunk does not reach the end of its prompt
-    assert sched.update_from_output(out, sampled) == [a]
+    assert sched.update_from_output(out, sampled) == [(a, 1)]
     assert b.num_computed_tokens == 4 and b.num_output_tokens == 0
 
 
@@ -634,3 +634,22 @@ def test_priority_victim_not_readmitted_in_same_step():
     assert "high" in scheduled_ids(out) and not out.preempted_request_ids
     assert not set(out.preempted_request_ids) & set(scheduled_ids(out)), (
         f"preempted {out.preempted_request_ids} and scheduled {scheduled_ids(out)} in the same step")
+
+
+def test_drafts_that_do_not_fit_an_unchunked_budget_are_dropped_not_starved():
+    sched = make_scheduler(max_num_batched_tokens=4, enable_chunked_prefill=False)
+    a, b = make_request("a", 3, max_tokens=8), make_request("b", 3, max_tokens=8)
+    sched.add_request(a)
+    step(sched)
+    sched.add_request(b)
+    step(sched)  # a decodes, b's 3-token prompt fills the rest of the budget
+    a.spec_token_ids, b.spec_token_ids = [7, 7, 7], [7, 7]  # a: 4 tokens with its drafts, b: 3
+    out = sched.schedule()
+    scheduled = {i.request.request_id: (i.num_new_tokens, i.spec_token_ids) for i in out.scheduled}
+    assert scheduled == {"a": (4, [7, 7, 7])}  # b's drafts would overflow the budget; b waits a step...
+    sched.update_from_output(out, {"a": [7, 7, 7, 100]})
+    b.spec_token_ids = [7, 7, 7, 7]
+    a.spec_token_ids = []
+    out = sched.schedule()
+    # ...and when even its drafts alone cannot fit next to a's decode, it decodes without them
+    assert {i.request.request_id: i.num_new_tokens for i in out.scheduled} == {"a": 1, "b": 1}

@@ -270,6 +270,67 @@ async def benchmark(*, base_url: str, api_url: str, backend: str, model: str | N
     return model, list(outcomes), duration
 
 
+SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+                 "spec_decode_num_accepted_tokens_per_pos")
+
+
+def scrape_spec_decode_counters(base_url: str) -> dict[str, float] | None:
+    """The server's speculative-decoding counters from its Prometheus /metrics (pagedserve: or vllm: names),
+    summed over label sets except the draft position; None when it has none or /metrics is not reachable."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(base_url + "/metrics", timeout=10).text
+        families = list(text_string_to_metric_families(text))
+    except Exception:
+        return None
+    counters: dict[str, float] = {}
+    for family in families:
+        name = family.name.split(":", 1)[-1]
+        if name not in SPEC_COUNTERS:
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                key = name + (f"[{sample.labels['position']}]" if "position" in sample.labels else "")
+                counters[key] = counters.get(key, 0.0) + sample.value
+    return counters or None
+
+
+def spec_decode_summary(before: dict[str, float] | None, after: dict[str, float] | None) -> dict | None:
+    """Acceptance over the run: rate, mean acceptance length (accepted + 1 per draft) and per position."""
+    if after is None:
+        return None
+    before = before or {}
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    drafts = delta.get("spec_decode_num_drafts", 0.0)
+    drafted = delta.get("spec_decode_num_draft_tokens", 0.0)
+    accepted = delta.get("spec_decode_num_accepted_tokens", 0.0)
+    positions = sorted((int(k.split("[")[1].rstrip("]")), v) for k, v in delta.items() if "[" in k)
+    return {
+        "num_drafts": int(drafts), "num_draft_tokens": int(drafted), "num_accepted_tokens": int(accepted),
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+        "per_position_acceptance_rate": [v / drafts for _, v in positions] if drafts else [],
+    }
+
+
+def format_spec_decode(spec: dict) -> str:
+    rate = spec["acceptance_rate"]
+    length = spec["mean_acceptance_length"]
+    lines = [
+        "{s:{c}^{n}}".format(s=" Speculative Decoding ", n=50, c="-"),
+        f"{'Drafts:':<40}{spec['num_drafts']:<10}",
+        f"{'Draft tokens:':<40}{spec['num_draft_tokens']:<10}",
+        f"{'Accepted tokens:':<40}{spec['num_accepted_tokens']:<10}",
+        f"{'Acceptance rate (%):':<40}{'-' if rate is None else f'{100 * rate:.2f}':<10}",
+        f"{'Acceptance length:':<40}{'-' if length is None else f'{length:.2f}':<10}",
+        "Per-position acceptance (%): " + ", ".join(f"{100 * r:.1f}" for r in spec["per_position_acceptance_rate"]),
+        "=" * 50,
+    ]
+    return "\n".join(lines)
+
+
 def _parse_floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
@@ -292,6 +353,7 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"workload: {args.dataset_name}: {ds.describe(samples)}")
     np.random.seed(args.seed)
 
+    spec_before = scrape_spec_decode_counters(base_url)
     model, outcomes, duration = asyncio.run(benchmark(
         base_url=base_url, api_url=api_url, backend=args.backend, model=args.served_model_name or args.model,
         samples=samples, request_rate=args.request_rate, burstiness=args.burstiness,
@@ -306,6 +368,9 @@ def run_serve(args: argparse.Namespace) -> int:
         for i, err in enumerate(failed[:10]):
             print(f"Error {i}: {err}")
     print(format_result(metrics, selected, args.max_concurrency, args.request_rate))
+    spec = spec_decode_summary(spec_before, scrape_spec_decode_counters(base_url))
+    if spec is not None:
+        print(format_spec_decode(spec))
 
     result = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
@@ -326,6 +391,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "goodput_slos_ms": slos or None,
     }
     result.update(result_dict(metrics, outcomes))
+    result["spec_decode"] = spec
     if args.save_result or args.result_filename or args.result_dir:
         path = result_path(args, model, result["date"])
         with open(path, "w") as f:

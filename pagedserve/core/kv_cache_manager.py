@@ -80,14 +80,17 @@ class KVCacheManager:
         return index < (request.num_tokens - 1) // self.block_size and \
             request.block_hashes[index] in self.pending_hashes
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, prefix_hit: PrefixHit = NO_HIT) -> list[KVBlock] | None:
-        """Give the request room for `num_new_tokens` more tokens (after any prefix hit).
+    def allocate_slots(self, request: Request, num_new_tokens: int, prefix_hit: PrefixHit = NO_HIT,
+                       num_lookahead_tokens: int = 0) -> list[KVBlock] | None:
+        """Give the request room for `num_new_tokens` more tokens (after any prefix hit; draft tokens included),
+        plus `num_lookahead_tokens` slots a draft model writes its proposals' K/V to.
 
         Returns the newly allocated blocks, or None, changing nothing, when the pool is short.
         """
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_tokens_after = request.num_computed_tokens + prefix_hit.num_tokens + num_new_tokens
-        num_new_blocks = cdiv(num_tokens_after, self.block_size) - len(blocks) - len(prefix_hit.blocks)
+        num_slots = num_tokens_after + num_lookahead_tokens
+        num_new_blocks = cdiv(num_slots, self.block_size) - len(blocks) - len(prefix_hit.blocks)
         # Hit blocks with no holder sit in the free queue: taking them shrinks what is free.
         num_free_hits = sum(1 for b in prefix_hit.blocks if b.ref_cnt == 0)
         if num_new_blocks > self.block_pool.num_free_blocks - num_free_hits:

@@ -65,6 +65,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
         self.block_hashes: list[bytes | int] = []  # one per full block of all_token_ids
+        # Draft tokens proposed after the last sample, verified (and mostly dropped) in the next step: never part
+        # of all_token_ids, num_computed_tokens or a block hash until accepted.
+        self.spec_token_ids: list[int] = []
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None

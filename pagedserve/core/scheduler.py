@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit
 from pagedserve.core.request import Request, RequestStatus
 
 
@@ -27,19 +27,44 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: a chunk is limited by the budget only
     policy: str = "fcfs"  # fcfs | priority
+    # Slots allocated beyond the scheduled tokens: a draft model writes its KV for its proposals there.
+    num_lookahead_tokens: int = 0
 
 
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # includes the draft tokens below
     block_ids: list[int]
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified in this step (after the known tokens)
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the known tokens, so its last position yields a new token."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens >= r.num_tokens
+
+
+@dataclass
+class SpecDecodingStats:
+    """Counters of verified drafts since start-up (vLLM's spec_decode_* metrics)."""
+    num_drafts: int = 0  # verifications of a request's drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def snapshot(self) -> "SpecDecodingStats":
+        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                                 list(self.num_accepted_tokens_per_pos))
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for i in range(num_accepted_tokens):
+            per_pos[i] += 1
 
 
 @dataclass
@@ -101,6 +126,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_since_last_step: list[str] = []
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodingStats()
 
     # ----------------------------------------------------------------- queue management
     def add_request(self, request: Request) -> None:
@@ -148,17 +174,27 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = self._chunk_size(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk_size(self._num_unscheduled(request), budget)
+            if num_new <= 0 and request.spec_token_ids:  # (unchunked) its drafts do not fit: decode without them
+                request.spec_token_ids = []
+                num_new = self._chunk_size(self._num_unscheduled(request), budget)
             if num_new <= 0:  # unchunked prefill that does not fit the remaining budget
                 index += 1
                 continue
-            while self.kv.allocate_slots(request, num_new) is None:
+            while not self._allocate(request, num_new):
+                if request.spec_token_ids:  # speculation never takes blocks from another request
+                    request.spec_token_ids = []
+                    num_new = self._chunk_size(self._num_unscheduled(request), budget)
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id)))
+                # drafts are scheduled after the known tokens; the budget may cut them short
+                num_spec = request.num_computed_tokens + num_new - request.num_tokens
+                out.scheduled.append(ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id),
+                                                      request.spec_token_ids[:max(num_spec, 0)]))
                 budget -= num_new
                 index += 1
 
@@ -176,7 +212,7 @@ class Scheduler:
             num_new = self._chunk_size(request.num_tokens - hit.num_tokens, budget)
             if num_new <= 0:
                 break
-            if self.kv.allocate_slots(request, num_new, hit) is None:
+            if not self._allocate(request, num_new, hit):
                 break
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
@@ -191,6 +227,24 @@ class Scheduler:
 
         out.num_scheduled_tokens = cfg.max_num_batched_tokens - budget
         return out
+
+    def _allocate(self, request: Request, num_new: int, hit: PrefixHit = NO_HIT) -> bool:
+        """Slots for the step, plus a draft model's lookahead slots when the pool has them (the drafter proposes
+        only as far as the request's blocks reach), never past max_model_len."""
+        room = self.config.max_model_len - (request.num_computed_tokens + hit.num_tokens + num_new)
+        lookahead = min(self.config.num_lookahead_tokens, max(room, 0))
+        if lookahead and self.kv.allocate_slots(request, num_new, hit, lookahead) is not None:
+            return True
+        return self.kv.allocate_slots(request, num_new, hit) is not None
+
+    def _num_unscheduled(self, request: Request) -> int:
+        """Tokens the request would compute this step: the known ones not computed yet, then its drafts, up to
+        max_model_len (a draft at the last position could not be followed by a bonus token anyway)."""
+        num_known = request.num_tokens - request.num_computed_tokens
+        if not request.spec_token_ids:
+            return num_known
+        room = self.config.max_model_len - request.num_tokens
+        return num_known + min(len(request.spec_token_ids), max(room, 0))
 
     def _chunk_size(self, num_remaining: int, budget: int) -> int:
         cfg = self.config
@@ -212,6 +266,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(request, front=True)
@@ -231,27 +286,44 @@ class Scheduler:
             self._preempt(lowest, out)
 
     # ----------------------------------------------------------------- after the forward
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance progress by the scheduled tokens, append sampled tokens, finish stopped requests.
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]],
+                           spec_token_ids: dict[str, list[int]] | None = None) -> list[tuple[Request, int]]:
+        """Advance progress by the scheduled tokens, append sampled tokens, finish stopped requests, and take the
+        drafts proposed for the next step.
 
-        Returns the requests that received a new token this step.
+        sampled: per request, its new tokens: the accepted drafts, then one token sampled by the target model.
+        Returns (request, number of tokens appended) for each request that received tokens this step.
         """
         progressed = []
         for item in out.scheduled:
             request = item.request
             if request.is_finished:  # aborted while the step ran
                 continue
-            request.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_blocks(request, request.num_computed_tokens)  # their K/V is written now
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue
-            request.append_output_token(token)
-            progressed.append(request)
-            status = request.check_stop(self.config.max_model_len)
+            tokens = sampled.get(request.request_id, ())
+            # K/V of rejected drafts was written, but past num_computed_tokens nothing reads it: the next step
+            # overwrites those slots, and no block holding one is registered in the prefix cache.
+            num_rejected = len(item.spec_token_ids) - (len(tokens) - 1) if item.spec_token_ids else 0
+            request.num_computed_tokens += item.num_new_tokens - num_rejected
+            request.spec_token_ids = []
+            if item.spec_token_ids and tokens:
+                self.spec_stats.observe(len(item.spec_token_ids), len(tokens) - 1)
+            num_appended = 0
+            status = None
+            for token in tokens:  # one at a time: a stop inside the accepted drafts ends the request right there
+                request.append_output_token(token)
+                num_appended += 1
+                status = request.check_stop(self.config.max_model_len)
+                if status is not None:
+                    break
+            # their K/V is written now (the rejected drafts' slots lie past num_computed_tokens)
+            self.kv.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
+            if num_appended:
+                progressed.append((request, num_appended))
             if status is not None:
                 self.running.remove(request)
                 self._free(request, status)
+            elif spec_token_ids and request.request_id in spec_token_ids:
+                request.spec_token_ids = spec_token_ids[request.request_id]
         return progressed
 
     def _free(self, request: Request, status: RequestStatus) -> None:

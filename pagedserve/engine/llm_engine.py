@@ -60,7 +60,8 @@ class LLMEngine:
         scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget, max_model_len=cfg.max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill,
-            long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy)
+            long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy,
+            num_lookahead_tokens=self.runner.drafter.num_lookahead_tokens if self.runner.drafter else 0)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self.config = EngineConfig(
             model=ModelInfo(str(model_dir), cfg.served_model_name, args.model is None, cfg.architecture,
@@ -71,7 +72,8 @@ class LLMEngine:
             parallel=ParallelConfig(device.type, args.num_threads, args.tensor_parallel_size,
                                     args.pipeline_parallel_size, args.resolved_executor_backend),
             limits=RequestLimits.from_args(args),
-            seed=args.seed)
+            seed=args.seed,
+            speculative=args.speculative)
         self.structured_output = StructuredOutputManager(self.tokenizer, cfg.vocab_size)
         self.input_processor = InputProcessor(self.config, self.tokenizer, self.structured_output)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -192,19 +194,19 @@ class LLMEngine:
         if sched_out.is_empty:
             self.last_iteration = IterationStats()
             return []
-        num_decode_tokens = sum(1 for s in sched_out.scheduled
-                                if s.num_new_tokens == 1 and s.request.num_computed_tokens >= s.request.num_prompt_tokens)
+        num_decode_tokens = sum(s.num_new_tokens for s in sched_out.scheduled
+                                if s.request.num_computed_tokens >= s.request.num_prompt_tokens)
         try:
             if self.fault_injector is not None:
                 self.fault_injector.arm(sched_out)
             runner_out = self.executor.execute_model(sched_out, grammars if grammars.matchers else None)
         except Exception as exc:
             return self._fail_step(sched_out, exc)
-        progressed = self.scheduler.update_from_output(sched_out, runner_out.sampled)
+        progressed = self.scheduler.update_from_output(sched_out, runner_out.sampled, runner_out.spec_token_ids)
         now = time.time()
         to_stop, failed = self.output_processor.process_tokens(progressed, runner_out.logprobs, now)
-        if grammars.matchers:  # a completed grammar ends its sequence ("stop"), like EOS
-            to_stop += [r.request_id for r in progressed
+        if grammars.matchers:  # a completed grammar ends its sequence ("stop"), like EOS (no drafts: one token)
+            to_stop += [r.request_id for r, _ in progressed
                         if not r.is_finished and grammars.accept(r.request_id, r.all_token_ids[-1])]
         if to_stop:
             self.scheduler.finish_requests(to_stop, RequestStatus.FINISHED_STOPPED)
@@ -215,7 +217,7 @@ class LLMEngine:
         self.last_iteration = IterationStats(
             num_scheduled_tokens=sched_out.num_scheduled_tokens,
             num_prompt_tokens=sched_out.num_scheduled_tokens - num_decode_tokens,
-            num_generation_tokens=len(runner_out.sampled),
+            num_generation_tokens=sum(n for _, n in progressed),
             num_scheduled_reqs=len(sched_out.scheduled),
             forward_time=runner_out.forward_time,
             step_time=time.perf_counter() - t0,
@@ -261,6 +263,7 @@ class LLMEngine:
             prefix_cache_evictions=kv.block_pool.num_evictions,
             num_preemptions=self.scheduler.num_preemptions,
             num_step_failures=self.num_step_failures,
+            spec_decoding=self.scheduler.spec_stats.snapshot() if self.config.speculative else None,
         )
         return EngineStats(scheduler, self.last_iteration)
 

@@ -86,19 +86,29 @@ class OutputProcessor:
         return stats
 
     # ------------------------------------------------------------------------------ a step's tokens
-    def process_tokens(self, progressed: list[Request], logprobs: dict[str, dict[int, Logprob]],
+    def process_tokens(self, progressed: list[tuple[Request, int]],
+                       logprobs: dict[str, list[dict[int, Logprob]]],
                        now: float) -> tuple[list[str], dict[str, str]]:
-        """Record each sequence's new token. Returns (sequences that completed a stop string and are still
-        running: the engine finishes them; user requests whose output processing failed: id -> message)."""
+        """Record each sequence's new tokens (several when drafts were accepted). Returns (sequences that completed
+        a stop string and are still running: the engine finishes them; user requests whose output processing
+        failed: id -> message). A stop string completed before the last new token drops the tokens after it, so
+        the output ends exactly where it would have without speculation."""
         to_stop: list[str] = []
         failed: dict[str, str] = {}
         touched: dict[str, _UserRequest] = {}
-        for request in progressed:
+        for request, num_new in progressed:
             user, sample = self._sequences[request.request_id]
             if user.request_id in failed:
                 continue
+            new_tokens = request.all_token_ids[-num_new:]
+            token_logprobs = logprobs.get(request.request_id) or [None] * num_new
+            stop = None
             try:
-                stop = self._record_token(user, sample, request.all_token_ids[-1], logprobs.get(request.request_id))
+                for i, (token, lp) in enumerate(zip(new_tokens, token_logprobs)):
+                    stop = self._record_token(user, sample, token, lp, is_last=i == num_new - 1)
+                    if stop is not None:
+                        del request.all_token_ids[len(request.all_token_ids) - num_new + i + 1:]
+                        break
             except Exception as exc:  # e.g. a tokenizer error on one request: fail it alone
                 logger.exception("output processing failed for request %s", user.request_id)
                 failed[user.request_id] = f"output processing failed: {type(exc).__name__}: {exc}"
@@ -124,7 +134,7 @@ class OutputProcessor:
         return to_stop, failed
 
     def _record_token(self, user: _UserRequest, sample: _Sample, token: int,
-                      logprobs: dict[int, Logprob] | None) -> str | None:
+                      logprobs: dict[int, Logprob] | None, is_last: bool) -> str | None:
         request = sample.request
         user.metrics.num_generation_tokens += 1
         if logprobs is not None and sample.logprobs is not None:
@@ -134,8 +144,9 @@ class OutputProcessor:
             sample.cumulative_logprob += logprobs[token].logprob
         user.progressed.add(request.sample_index)
         # A stop token's text is not part of the output (as in vLLM), unless asked for.
-        stopped_by_token = request.status == RequestStatus.FINISHED_STOPPED and request.stop_reason is None \
-            or isinstance(request.stop_reason, int)
+        # (only the last of a step's tokens can be the one that stopped the request)
+        stopped_by_token = is_last and (request.status == RequestStatus.FINISHED_STOPPED
+                                        and request.stop_reason is None or isinstance(request.stop_reason, int))
         if stopped_by_token and not user.processed.params.include_stop_str_in_output:
             return None
         return sample.detokenizer.update([token])

@@ -177,12 +177,14 @@ class DistributedExecutor(Executor):
 
     @property
     def kv_bytes_per_block(self) -> int:
-        """Per rank: its layers x its KV heads. Ranks on one host share its memory (sum); GPUs have their own (max)."""
+        """Per rank: its layers x its KV heads (the driver's also a draft model's). Ranks on one host share its
+        memory (sum); GPUs have their own (max)."""
         layout, args = self.layout, self.runner_args
         cfg = args.model_config
-        per_rank = [2 * len(layout.layer_range(cfg.num_layers, layout.coords(rank)[0])) * args.block_size
-                    * layout.local_kv_heads(cfg.num_kv_heads) * cfg.head_dim * args.kv_dtype.itemsize
-                    for rank in range(layout.world_size)]
+        per_rank = [self.driver.kv_bytes_per_block] + [
+            2 * len(layout.layer_range(cfg.num_layers, layout.coords(rank)[0])) * args.block_size
+            * layout.local_kv_heads(cfg.num_kv_heads) * cfg.head_dim * args.kv_dtype.itemsize
+            for rank in range(1, layout.world_size)]
         return sum(per_rank) if args.device.type == "cpu" else max(per_rank)
 
     def shutdown(self) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.config import SpeculativeConfig
 from pagedserve.executor.cpu_binding import bind_threads
 from pagedserve.executor.step_broadcast import Command, ControlChannel, unpack_step
 from pagedserve.model_executor.model_config import ModelConfig
@@ -29,10 +30,12 @@ class RunnerArgs:
     linear_backend: str
     quantization: str | None
     kv_dtype: torch.dtype
+    speculative: SpeculativeConfig | None = None  # drafts are proposed on the driver only
 
     def build(self, parallel: ParallelState, runner_cls: type[ModelRunner] = ModelRunner) -> ModelRunner:
         return runner_cls(self.model_config, self.device, self.dtype, self.block_size, self.seed,
-                          self.linear_backend, self.quantization, self.kv_dtype, parallel)
+                          self.linear_backend, self.quantization, self.kv_dtype,
+                          self.speculative if parallel.is_driver else None, parallel)
 
 
 @dataclass(frozen=True)

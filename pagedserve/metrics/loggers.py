@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from pagedserve.core.scheduler import SpecDecodingStats
 from pagedserve.metrics.stats import IterationStats, SchedulerStats
 
 logger = logging.getLogger("pagedserve.metrics")
@@ -87,6 +88,7 @@ class LoggingStatLogger(StatLoggerBase):
         self._last_hits = 0
         self._last_hit_rate = 0.0
         self._last_line_idle = True
+        self._last_spec = SpecDecodingStats()
         self.last_line: str | None = None
 
     def record(self, stats: StepStats) -> None:
@@ -135,11 +137,30 @@ class LoggingStatLogger(StatLoggerBase):
                 f"KV cache usage: {sched.kv_cache_usage * 100:.1f}%, "
                 f"Prefix cache hit rate: {self._last_hit_rate * 100:.1f}%"
             )
+            if sched.spec_decoding is not None:
+                line += self._spec_decoding_summary(sched.spec_decoding)
             self._prompt_tokens = self._generation_tokens = 0
             self._last_log = now
             self._last_line_idle = idle
             self.last_line = line
         logger.info(line)
+
+    def _spec_decoding_summary(self, spec: SpecDecodingStats) -> str:
+        """vLLM's SpecDecoding line over the interval: mean acceptance length (accepted + 1 per draft), the draft
+        acceptance rate and the acceptance rate at each draft position."""
+        last = self._last_spec
+        self._last_spec = spec
+        drafts = spec.num_drafts - last.num_drafts
+        if drafts <= 0:
+            return ", SpecDecoding: no drafts"
+        drafted = spec.num_draft_tokens - last.num_draft_tokens
+        accepted = spec.num_accepted_tokens - last.num_accepted_tokens
+        per_pos = [n - (last.num_accepted_tokens_per_pos[i] if i < len(last.num_accepted_tokens_per_pos) else 0)
+                   for i, n in enumerate(spec.num_accepted_tokens_per_pos)]
+        return (f", SpecDecoding: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+                f"Draft acceptance rate: {100 * accepted / max(drafted, 1):.1f}%, "
+                f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
+                f"Per-position acceptance rate: {', '.join(f'{n / drafts:.3f}' for n in per_pos)}")
 
 
 class StatLoggerManager:

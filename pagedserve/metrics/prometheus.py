@@ -32,6 +32,10 @@ registered in prometheus_client's global REGISTRY.  Counters are exposed with th
 | pagedserve:request_params_n | histogram | the n parameter per request |
 | pagedserve:request_params_max_tokens | histogram | the max_tokens parameter per request |
 | pagedserve:cache_config_info | gauge (info) | block_size, num_gpu_blocks, prefix caching on/off |
+| pagedserve:spec_decode_num_drafts_total | counter | verifications of a request's drafts (speculative decoding) |
+| pagedserve:spec_decode_num_draft_tokens_total | counter | draft tokens verified |
+| pagedserve:spec_decode_num_accepted_tokens_total | counter | of which accepted |
+| pagedserve:spec_decode_num_accepted_tokens_per_pos_total{position} | counter | accepted drafts at each draft position (0 = first) |
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, dis
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
 
 from pagedserve.metrics.loggers import StatLoggerBase, StepStats
+from pagedserve.core.scheduler import SpecDecodingStats
 from pagedserve.metrics.stats import SchedulerStats
 
 # vLLM does the same: `_created` samples double the output and nobody reads them.
@@ -142,6 +147,15 @@ class PrometheusStatLogger(StatLoggerBase):
                          [str(k) for k in cache_config], registry=registry, multiprocess_mode="mostrecent")
             info.labels(**{str(k): str(v) for k, v in cache_config.items()}).set(1)
 
+        self.c_spec_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.").labels(**self._lv)
+        self.c_spec_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                           "Number of draft tokens.").labels(**self._lv)
+        self.c_spec_accepted = counter("spec_decode_num_accepted_tokens",
+                                       "Number of accepted tokens.").labels(**self._lv)
+        self._c_spec_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                       "Accepted tokens per draft position.", ["position"])
+        self._last_spec = SpecDecodingStats()
+
         # The scheduler reports cumulative counters; Prometheus counters take increments.
         self._last_queries = 0
         self._last_hits = 0
@@ -158,6 +172,18 @@ class PrometheusStatLogger(StatLoggerBase):
         self._last_hits = self._inc(self.c_prefix_hits, s.prefix_cache_hits, self._last_hits)
         self._last_preemptions = self._inc(self.c_preemptions, s.num_preemptions, self._last_preemptions)
         self._last_step_failures = self._inc(self.c_step_failures, s.num_step_failures, self._last_step_failures)
+        if s.spec_decoding is not None:
+            self._update_spec_decoding(s.spec_decoding)
+
+    def _update_spec_decoding(self, spec: SpecDecodingStats) -> None:
+        last = self._last_spec
+        self._inc(self.c_spec_drafts, spec.num_drafts, last.num_drafts)
+        self._inc(self.c_spec_draft_tokens, spec.num_draft_tokens, last.num_draft_tokens)
+        self._inc(self.c_spec_accepted, spec.num_accepted_tokens, last.num_accepted_tokens)
+        for pos, count in enumerate(spec.num_accepted_tokens_per_pos):
+            before = last.num_accepted_tokens_per_pos[pos] if pos < len(last.num_accepted_tokens_per_pos) else 0
+            self._inc(self._c_spec_per_pos.labels(**self._lv, position=str(pos)), count, before)
+        self._last_spec = spec
 
     def record_rejected(self) -> None:
         """A request refused because the waiting queue was full (event-loop thread)."""

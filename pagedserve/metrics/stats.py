@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedserve.core.scheduler import SpecDecodingStats
+
 
 @dataclass
 class SchedulerStats:
@@ -19,6 +21,7 @@ class SchedulerStats:
     prefix_cache_evictions: int = 0  # cached blocks whose hash was dropped to reuse the block
     num_preemptions: int = 0
     num_step_failures: int = 0  # engine steps whose forward raised (their requests failed, the rest went on)
+    spec_decoding: SpecDecodingStats | None = None  # speculative decoding's counters, when it is on
 
 
 @dataclass

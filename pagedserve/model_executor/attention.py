@@ -5,8 +5,11 @@ KV cache of one layer: [num_blocks, block_size, num_kv_heads, head_dim] for K an
 written at `slot_mapping` (slot = block_id * block_size + offset) before any attention of the layer
 reads, so a request may attend to blocks that another request of the same step is filling.
 
-Token order in the batch: all decode tokens first (one per request), then prefill chunks.
-  * decodes: on CPU, a native kernel reads each request's blocks in place through its block table
+Token order in the batch: all decode rows first, then prefill chunks. A decode row is one query token with its
+own block table and context length: a request's decode token, or each token of a short span (a verification of
+draft tokens, a short prefill tail; input_batch.runs_as_decode), whose rows see the context up to their own
+position - causal, since every K/V of the step is written first.
+  * decodes: on CPU, a native kernel reads each row's blocks in place through its block table
     (kernels/paged_attention.cpp); elsewhere, one batched SDPA over blocks gathered through the
     padded block table;
   * prefill chunks: one SDPA per chunk; a chunk with no earlier context attends to its own new K/V

@@ -52,10 +52,12 @@ class RMSNorm(nn.Module):
         return True
 
 
-# Measured in BENCHMARKS.md (section 6): on the decoder's matrices MKL's F.linear beats pre-packed oneDNN at 1-3
-# rows in float32 (about half the time for the QKV and down projections) and loses from 4 rows on; in bfloat16
-# pre-packed oneDNN is faster at every row count.
-ONEDNN_MIN_ROWS = 4
+# Measured in BENCHMARKS.md (section 6): on the decoder's matrices MKL's F.linear beat pre-packed oneDNN at 1-3
+# rows in float32 on the Intel machine of that section, losing from 4 rows on; on the AMD Zen 4 machine of section
+# 10, MKL's 2-row product with the demo model's LM head (8192x256) took 3.8 ms against oneDNN's 0.53 ms (1 thread),
+# and speculative decoding verifies 2-5 rows per request: from 2 rows on, oneDNN. In bfloat16 pre-packed oneDNN is
+# faster at every row count.
+ONEDNN_MIN_ROWS = 2
 
 
 class Linear(nn.Module):

@@ -12,16 +12,19 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
 import torch
 
+from pagedserve.config import SpeculativeConfig
 from pagedserve.core.scheduler import ScheduledRequest, SchedulerOutput
-from pagedserve.model_executor.attention import AttentionMetadata, PrefillSpan, chunk_causal_mask
+from pagedserve.model_executor.attention import AttentionMetadata
+from pagedserve.model_executor.input_batch import TokenSpan, prepare_batch, runs_as_decode
 from pagedserve.model_executor.model_config import ModelConfig
 from pagedserve.model_executor.models.llama import LlamaForCausalLM
 from pagedserve.model_executor.parallel_state import SINGLE, ParallelState
-from pagedserve.model_executor.sampler import Sampler, SamplingMetadata
+from pagedserve.model_executor.rejection_sampler import DraftBatch, rejection_sample
+from pagedserve.model_executor.sampler import LogprobsTensors, Sampler, SamplingMetadata
 from pagedserve.outputs import Logprob
+from pagedserve.spec_decode.drafter import make_drafter
 
 logger = logging.getLogger("pagedserve")
 
@@ -64,40 +67,38 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 class TokenMaskSource(Protocol):
     """Structured output's side of a step (engine/structured_output.py)."""
 
+    matchers: dict  # sequence id -> its grammar's matcher
+
     def start_masks(self, sequence_ids: list[str]) -> "Future[torch.Tensor] | None": ...
 
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
-    logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)  # for requests that asked
+    # request id -> its new tokens: the drafts the target accepted, then one token sampled by the target
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)  # one per new token, if asked
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts proposed for the next step
     forward_time: float = 0.0  # the model forward alone (no input prep, no sampling)
 
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype, block_size: int,
                  seed: int = 0, linear_backend: str = "auto", quantization: str | None = None,
-                 kv_dtype: torch.dtype | None = None, parallel: ParallelState = SINGLE) -> None:
+                 kv_dtype: torch.dtype | None = None, speculative: SpeculativeConfig | None = None,
+                 parallel: ParallelState = SINGLE) -> None:
         self.config = model_config
         self.device = device
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype  # a bfloat16 cache halves what decode attention streams
         self.block_size = block_size
-        t0 = time.perf_counter()
-        with torch.device(device):
-            model = LlamaForCausalLM(model_config, parallel)
-        model.load_weights(model_config.model_dir)
-        self.model = model.to(dtype).eval()
-        self.model.requires_grad_(False)
         self.linear_backend = self._pick_linear_backend(linear_backend, quantization)
-        self.model.set_linear_backend(self.linear_backend)
-        logger.info("Loaded %s (%s, %.1fM params, %s on %s) in %.1f s", model_config.model_dir,
-                    model_config.architecture, model_config.num_params / 1e6, str(dtype).removeprefix("torch."),
-                    device, time.perf_counter() - t0)
+        self.model = load_model(model_config, device, dtype, self.linear_backend, parallel)
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # speculative decoding: proposes each sampling request's next drafts
+        self.drafter = make_drafter(speculative, self) if speculative is not None else None
 
     def _pick_linear_backend(self, requested: str, quantization: str | None) -> str:
         if quantization == "int8":
@@ -113,9 +114,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ KV cache
     @property
     def kv_bytes_per_block(self) -> int:
-        """This rank's share: its layers, its KV heads."""
-        m = self.model
-        return 2 * len(m.layers) * self.block_size * m.num_local_kv_heads * self.config.head_dim * self.kv_dtype.itemsize
+        """Bytes of one block in every layer's K and V (a draft model's cache included)."""
+        draft = self.drafter.kv_bytes_per_block if self.drafter is not None else 0
+        return kv_bytes_per_block(self.model, self.block_size, self.kv_dtype) + draft
 
     def available_memory(self) -> int:
         if self.device.type == "cuda":
@@ -125,9 +126,9 @@ class ModelRunner:
         return int(info["MemAvailable"].split()[0]) * 1024
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        shape = (num_blocks, self.block_size, self.model.num_local_kv_heads, self.config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in self.model.layers]
+        self.kv_caches = allocate_kv_cache(self.model, num_blocks, self.block_size, self.kv_dtype, self.device)
+        if self.drafter is not None:  # same block ids, its own layers: the block tables serve both
+            self.drafter.allocate_kv_cache(num_blocks)
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
@@ -136,16 +137,23 @@ class ModelRunner:
         forward, so that it is computed while the forward runs."""
         for request_id in out.finished_request_ids:
             self.generators.pop(request_id, None)
-        # decodes first: attention batches them together
-        items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
-        input_ids, positions, meta, logits_indices, sampling_items = self._prepare_inputs(items)
+        if self.drafter is not None:
+            self.drafter.forget(out.finished_request_ids, out.preempted_request_ids)
+        # decode rows first: attention batches them together
+        items = sorted(out.scheduled, key=lambda s: not runs_as_decode(s.num_new_tokens))
+        sampling_items = [item for item in items if item.samples]
+        batch = prepare_batch(self._spans(items), self.block_size, self.device)
         masks = token_masks.start_masks([i.request.request_id for i in sampling_items]) \
             if token_masks is not None and sampling_items else None
         t0 = time.perf_counter()
-        logits = self.run_model(input_ids, positions, meta, logits_indices)
+        logits = self.run_model(batch.input_ids, batch.positions, batch.attn_metadata, batch.logits_indices)
         result = ModelRunnerOutput(forward_time=time.perf_counter() - t0)
         if sampling_items:
             self._sample(logits, sampling_items, result, masks.result() if masks is not None else None)
+            if self.drafter is not None:
+                constrained = token_masks.matchers if token_masks is not None else {}
+                result.spec_token_ids = self.drafter.propose(sampling_items, result.sampled, len(out.scheduled),
+                                                             constrained)
         return result
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -153,63 +161,50 @@ class ModelRunner:
         """The forward over the flat batch (a parallel driver first broadcasts these inputs to its workers)."""
         return self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
 
-    def _prepare_inputs(self, items: list[ScheduledRequest]):
-        bs = self.block_size
-        tokens: list[int] = []
-        positions, slots = [], []
-        decode_tables, decode_lens = [], []
-        prefills: list[PrefillSpan] = []
-        logits_indices, sampling_items = [], []
-        start = 0
+    @staticmethod
+    def _spans(items: list[ScheduledRequest]) -> list[TokenSpan]:
+        spans = []
         for item in items:
-            r, n = item.request, item.num_new_tokens
+            r = item.request
             first = r.num_computed_tokens
-            context_len = first + n
-            tokens.extend(r.all_token_ids[first:context_len])
-            pos = np.arange(first, context_len)
-            table = np.asarray(item.block_ids, dtype=np.int64)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            used_blocks = item.block_ids[:-(-context_len // bs)]
-            if n == 1:
-                decode_tables.append(used_blocks)
-                decode_lens.append(context_len)
-            else:
-                prefills.append(PrefillSpan(start, n, context_len,
-                                            torch.tensor(used_blocks, dtype=torch.long, device=self.device),
-                                            chunk_causal_mask(first, context_len, self.device)))
-            start += n
-            if item.samples:
-                logits_indices.append(start - 1)
-                sampling_items.append(item)
-        dev = self.device
-        decode_bt = decode_lens_t = None
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            table = np.zeros((len(decode_tables), width), dtype=np.int64)
-            for i, t in enumerate(decode_tables):
-                table[i, :len(t)] = t
-            decode_bt = torch.from_numpy(table).to(dev)
-            decode_lens_t = torch.tensor(decode_lens, dtype=torch.long, device=dev)
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            num_decodes=len(decode_tables),
-            decode_block_tables=decode_bt,
-            decode_context_lens=decode_lens_t,
-            block_size=bs,
-            prefills=prefills,
-        )
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
-        pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
-        return input_ids, pos_t, meta, torch.tensor(logits_indices, dtype=torch.long, device=dev), sampling_items
+            # drafts follow the known tokens (num_new_tokens counts them); a sampling span has logits at its last
+            # known token and at every draft
+            tokens = r.all_token_ids[first:first + item.num_new_tokens] + item.spec_token_ids
+            spans.append(TokenSpan(tokens, first, item.block_ids,
+                                   len(item.spec_token_ids) + 1 if item.samples else 0))
+        return spans
 
     def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest], result: ModelRunnerOutput,
                 allowed_token_mask: torch.Tensor | None = None) -> None:
+        """One row of logits per sampling request, or k + 1 for a request with k drafts (verified here)."""
         requests = [item.request for item in items]
-        params = [r.sampling_params for r in requests]
+        drafts = [item.spec_token_ids for item in items]
+        speculative = any(drafts)
+        rows = [len(d) + 1 for d in drafts]
+        row_requests = [r for r, n in zip(requests, rows) for _ in range(n)] if speculative else requests
+        meta = self._sampling_metadata(row_requests)
+        if allowed_token_mask is not None:  # one mask row per request (constrained requests never draft)
+            meta.allowed_token_mask = allowed_token_mask.repeat_interleave(
+                torch.tensor(rows, device=allowed_token_mask.device), dim=0) \
+                if speculative else allowed_token_mask
+        logprobs: LogprobsTensors | None
+        if speculative:
+            draft_probs = [self.drafter.draft_probs(r.request_id) if d else None for r, d in zip(requests, drafts)]
+            verified = rejection_sample(logits, meta, DraftBatch(drafts, draft_probs), self.default_generator)
+            token_lists, logprobs = verified.token_ids, verified.logprobs
+        else:
+            out = self.sampler(logits, meta, self.default_generator)
+            token_lists, logprobs = [[t] for t in out.sampled_token_ids.tolist()], out.logprobs
+        for r, tokens in zip(requests, token_lists):
+            result.sampled[r.request_id] = tokens
+        if logprobs is not None:
+            self._collect_logprobs(requests, token_lists, logprobs, result)
+
+    def _sampling_metadata(self, row_requests: list) -> SamplingMetadata:
+        params = [r.sampling_params for r in row_requests]
         generators = {}
         banned = {}
-        for row, r in enumerate(requests):
+        for row, r in enumerate(row_requests):
             p = r.sampling_params
             if p.seed is not None and not p.greedy:
                 g = self.generators.get(r.request_id)
@@ -220,29 +215,57 @@ class ModelRunner:
             if r.num_output_tokens < p.min_tokens:
                 banned[row] = sorted(r.eos_token_ids | set(p.stop_token_ids))
         any_penalty = any(p.needs_penalties for p in params)
-        meta = SamplingMetadata.build(
+        return SamplingMetadata.build(
             params, generators,
-            [r.prompt_token_ids for r in requests] if any_penalty else [],
-            [r.output_token_ids for r in requests] if any_penalty else [],
+            [r.prompt_token_ids for r in row_requests] if any_penalty else [],
+            [r.output_token_ids for r in row_requests] if any_penalty else [],
             banned, self.device)
-        meta.allowed_token_mask = allowed_token_mask
-        out = self.sampler(logits, meta, self.default_generator)
-        token_ids = out.sampled_token_ids.tolist()
-        for r, token in zip(requests, token_ids):
-            result.sampled[r.request_id] = token
-        if out.logprobs is None:
-            return
-        lp = out.logprobs
+
+    @staticmethod
+    def _collect_logprobs(requests: list, token_lists: list[list[int]], lp: LogprobsTensors,
+                          result: ModelRunnerOutput) -> None:
+        """lp has one row per produced token, requests in order."""
         top_ids, top_lps = lp.top_token_ids.tolist(), lp.top_logprobs.tolist()
         sampled_lps, sampled_ranks = lp.sampled_logprobs.tolist(), lp.sampled_ranks.tolist()
-        for row, r in enumerate(requests):
+        row = 0
+        for r, tokens in zip(requests, token_lists):
             k = r.sampling_params.logprobs
-            if k is None:
-                continue
-            entry = {token_ids[row]: Logprob(sampled_lps[row], sampled_ranks[row])}
-            for rank, (tid, tlp) in enumerate(zip(top_ids[row][:k], top_lps[row][:k]), start=1):
-                entry.setdefault(tid, Logprob(tlp, rank))
-            result.logprobs[r.request_id] = entry
+            if k is not None:
+                entries = []
+                for i, token in enumerate(tokens, start=row):
+                    entry = {token: Logprob(sampled_lps[i], sampled_ranks[i])}
+                    for rank, (tid, tlp) in enumerate(zip(top_ids[i][:k], top_lps[i][:k]), start=1):
+                        entry.setdefault(tid, Logprob(tlp, rank))
+                    entries.append(entry)
+                result.logprobs[r.request_id] = entries
+            row += len(tokens)
+
+
+def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
+               linear_backend: str, parallel: ParallelState = SINGLE) -> LlamaForCausalLM:
+    t0 = time.perf_counter()
+    with torch.device(device):
+        model = LlamaForCausalLM(model_config, parallel)
+    model.load_weights(model_config.model_dir)
+    model = model.to(dtype).eval()
+    model.requires_grad_(False)
+    model.set_linear_backend(linear_backend)
+    logger.info("Loaded %s (%s, %.1fM params, %s on %s) in %.1f s", model_config.model_dir,
+                model_config.architecture, model_config.num_params / 1e6, str(dtype).removeprefix("torch."),
+                device, time.perf_counter() - t0)
+    return model
+
+
+def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
+    """One block in every K and V this process holds: its layers, its KV heads."""
+    return 2 * len(model.layers) * block_size * model.num_local_kv_heads * model.cfg.head_dim * kv_dtype.itemsize
+
+
+def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, block_size, model.num_local_kv_heads, model.cfg.head_dim)
+    return [(torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
+            for _ in model.layers]
 
 
 def configure_threads(num_threads: int | None) -> None:

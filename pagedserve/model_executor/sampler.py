@@ -118,18 +118,25 @@ class Sampler:
         default_generator: torch.Generator | None = None,
     ) -> SamplerOutput:
         """logits: [N, V]. default_generator feeds the unseeded random rows (None: torch's global RNG)."""
-        # A float32 copy: the steps below work in place, and bf16 is too coarse for top-p/min-p cut-offs.
-        logits = logits.to(torch.float32, copy=True)
-        raw_logprobs = None if metadata.max_num_logprobs is None else torch.log_softmax(logits, dim=-1)
-        logits = apply_penalties(logits, metadata)
-        logits = apply_banned_tokens(logits, metadata.banned_token_ids)
-        if metadata.allowed_token_mask is not None:
-            apply_allowed_token_mask(logits, metadata.allowed_token_mask)
+        logits, raw_logprobs = processed_logits(logits, metadata)
         sampled = _sample(logits, metadata, default_generator)
         logprobs = None
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+
+def processed_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(a float32 copy of logits after penalties, bans and structured-output masks; the raw logprobs when any row
+    asked for logprobs)."""
+    # A float32 copy: the steps after this work in place, and bf16 is too coarse for top-p/min-p cut-offs.
+    logits = logits.to(torch.float32, copy=True)
+    raw_logprobs = None if metadata.max_num_logprobs is None else torch.log_softmax(logits, dim=-1)
+    logits = apply_penalties(logits, metadata)
+    logits = apply_banned_tokens(logits, metadata.banned_token_ids)
+    if metadata.allowed_token_mask is not None:
+        apply_allowed_token_mask(logits, metadata.allowed_token_mask)
+    return logits, raw_logprobs
 
 
 def _sample(
@@ -138,6 +145,13 @@ def _sample(
     greedy_ids = logits.argmax(dim=-1)
     if metadata.all_greedy:
         return greedy_ids
+    random_ids = inverse_cdf_sample(sampling_probs(logits, metadata), metadata.generators, default_generator)
+    return torch.where(metadata.temperature < _SAMPLING_EPS, greedy_ids, random_ids)
+
+
+def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """[N, V] the distribution each random row samples from (temperature, top-k, top-p, then min-p; not
+    renormalised after min-p). Greedy rows get softmax(logits): never used. Works in place on `logits`."""
     is_greedy = metadata.temperature < _SAMPLING_EPS
     logits.div_(torch.where(is_greedy, 1.0, metadata.temperature).unsqueeze(1))
     logits = apply_top_k_top_p(
@@ -148,8 +162,7 @@ def _sample(
     probs = logits.softmax(dim=-1)
     if not metadata.no_min_p:
         probs = apply_min_p(probs, metadata.min_p)
-    random_ids = inverse_cdf_sample(probs, metadata.generators, default_generator)
-    return torch.where(is_greedy, greedy_ids, random_ids)
+    return probs
 
 
 def token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -247,15 +260,22 @@ def inverse_cdf_sample(
     """An exact sample from each row of (unnormalised, non-negative) probs: one uniform per row."""
     # float64 so that rounding in the running sum cannot hand mass to a zero-probability token
     cdf = probs.double().cumsum_(dim=-1)
-    u = torch.empty(probs.shape[0], dtype=torch.float64, device=probs.device)
-    if len(generators) < probs.shape[0]:
-        u.uniform_(generator=default_generator)
-    for row, generator in generators.items():  # per seeded request, not per token
-        u[row] = torch.rand((), dtype=torch.float64, generator=generator, device=probs.device)
+    u = uniforms(probs.shape[0], generators, default_generator, probs.device)
     # first index whose cumulative sum exceeds u * total: its own probability is > 0
     threshold = (u * cdf[:, -1]).unsqueeze(1)
     ids = torch.searchsorted(cdf, threshold, right=True).squeeze(1)
     return ids.clamp_max_(probs.shape[1] - 1)
+
+
+def uniforms(num_rows: int, generators: dict[int, torch.Generator], default_generator: torch.Generator | None,
+             device: torch.device) -> torch.Tensor:
+    """[num_rows] float64 uniforms in [0, 1): a seeded row's from its own generator, the others' from the default."""
+    u = torch.empty(num_rows, dtype=torch.float64, device=device)
+    if len(generators) < num_rows:
+        u.uniform_(generator=default_generator)
+    for row, generator in generators.items():  # per seeded request, not per token
+        u[row] = torch.rand((), dtype=torch.float64, generator=generator, device=device)
+    return u
 
 
 def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: int) -> LogprobsTensors:

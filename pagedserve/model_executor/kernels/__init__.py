@@ -177,17 +177,33 @@ def build_extension(name: str, sources: list[Path], cflags: list[str], timeout_s
                        "using the PyTorch path.", build_dir / LOCK_NAME, timeout_s)
         return None
     try:
-        built = any(build_dir.glob(f"{name}*.so")) or any(build_dir.glob(f"{name}*.pyd"))
         t0 = time.perf_counter()
-        if not built:
+        library = next(iter(sorted(build_dir.glob(f"{name}*.so"))), None)
+        if library is not None:
+            # The name carries a hash of the sources and flags, so a finished build is these sources: import it
+            # as it is. (torch's load() would rerun ninja, which rebuilds whenever the same sources sit at another
+            # path, e.g. two checkouts of the repository sharing the cache.)
+            module = _import_library(name, library)
+        else:
             logger.warning("Building native kernels %s (first start on this CPU, ~40 s)...", name)
-        module = load(name=name, sources=[str(s) for s in sources], extra_cflags=list(cflags),
-                      extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
-        logger.info("Native CPU kernels %s %s in %.1f s.", name, "loaded" if built else "built",
+            module = load(name=name, sources=[str(s) for s in sources], extra_cflags=list(cflags),
+                          extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        logger.info("Native CPU kernels %s %s in %.1f s.", name, "loaded" if library else "built",
                     time.perf_counter() - t0)
         return module
     finally:
         release_build_lock(lock)
+
+
+def _import_library(name: str, library: Path):
+    import importlib.util
+
+    import torch  # noqa: F401  (the extension links against libtorch: load it first)
+
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 _lock = threading.Lock()

@@ -1,0 +1,87 @@
+"""One flattened forward's inputs from spans of new tokens: token ids, positions, slot mapping, attention metadata
+and which rows produce logits. Shared by the model runner and the draft model (which writes its own KV cache
+through the same block tables)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedserve.model_executor.attention import AttentionMetadata, PrefillSpan, chunk_causal_mask
+
+
+@dataclass
+class TokenSpan:
+    token_ids: list[int]  # the new tokens, at positions start_pos, start_pos + 1, ...
+    start_pos: int  # tokens before it are in the KV cache already
+    block_ids: list[int]  # the request's block table
+    num_logits: int  # logits rows for the span's last num_logits positions (0: none)
+
+
+@dataclass
+class InputBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor
+
+
+# A span this short runs as decode rows, one per token, each attending to the context up to its own position
+# through the block table (its K/V is written before attention reads): the drafts a verification scores, and
+# short prefill tails, read the paged cache in place in the batched decode kernel instead of a gather and an
+# SDPA call per span and layer. Longer spans go to SDPA, which reads each context row once for all queries.
+MAX_DECODE_ROWS_SPAN = 8
+
+
+def runs_as_decode(num_tokens: int) -> bool:
+    return num_tokens <= MAX_DECODE_ROWS_SPAN
+
+
+def prepare_batch(spans: list[TokenSpan], block_size: int, device: torch.device) -> InputBatch:
+    """Spans that run as decode rows (runs_as_decode) must come first: attention batches them together."""
+    bs = block_size
+    tokens: list[int] = []
+    positions, slots = [], []
+    decode_tables, decode_lens = [], []
+    prefills: list[PrefillSpan] = []
+    logits_indices: list[int] = []
+    start = 0
+    for span in spans:
+        n = len(span.token_ids)
+        first = span.start_pos
+        context_len = first + n
+        tokens.extend(span.token_ids)
+        pos = np.arange(first, context_len)
+        table = np.asarray(span.block_ids, dtype=np.int64)
+        positions.append(pos)
+        slots.append(table[pos // bs] * bs + pos % bs)
+        used_blocks = span.block_ids[:-(-context_len // bs)]
+        if runs_as_decode(n):
+            decode_tables.extend([used_blocks] * n)
+            decode_lens.extend(range(first + 1, context_len + 1))
+        else:
+            prefills.append(PrefillSpan(start, n, context_len,
+                                        torch.tensor(used_blocks, dtype=torch.long, device=device),
+                                        chunk_causal_mask(first, context_len, device)))
+        start += n
+        logits_indices.extend(range(start - span.num_logits, start))
+    decode_bt = decode_lens_t = None
+    if decode_tables:
+        width = max(len(t) for t in decode_tables)
+        table = np.zeros((len(decode_tables), width), dtype=np.int64)
+        for i, t in enumerate(decode_tables):
+            table[i, :len(t)] = t
+        decode_bt = torch.from_numpy(table).to(device)
+        decode_lens_t = torch.tensor(decode_lens, dtype=torch.long, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
+        num_decodes=len(decode_tables),
+        decode_block_tables=decode_bt,
+        decode_context_lens=decode_lens_t,
+        block_size=bs,
+        prefills=prefills,
+    )
+    return InputBatch(torch.tensor(tokens, dtype=torch.long, device=device),
+                      torch.from_numpy(np.concatenate(positions)).to(device), meta,
+                      torch.tensor(logits_indices, dtype=torch.long, device=device))
