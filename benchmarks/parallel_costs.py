@@ -49,16 +49,16 @@ def _ranks(rank: int, port: int, args, queue) -> None:
 
     for tokens in args.tokens:
         x = torch.randn(tokens, args.hidden)
-        results[f"allreduce_{tokens}"] = timed(lambda: group.allreduce([x]).wait(), args.reps)
+        results[f"allreduce_{tokens}"] = timed(lambda x=x: group.allreduce([x]).wait(), args.reps)
     ack = torch.zeros(1)
     results["ack"] = timed(lambda: state.world_group.allreduce([ack]).wait(), args.reps)
     for batch in args.batches:
         step = _decode_step(batch, args.context, 16)
-        results[f"pack_{batch}"] = timed(lambda: pack_step(*step), args.reps)
+        results[f"pack_{batch}"] = timed(lambda step=step: pack_step(*step), args.reps)
         payload = pack_step(*step)
         results[f"bytes_{batch}"] = payload.numel() * 8
 
-        def round_trip() -> None:
+        def round_trip(step=step) -> None:
             if rank == 0:
                 channel.send(1, pack_step(*step))
             else:

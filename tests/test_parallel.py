@@ -186,7 +186,7 @@ def test_server_tp2_serves_hf_tokens_and_reports_dead_worker(tiny_model_dir, tin
                                             extra_body={"ignore_eos": True}).choices[0] for p in prompts]
         hf = hf_greedy(model_dir, prompts, MAX_TOKENS)
         assert [tiny_tokenizer.decode(r.token_ids) for r in hf] == [c.text for c in served]
-        worker = next(pid for pid in _children(server.proc.pid) if _comm(pid) == "pagedserve-r1")
+        worker = next(pid for pid in _descendants(server.proc.pid) if _comm(pid) == "pagedserve-r1")
         os.kill(worker, signal.SIGKILL)
         with pytest.raises(openai.APIStatusError) as failed:
             client.completions.create(model=str(model_dir), prompt=prompts[0], max_tokens=4)
@@ -197,9 +197,11 @@ def test_server_tp2_serves_hf_tokens_and_reports_dead_worker(tiny_model_dir, tin
         server.stop()
 
 
-def _children(pid: int) -> list[int]:
+def _descendants(pid: int) -> list[int]:
+    """The worker is a child of multiprocessing's fork server, itself a child of the server."""
     with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(p) for p in f.read().split()]
+        children = [int(p) for p in f.read().split()]
+    return children + [d for child in children for d in _descendants(child)]
 
 
 def _comm(pid: int) -> str:

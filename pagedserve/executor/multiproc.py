@@ -1,4 +1,4 @@
-"""`mp` backend: one spawned process per worker rank on this machine."""
+"""`mp` backend: one process per worker rank on this machine."""
 from __future__ import annotations
 
 import multiprocessing
@@ -17,7 +17,10 @@ class MultiprocExecutor(DistributedExecutor):
         return "127.0.0.1"
 
     def _launch(self, specs: list[WorkerSpec]) -> None:
-        ctx = multiprocessing.get_context("spawn")  # never fork a process that holds torch's thread pools
+        # never fork the engine process (it holds torch's thread pools): a fork server, started once per process
+        # with torch and this package imported, forks clean workers (the second engine starts in a fraction)
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["pagedserve.executor.worker"])
         self._procs = {spec.rank: ctx.Process(target=multiproc_worker_main, args=(spec,), daemon=True,
                                               name=f"pagedserve-rank{spec.rank}") for spec in specs}
         for proc in self._procs.values():
