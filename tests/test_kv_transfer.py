@@ -62,3 +62,90 @@ def test_second_tier_serves_evicted_prefix(model_dir):
     assert computed_again == 160 - 9 * BLOCK
     assert connector.stats.num_loaded_blocks == 9
     assert_drained(tiered)
+
+
+# ------------------------------------------------------------------ stores shared by instances
+@pytest.fixture
+def redis_url(tmp_path):
+    """A real redis-server on a free loopback port, stopped after the test (which may kill it earlier)."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (Debian package redis-server; .ci/run installs it)")
+    pytest.importorskip("redis", reason="the redis client package (pagedserve[kv]) is not installed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail("redis-server did not start")
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}", proc
+    proc.kill()
+    proc.wait()
+
+
+def test_redis_store_shared_by_instances(model_dir, tiny_model_dir, redis_url):
+    url, server = redis_url
+    store = {"kv_connector": "redis", "url": url}
+    prompt, other = tokens(100, 3), tokens(70, 4)  # 6 and 4 full blocks
+    expected = generate(make_llm(model_dir), [prompt, other])[0]
+    producer = make_llm(model_dir, kv_transfer_config={**store, "kv_role": "kv_producer"})
+    assert generate(producer, [prompt])[0] == expected[:1]
+    assert producer.llm_engine.kv_connector.stats.num_saved_blocks == 6  # write-through: every full block
+    # instance B (its own, empty pool) loads what A computed; it computes only the last partial block
+    consumer = make_llm(model_dir, kv_transfer_config={**store, "kv_role": "kv_consumer"})
+    outputs, computed = generate(consumer, [prompt])
+    assert outputs == expected[:1] and computed == 100 - 6 * BLOCK
+    assert consumer.llm_engine.kv_connector.stats.num_saved_blocks == 0
+    # another model in the same store never reads these blocks (the model's identity is in every key)
+    stranger = make_llm(tiny_model_dir("llama", seed=7), kv_transfer_config=store)
+    assert generate(stranger, [prompt])[1] == 100
+    assert stranger.llm_engine.kv_connector.stats.num_loaded_blocks == 0
+    # the store dies mid-run: requests still succeed, recomputing, and nothing hangs
+    server.kill()
+    server.wait()
+    outputs, computed = generate(consumer, [other])
+    assert outputs == expected[1:] and computed == 70
+    assert consumer.llm_engine.kv_connector.store.num_failures > 0
+    for llm in (producer, consumer, stranger):
+        assert_drained(llm)
+
+
+def test_directory_store_shared_by_instances(model_dir, tmp_path):
+    store = {"kv_connector": "directory", "path": str(tmp_path / "kv")}
+    prompts = [tokens(50, 5), tokens(50, 5)[:32] + tokens(18, 6)]  # the second shares 2 blocks with the first
+    expected = generate(make_llm(model_dir), prompts)[0]
+    a = make_llm(model_dir, kv_transfer_config=store)
+    assert generate(a, prompts[:1])[0] == expected[:1]
+    b = make_llm(model_dir, kv_transfer_config=store)
+    outputs, computed = generate(b, prompts[1:])
+    assert outputs == expected[1:] and computed == 50 - 2 * BLOCK
+    assert len(list((tmp_path / "kv").iterdir())) == 3 + 1  # A's 3 blocks, then B's own third block
+
+
+def test_kv_transfer_config_errors(model_dir):
+    from pagedserve import EngineArgs
+
+    for bad, match in [({"kv_connector": "nfs"}, "kv_connector"), ({"kv_connector": "redis"}, "url"),
+                       ({"kv_connector": "cpu", "kv_role": "prefill"}, "kv_role"),
+                       ({"kv_connector": "cpu", "kv_buffer_size": 0}, "kv_buffer_size"),
+                       ({"kv_connector": "cpu", "extra": 1}, "unknown"), ("{", "JSON")]:
+        with pytest.raises(ValueError, match=match):
+            EngineArgs(kv_transfer_config=bad)
+    with pytest.raises(ValueError, match="prefix caching"):
+        EngineArgs(kv_offloading_size=1.0, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="sha256"):
+        EngineArgs(kv_transfer_config={"kv_connector": "directory", "path": "x"}, prefix_caching_hash_algo="builtin")
