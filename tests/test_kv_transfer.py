@@ -149,3 +149,19 @@ def test_kv_transfer_config_errors(model_dir):
         EngineArgs(kv_offloading_size=1.0, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="sha256"):
         EngineArgs(kv_transfer_config={"kv_connector": "directory", "path": "x"}, prefix_caching_hash_algo="builtin")
+
+
+def test_second_tier_under_pressure_matches(model_dir):
+    """Concurrent requests sharing prefixes in a pool too small for them (preemption, chunked prefill, blocks
+    evicted and loaded back in the same steps): outputs equal the no-connector engine's."""
+    shared = tokens(64, 7)
+    prompts = [shared[:16 * (i % 4 + 1)] + tokens(20 + 9 * i, 10 + i) for i in range(10)] * 2
+    plain = make_llm(model_dir, num_kv_blocks=20, max_num_batched_tokens=40)
+    expected, computed_plain = generate(plain, prompts)
+    tiered = make_llm(model_dir, num_kv_blocks=20, max_num_batched_tokens=40, kv_offloading_size=1 / 1024)
+    outputs, computed = generate(tiered, prompts)
+    assert outputs == expected
+    assert plain.llm_engine.scheduler.num_preemptions > 0 and tiered.llm_engine.scheduler.num_preemptions > 0
+    assert computed < computed_plain
+    assert tiered.llm_engine.kv_connector.stats.num_loaded_blocks > 0
+    assert_drained(tiered)
