@@ -3,6 +3,8 @@
 Every output is compared token for token with an engine without a connector (float32, tiny random model)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -110,17 +112,19 @@ def test_redis_store_shared_by_instances(model_dir, tiny_model_dir, redis_url):
     outputs, computed = generate(consumer, [prompt])
     assert outputs == expected[:1] and computed == 100 - 6 * BLOCK
     assert consumer.llm_engine.kv_connector.stats.num_saved_blocks == 0
-    # another model in the same store never reads these blocks (the model's identity is in every key)
-    stranger = make_llm(tiny_model_dir("llama", seed=7), kv_transfer_config=store)
-    assert generate(stranger, [prompt])[1] == 100
-    assert stranger.llm_engine.kv_connector.stats.num_loaded_blocks == 0
+    # another model, or the same one with another KV dtype, never reads these blocks (both are in every key)
+    strangers = [make_llm(tiny_model_dir("llama", seed=7), kv_transfer_config=store),
+                 make_llm(model_dir, kv_cache_dtype="bfloat16", kv_transfer_config=store)]
+    for stranger in strangers:
+        assert generate(stranger, [prompt])[1] == 100
+        assert stranger.llm_engine.kv_connector.stats.num_loaded_blocks == 0
     # the store dies mid-run: requests still succeed, recomputing, and nothing hangs
     server.kill()
     server.wait()
     outputs, computed = generate(consumer, [other])
     assert outputs == expected[1:] and computed == 70
     assert consumer.llm_engine.kv_connector.store.num_failures > 0
-    for llm in (producer, consumer, stranger):
+    for llm in (producer, consumer, *strangers):
         assert_drained(llm)
 
 
@@ -165,3 +169,33 @@ def test_second_tier_under_pressure_matches(model_dir):
     assert computed < computed_plain
     assert tiered.llm_engine.kv_connector.stats.num_loaded_blocks > 0
     assert_drained(tiered)
+
+
+def test_server_loads_kv_another_process_computed(tiny_model_dir, redis_url):
+    """A `pagedserve serve` process serves a prompt from the KV an engine in this process computed, through a real
+    redis-server (the official openai client; output equal to a plain engine's; the external prefix cache
+    metrics count it)."""
+    import httpx
+    from test_server_helpers import MAIN_ARGS, ServerProcess, metric_value
+
+    openai = pytest.importorskip("openai")
+    model_dir = tiny_model_dir("llama")
+    store = {"kv_connector": "redis", "url": redis_url[0]}
+    # the KV dtype is part of every key: the server must run float32 like the producer to find its blocks
+    server = ServerProcess(model_dir, MAIN_ARGS + ("--dtype", "float32", "--kv-transfer-config", json.dumps(store)))
+    try:
+        prompt = tokens(100, 8)
+        params = SamplingParams(temperature=0.0, max_tokens=8)
+        want = make_llm(model_dir).generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].text
+        producer = make_llm(model_dir, kv_transfer_config={**store, "kv_role": "kv_producer"})
+        generate(producer, [prompt])
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="test-key-123")
+        got = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=8,
+                                        temperature=0)
+        assert got.choices[0].text == want
+        metrics = httpx.get(server.url + "/metrics").text
+        assert metric_value(metrics, "pagedserve:external_prefix_cache_hits_total") == 6 * BLOCK
+        assert metric_value(metrics, "pagedserve:prompt_tokens_total") == 100 - 6 * BLOCK
+        assert metric_value(metrics, "pagedserve:kv_connector_saved_blocks_total") == 0  # A saved them all
+    finally:
+        assert server.stop() == 0

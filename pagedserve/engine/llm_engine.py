@@ -276,6 +276,12 @@ class LLMEngine:
             num_step_failures=self.num_step_failures,
             spec_decoding=self.scheduler.spec_stats.snapshot() if self.config.speculative else None,
         )
+        if self.kv_connector is not None:
+            c = self.kv_connector.stats
+            scheduler.external_prefix_cache_queries = c.num_queried_blocks * kv.block_size
+            scheduler.external_prefix_cache_hits = c.num_loaded_blocks * kv.block_size
+            scheduler.kv_connector_saved_blocks = c.num_saved_blocks
+            scheduler.kv_connector_failures = self.kv_connector.store.num_failures
         return EngineStats(scheduler, self.last_iteration)
 
     def take_step_stats(self) -> StepStats:
