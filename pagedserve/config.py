@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from dataclasses import dataclass
 
 from pagedserve.core.scheduler import SchedulerConfig
+from pagedserve.json_args import parse_json_object
 from pagedserve.kv_transfer.config import KVTransferConfig
 
 
@@ -158,18 +158,9 @@ class SpeculativeConfig:
         """From vLLM's JSON/dict form; ValueError naming the field when something is off."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError("speculative_config must be a JSON object.")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-                 "disable_by_batch_size"}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}.")
+        value = parse_json_object(value, "speculative_config", {
+            "method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+            "disable_by_batch_size"})
         method = value.get("method") or ("draft_model" if value.get("model") else None)
         if method not in ("ngram", "draft_model"):
             raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model' (or give 'model'), got "

@@ -1,8 +1,9 @@
 """`--kv-transfer-config` (vLLM's JSON shape, fewer fields) and `--kv-offloading-size`."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+
+from pagedserve.json_args import parse_json_object
 
 CONNECTORS = ("cpu", "redis", "directory")
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
@@ -48,17 +49,8 @@ class KVTransferConfig:
             if offloading_size_gib is None:
                 return None
             value = {"kv_connector": "cpu"}
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError("kv_transfer_config must be a JSON object.")
-        known = {"kv_connector", "kv_role", "kv_buffer_size", "url", "path", "save_policy"}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_transfer_config: unknown field(s) {unknown}; known: {sorted(known)}.")
+        value = parse_json_object(value, "kv_transfer_config",
+                                  {"kv_connector", "kv_role", "kv_buffer_size", "url", "path", "save_policy"})
         connector = value.get("kv_connector")
         if connector not in CONNECTORS:
             raise ValueError(f"kv_transfer_config.kv_connector must be one of {list(CONNECTORS)}, got {connector!r}.")
