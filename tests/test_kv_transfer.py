@@ -171,31 +171,59 @@ def test_second_tier_under_pressure_matches(model_dir):
     assert_drained(tiered)
 
 
-def test_server_loads_kv_another_process_computed(tiny_model_dir, redis_url):
-    """A `pagedserve serve` process serves a prompt from the KV an engine in this process computed, through a real
-    redis-server (the official openai client; output equal to a plain engine's; the external prefix cache
-    metrics count it)."""
+def test_disaggregated_prefill_decode_through_proxy(tiny_model_dir, redis_url):
+    """`pagedserve proxy` in front of a prefill server (kv_producer) and a decode server (kv_consumer) sharing a
+    real redis-server, all real processes: the official openai client sees ordinary answers, streamed or not,
+    equal to a plain engine's; the decode server loads the prompt's blocks instead of computing them."""
+    import subprocess
+    import sys
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
     import httpx
-    from test_server_helpers import MAIN_ARGS, ServerProcess, metric_value
+    from test_server_helpers import MAIN_ARGS, REPO_ROOT, ServerProcess, free_port, metric_value
 
     openai = pytest.importorskip("openai")
     model_dir = tiny_model_dir("llama")
     store = {"kv_connector": "redis", "url": redis_url[0]}
-    # the KV dtype is part of every key: the server must run float32 like the producer to find its blocks
-    server = ServerProcess(model_dir, MAIN_ARGS + ("--dtype", "float32", "--kv-transfer-config", json.dumps(store)))
+
+    def server(role: str) -> ServerProcess:
+        # the KV dtype is part of every key: both run float32
+        config = json.dumps({**store, "kv_role": role})
+        return ServerProcess(model_dir, MAIN_ARGS + ("--dtype", "float32", "--kv-transfer-config", config))
+
+    with ThreadPoolExecutor(2) as pool:  # start both at once
+        prefill, decode = pool.map(server, ("kv_producer", "kv_consumer"))
+    port = free_port()
+    proxy = subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", "proxy", "--prefill", prefill.url,
+                              "--decode", decode.url, "--port", str(port)], cwd=str(REPO_ROOT))
     try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(200):
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
         prompt = tokens(100, 8)
         params = SamplingParams(temperature=0.0, max_tokens=8)
         want = make_llm(model_dir).generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].text
-        producer = make_llm(model_dir, kv_transfer_config={**store, "kv_role": "kv_producer"})
-        generate(producer, [prompt])
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="test-key-123")
-        got = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=8,
-                                        temperature=0)
-        assert got.choices[0].text == want
-        metrics = httpx.get(server.url + "/metrics").text
+        client = openai.OpenAI(base_url=url + "/v1", api_key="test-key-123")
+        model = client.models.list().data[0].id
+        args = dict(model=model, prompt=prompt, max_tokens=8, temperature=0)
+        assert client.completions.create(**args).choices[0].text == want
+        metrics = httpx.get(decode.url + "/metrics").text
         assert metric_value(metrics, "pagedserve:external_prefix_cache_hits_total") == 6 * BLOCK
         assert metric_value(metrics, "pagedserve:prompt_tokens_total") == 100 - 6 * BLOCK
-        assert metric_value(metrics, "pagedserve:kv_connector_saved_blocks_total") == 0  # A saved them all
+        assert metric_value(httpx.get(prefill.url + "/metrics").text, "pagedserve:generation_tokens_total") == 1
+        other = tokens(70, 9)  # streamed, through a fresh prompt
+        want = make_llm(model_dir).generate({"prompt_token_ids": other}, params, use_tqdm=False)[0].outputs[0].text
+        stream = client.completions.create(**{**args, "prompt": other}, stream=True)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == want
+        metrics = httpx.get(decode.url + "/metrics").text
+        assert metric_value(metrics, "pagedserve:external_prefix_cache_hits_total") == (6 + 4) * BLOCK
     finally:
-        assert server.stop() == 0
+        proxy.terminate()
+        proxy.wait(10)
+        for s in (prefill, decode):
+            assert s.stop() == 0

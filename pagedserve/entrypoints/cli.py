@@ -1,4 +1,4 @@
-"""`pagedserve serve | generate | bench ...`"""
+"""`pagedserve serve | generate | proxy | bench ...`"""
 from __future__ import annotations
 
 import argparse
@@ -43,8 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate_parser(subparsers)
     from pagedserve.entrypoints.openai.api_server import add_serve_parser
     from pagedserve.benchmarks.cli import add_bench_parser
+    from pagedserve.entrypoints.disagg_proxy import add_proxy_parser
 
     add_serve_parser(subparsers)
+    add_proxy_parser(subparsers)
     add_bench_parser(subparsers)
     args = parser.parse_args(argv)
     try:
