@@ -222,6 +222,13 @@ def test_disaggregated_prefill_decode_through_proxy(tiny_model_dir, redis_url):
         assert "".join(c.choices[0].text for c in stream if c.choices) == want
         metrics = httpx.get(decode.url + "/metrics").text
         assert metric_value(metrics, "pagedserve:external_prefix_cache_hits_total") == (6 + 4) * BLOCK
+        # the prefill server goes away: the decode server computes the prompt itself, the request succeeds
+        prefill.stop()
+        third = tokens(40, 10)
+        want = make_llm(model_dir).generate({"prompt_token_ids": third}, params, use_tqdm=False)[0].outputs[0].text
+        assert client.completions.create(**{**args, "prompt": third}).choices[0].text == want
+        metrics = httpx.get(decode.url + "/metrics").text
+        assert metric_value(metrics, "pagedserve:external_prefix_cache_hits_total") == (6 + 4) * BLOCK
     finally:
         proxy.terminate()
         proxy.wait(10)
