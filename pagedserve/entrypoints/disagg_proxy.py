@@ -17,8 +17,9 @@ import logging
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import Response
+
+from pagedserve.entrypoints.http_relay import forwarded_headers, new_client, stream_back, unavailable
 
 logger = logging.getLogger("pagedserve")
 
@@ -34,14 +35,11 @@ def prefill_body(payload: dict) -> dict:
 
 def build_app(prefill_urls: list[str], decode_urls: list[str]) -> FastAPI:
     app = FastAPI(title="pagedserve prefill/decode proxy")
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+    client = new_client()
     prefill_turn, decode_turn = itertools.count(), itertools.count()
 
     def pick(urls: list[str], turn) -> str:
         return urls[next(turn) % len(urls)].rstrip("/")
-
-    def forwarded_headers(request: Request) -> dict[str, str]:
-        return {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
 
     async def prefill_then_decode(request: Request, path: str) -> Response:
         body = await request.body()
@@ -63,11 +61,8 @@ def build_app(prefill_urls: list[str], decode_urls: list[str]) -> FastAPI:
         try:
             upstream = await client.send(upstream_request, stream=True)
         except httpx.HTTPError as exc:
-            return JSONResponse({"error": {"message": f"decode instance unreachable: {exc}", "type": "ServiceUnavailable",
-                                           "code": 503}}, status_code=503)
-        return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code,
-                                 media_type=upstream.headers.get("content-type"),
-                                 background=BackgroundTask(upstream.aclose))
+            return unavailable(f"decode instance unreachable: {exc}")
+        return stream_back(upstream)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
