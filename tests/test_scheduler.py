@@ -634,3 +634,46 @@ def test_priority_victim_not_readmitted_in_same_step():
     assert "high" in scheduled_ids(out) and not out.preempted_request_ids
     assert not set(out.preempted_request_ids) & set(scheduled_ids(out)), (
         f"preempted {out.preempted_request_ids} and scheduled {scheduled_ids(out)} in the same step")
+
+
+# ------------------------------------------------------------------ KV connector hooks (pure Python)
+def test_external_kv_blocks_are_loaded_not_computed_and_evicted_blocks_are_saved():
+    """The scheduler side of a KV connector, with the real host-memory store: blocks found outside the pool are
+    allocated fresh, handed to the runner as kv_loads and counted as computed (outside the token budget), never
+    the last token's block; with the evict policy a cached block leaves through kv_saves when the LRU reuses it."""
+    from pagedserve.core.block_pool import BlockHash
+    from pagedserve.kv_transfer.stores import LRUMemoryStore
+
+    class Source:  # keys = block hashes; payloads = the hash itself, so the test can tell which block went where
+        def __init__(self) -> None:
+            self.store = LRUMemoryStore(1 << 20)
+
+        def fetch(self, block_hashes: list[BlockHash]) -> list[bytes]:
+            return self.store.get_prefix([h.hex() for h in block_hashes])
+
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=24)
+    source = sched.external_kv = Source()
+    sched.kv.set_save_policy("evict")
+    first = make_request("a", list(range(100, 113)), max_tokens=1)  # 13 tokens: 3 full blocks
+    sched.add_request(first)
+    sched.kv.get_computed_blocks(first)
+    source.store.put([(h.hex(), h) for h in first.block_hashes[:2]])  # the store holds its first 2 blocks
+    out = sched.schedule()
+    ids = sched.kv.block_ids("a")
+    assert [(b, p) for b, p in out.kv_loads] == [(ids[0], first.block_hashes[0]), (ids[1], first.block_hashes[1])]
+    assert first.num_computed_tokens == 8 and out.scheduled[0].num_new_tokens == 5 and out.num_scheduled_tokens == 5
+    assert first.num_cached_tokens == 8 and not out.kv_saves
+    sched.update_from_output(out, {"a": [7]})  # finishes (max_tokens=1); its 3 full blocks stay cached
+    assert sched.kv.block_pool.cached_blocks.keys() >= set(first.block_hashes[:3])
+    # a request that needs the whole pool evicts them: their (block id, hash) leave through kv_saves
+    second = make_request("b", 21, max_tokens=1)
+    sched.add_request(second)
+    evicted = sched.schedule().kv_saves
+    assert {h for _, h in evicted} == set(first.block_hashes[:3])
+    # never the last token: a prompt of exactly 2 full blocks loads 1 and computes 4 tokens
+    third = make_request("c", list(range(100, 108)), max_tokens=1)
+    sched2 = make_scheduler(num_blocks=6, block_size=4)
+    sched2.external_kv = source
+    sched2.add_request(third)
+    out = sched2.schedule()
+    assert len(out.kv_loads) == 1 and third.num_computed_tokens == 4 and out.num_scheduled_tokens == 4
