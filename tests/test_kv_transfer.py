@@ -138,6 +138,15 @@ def test_directory_store_shared_by_instances(model_dir, tmp_path):
     outputs, computed = generate(b, prompts[1:])
     assert outputs == expected[1:] and computed == 50 - 2 * BLOCK
     assert len(list((tmp_path / "kv").iterdir())) == 3 + 1  # A's 3 blocks, then B's own third block
+    # a damaged block (truncated file) is a miss: it and the blocks after it are computed, the output is right
+    second_block = b.llm_engine.kv_connector.key(b.llm_engine.kv_cache_manager.hash_fn(
+        b.llm_engine.kv_cache_manager.hash_fn(None, prompts[0][:16], ()), prompts[0][16:32], ()))
+    path = tmp_path / "kv" / second_block.replace("/", "-")
+    path.write_bytes(path.read_bytes()[:100])
+    c = make_llm(model_dir, kv_transfer_config=store)
+    outputs, computed = generate(c, prompts[:1])
+    assert outputs == expected[:1] and computed == 50 - BLOCK
+    assert c.llm_engine.kv_connector.stats.num_rejected_payloads == 1
 
 
 def test_kv_transfer_config_errors(model_dir):
