@@ -663,6 +663,7 @@ def test_external_kv_blocks_are_loaded_not_computed_and_evicted_blocks_are_saved
     assert [(b, p) for b, p in out.kv_loads] == [(ids[0], first.block_hashes[0]), (ids[1], first.block_hashes[1])]
     assert first.num_computed_tokens == 8 and out.scheduled[0].num_new_tokens == 5 and out.num_scheduled_tokens == 5
     assert first.num_cached_tokens == 8 and not out.kv_saves
+    assert (sched.external_queried_tokens, sched.external_hit_tokens) == (12, 8)  # 3 loadable blocks, 2 found
     sched.update_from_output(out, {"a": [7]})  # finishes (max_tokens=1); its 3 full blocks stay cached
     assert sched.kv.block_pool.cached_blocks.keys() >= set(first.block_hashes[:3])
     # a request that needs the whole pool evicts them: their (block id, hash) leave through kv_saves

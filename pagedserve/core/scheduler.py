@@ -143,6 +143,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.spec_stats = SpecDecodingStats()
         self.external_kv: ExternalKVSource | None = None
+        # admitted requests' prompt tokens looked up outside the pool (past the pool's hit), of which loaded
+        self.external_queried_tokens = 0
+        self.external_hit_tokens = 0
 
     # ----------------------------------------------------------------- queue management
     def add_request(self, request: Request) -> None:
@@ -232,6 +235,8 @@ class Scheduler:
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = hit.num_tokens + num_loaded
+            if self.external_kv is not None:
+                self._count_external(request, hit, num_loaded)
             if loaded:  # the blocks right after the hit were freshly allocated for them
                 first = len(hit.blocks)
                 out.kv_loads += zip(self.kv.block_ids(request.request_id)[first:first + len(loaded)], loaded)
@@ -247,15 +252,22 @@ class Scheduler:
         out.kv_saves = self.kv.take_blocks_to_save()
         return out
 
+    def _num_loadable_blocks(self, request: Request) -> int:
+        """Full blocks before the last token: that one is always computed (its logits give the next token)."""
+        return (request.num_tokens - 1) // self.kv.block_size
+
     def _fetch_external(self, request: Request, hit: PrefixHit) -> list[bytes]:
-        """Payloads of the blocks after the pool's hit that the KV connector holds; the last token is always
-        computed (its logits give the next token)."""
-        if self.external_kv is None:
-            return []
-        num_full = (request.num_tokens - 1) // self.kv.block_size
-        if len(hit.blocks) >= num_full:
+        """Payloads of the blocks after the pool's hit that the KV connector holds."""
+        num_full = self._num_loadable_blocks(request)
+        if self.external_kv is None or len(hit.blocks) >= num_full:
             return []
         return self.external_kv.fetch(request.block_hashes[len(hit.blocks):num_full])
+
+    def _count_external(self, request: Request, hit: PrefixHit, num_loaded: int) -> None:
+        """At admission only: a request that waits for blocks asks again next step, and is counted once."""
+        num_queried = max(self._num_loadable_blocks(request) - len(hit.blocks), 0) * self.kv.block_size
+        self.external_queried_tokens += num_queried
+        self.external_hit_tokens += num_loaded
 
     def _allocate(self, request: Request, num_new: int, hit: PrefixHit = NO_HIT) -> bool:
         """Slots for the step, plus a draft model's lookahead slots when the pool has them (the drafter proposes

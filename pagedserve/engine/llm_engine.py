@@ -277,10 +277,9 @@ class LLMEngine:
             spec_decoding=self.scheduler.spec_stats.snapshot() if self.config.speculative else None,
         )
         if self.kv_connector is not None:
-            c = self.kv_connector.stats
-            scheduler.external_prefix_cache_queries = c.num_queried_blocks * kv.block_size
-            scheduler.external_prefix_cache_hits = c.num_loaded_blocks * kv.block_size
-            scheduler.kv_connector_saved_blocks = c.num_saved_blocks
+            scheduler.external_prefix_cache_queries = self.scheduler.external_queried_tokens
+            scheduler.external_prefix_cache_hits = self.scheduler.external_hit_tokens
+            scheduler.kv_connector_saved_blocks = self.kv_connector.stats.num_saved_blocks
             scheduler.kv_connector_failures = self.kv_connector.store.num_failures
         return EngineStats(scheduler, self.last_iteration)
 

@@ -19,8 +19,7 @@ PAYLOAD_LAYOUT = "pagedserve-kv-v1:layers,kv,block,heads,dim"
 
 @dataclass
 class KVConnectorStats:
-    num_queried_blocks: int = 0  # blocks asked for at admission (past the pool's own prefix hit)
-    num_loaded_blocks: int = 0  # of which the store had (their tokens are not computed)
+    """The store side (what was loaded is counted by the scheduler, at admission)."""
     num_saved_blocks: int = 0
     num_rejected_payloads: int = 0  # a stored payload of the wrong size: treated as a miss
 
@@ -73,14 +72,12 @@ class KVConnector:
         """Payloads of the leading blocks the store holds (possibly none); a wrong-sized one ends the run."""
         if not self.config.loads or not block_hashes:
             return []
-        self.stats.num_queried_blocks += len(block_hashes)
         found = []
         for payload in self.store.get_prefix([self.key(h) for h in block_hashes]):
             if len(payload) != self.block_nbytes:
                 self.stats.num_rejected_payloads += 1
                 break
             found.append(payload)
-        self.stats.num_loaded_blocks += len(found)
         return found
 
     def save(self, blocks: list[tuple[int, BlockHash]], read_blocks: Callable[[list[int]], list[bytes]]) -> None:
