@@ -185,13 +185,10 @@ def test_disaggregated_prefill_decode_through_proxy(tiny_model_dir, redis_url):
     """`pagedserve proxy` in front of a prefill server (kv_producer) and a decode server (kv_consumer) sharing a
     real redis-server, all real processes: the official openai client sees ordinary answers, streamed or not,
     equal to a plain engine's; the decode server loads the prompt's blocks instead of computing them."""
-    import subprocess
-    import sys
-    import time
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
-    from test_server_helpers import MAIN_ARGS, REPO_ROOT, ServerProcess, free_port, metric_value
+    from test_server_helpers import MAIN_ARGS, ServerProcess, metric_value, start_cli_process
 
     openai = pytest.importorskip("openai")
     model_dir = tiny_model_dir("llama")
@@ -204,17 +201,8 @@ def test_disaggregated_prefill_decode_through_proxy(tiny_model_dir, redis_url):
 
     with ThreadPoolExecutor(2) as pool:  # start both at once
         prefill, decode = pool.map(server, ("kv_producer", "kv_consumer"))
-    port = free_port()
-    proxy = subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", "proxy", "--prefill", prefill.url,
-                              "--decode", decode.url, "--port", str(port)], cwd=str(REPO_ROOT))
+    proxy, url = start_cli_process("proxy", "--prefill", prefill.url, "--decode", decode.url)
     try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(200):
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
         prompt = tokens(100, 8)
         params = SamplingParams(temperature=0.0, max_tokens=8)
         want = make_llm(model_dir).generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].text

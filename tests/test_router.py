@@ -1,14 +1,11 @@
 """`pagedserve router`: cache-aware routing over data-parallel replicas (real server processes on loopback)."""
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from test_server_helpers import MAIN_ARGS, REPO_ROOT, ServerProcess, auth_headers, free_port, get_server
+from test_server_helpers import MAIN_ARGS, ServerProcess, auth_headers, get_server, start_cli_process
 
 from pagedserve.entrypoints.router import Router, prefix_keys
 
@@ -37,17 +34,8 @@ def test_router_routes_by_prefix_streams_and_survives_a_dead_replica(tiny_model_
     model_dir = tiny_model_dir("llama")
     with ThreadPoolExecutor(2) as pool:  # start both at once (the first is shared with other server tests)
         a, b = pool.map(lambda make: make(), (lambda: get_server(model_dir), lambda: ServerProcess(model_dir, MAIN_ARGS)))
-    port = free_port()
-    router = subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", "router", "--worker", a.url, b.url,
-                               "--port", str(port), "--health-check-interval", "0.5"], cwd=str(REPO_ROOT))
-    url = f"http://127.0.0.1:{port}"
+    router, url = start_cli_process("router", "--worker", a.url, b.url, "--health-check-interval", "0.5")
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
         systems = ["the pirate ship sailed " * 8, "a quiet poem about rain " * 8]
 
         def complete(prompt: str) -> httpx.Response:

@@ -19,7 +19,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from pagedserve.entrypoints.http_relay import forwarded_headers, new_client, stream_back, unavailable
+from pagedserve.entrypoints.http_relay import (add_generation_routes, forwarded_headers, new_client, stream_back,
+                                               unavailable)
 
 logger = logging.getLogger("pagedserve")
 
@@ -64,13 +65,7 @@ def build_app(prefill_urls: list[str], decode_urls: list[str]) -> FastAPI:
             return unavailable(f"decode instance unreachable: {exc}")
         return stream_back(upstream)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await prefill_then_decode(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await prefill_then_decode(request, "/v1/chat/completions")
+    add_generation_routes(app, prefill_then_decode)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

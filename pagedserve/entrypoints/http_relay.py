@@ -2,12 +2,24 @@
 passed through unbuffered, a client disconnect closing the upstream request (the server then aborts it)."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+
+
+OPENAI_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def add_generation_routes(app: FastAPI, handler: Callable[[Request, str], Awaitable[Response]]) -> None:
+    """POST /v1/completions and /v1/chat/completions -> handler(request, path)."""
+    for path in OPENAI_GENERATION_PATHS:
+        async def endpoint(request: Request, path: str = path) -> Response:
+            return await handler(request, path)
+
+        app.add_api_route(path, endpoint, methods=["POST"])
 
 
 def new_client() -> httpx.AsyncClient:

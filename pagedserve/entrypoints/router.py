@@ -24,7 +24,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedserve.entrypoints.http_relay import forwarded_headers, new_client, stream_back, unavailable
+from pagedserve.entrypoints.http_relay import (add_generation_routes, forwarded_headers, new_client, stream_back,
+                                               unavailable)
 
 logger = logging.getLogger("pagedserve")
 
@@ -134,13 +135,7 @@ def build_app(router: Router, health_check_interval: float = 2.0) -> FastAPI:
             return stream_back(upstream, {"x-pagedserve-worker": worker.url}, worker.finished)
         return unavailable("no healthy worker")
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await route(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await route(request, "/v1/chat/completions")
+    add_generation_routes(app, route)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
