@@ -232,3 +232,22 @@ def test_disaggregated_prefill_decode_through_proxy(tiny_model_dir, redis_url):
         proxy.wait(10)
         for s in (prefill, decode):
             assert s.stop() == 0
+
+
+def test_unreachable_redis_is_left_alone_for_a_while():
+    """After a failure the store answers as a miss without trying again until retry_after_s has passed."""
+    import socket
+    import time
+
+    pytest.importorskip("redis", reason="the redis client package (pagedserve[kv]) is not installed")
+    from pagedserve.kv_transfer.stores import RedisStore
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = RedisStore(f"redis://127.0.0.1:{port}", retry_after_s=0.2)
+    assert store.get_prefix(["k"]) == [] and store.num_failures == 1
+    store.put([("k", b"v")])
+    assert store.missing(["k"]) == [] and store.get_prefix(["k"]) == [] and store.num_failures == 1
+    time.sleep(0.25)
+    assert store.get_prefix(["k"]) == [] and store.num_failures == 2

@@ -76,19 +76,29 @@ class LRUMemoryStore(KVStore):
 
 
 class RedisStore(KVStore):
-    """A Redis or Valkey server shared by instances (the `redis` client package). Short socket timeouts: a dead
-    server costs a refused connection per step, never a hang."""
+    """A Redis or Valkey server shared by instances (the `redis` client package). Short socket timeouts, and after
+    a failure the server is left alone for `retry_after_s` (every operation answers as a miss / drops the save):
+    an unreachable host costs one timeout per `retry_after_s`, not one per engine step."""
 
-    def __init__(self, url: str, timeout_s: float = 1.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 1.0, retry_after_s: float = 5.0) -> None:
         try:
             import redis
         except ImportError:
             raise ValueError("kv_connector 'redis' needs the redis package: pip install 'pagedserve[kv]'") from None
         self._errors = (redis.RedisError, OSError)
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.retry_after_s = retry_after_s
+        self._down_until = 0.0
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        super()._failed(what, exc)
+        self._down_until = time.monotonic() + self.retry_after_s
+
+    def _down(self) -> bool:
+        return time.monotonic() < self._down_until
 
     def get_prefix(self, keys: list[str]) -> list[bytes]:
-        if not keys:
+        if not keys or self._down():
             return []
         try:
             values = self.client.mget(keys)
@@ -103,6 +113,8 @@ class RedisStore(KVStore):
         return found
 
     def missing(self, keys: list[str]) -> list[str]:
+        if self._down():
+            return []
         try:
             with self.client.pipeline(transaction=False) as pipe:
                 for key in keys:
@@ -114,7 +126,7 @@ class RedisStore(KVStore):
         return [k for k, p in zip(keys, present) if not p]
 
     def put(self, items: list[tuple[str, bytes]]) -> None:
-        if not items:
+        if not items or self._down():
             return
         try:
             self.client.mset(dict(items))
