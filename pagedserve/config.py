@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from dataclasses import dataclass
 
 from pagedserve.core.scheduler import SchedulerConfig
+from pagedserve.json_args import parse_json_object
+from pagedserve.kv_transfer.config import KVTransferConfig
 
 
 @dataclass
@@ -48,9 +49,19 @@ class EngineArgs:
     max_stop_chars: int = 8192  # their total length
     # ---- speculative decoding: vLLM's --speculative-config, a dict or its JSON text (see SpeculativeConfig)
     speculative_config: dict | str | None = None
+    # ---- KV beyond the pool: vLLM's --kv-transfer-config (see KVTransferConfig), or --kv-offloading-size GiB
+    #      alone for a second tier in host memory
+    kv_transfer_config: dict | str | None = None
+    kv_offloading_size: float | None = None
 
     def __post_init__(self) -> None:
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
+        self.kv_transfer = KVTransferConfig.parse(self.kv_transfer_config, self.kv_offloading_size)
+        if self.kv_transfer is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_transfer_config needs prefix caching: blocks are found by their prefix hash.")
+        if self.kv_transfer is not None and self.kv_transfer.is_shared and self.prefix_caching_hash_algo != "sha256":
+            raise ValueError("a shared KV store needs prefix_caching_hash_algo sha256 (the builtin hash differs "
+                             "between processes).")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}.")
         if self.max_num_seqs < 1:
@@ -84,6 +95,9 @@ class EngineArgs:
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size x "
                              f"pipeline_parallel_size = {self.world_size} needs 'mp' or 'ray'.")
+        if self.kv_transfer is not None and self.world_size > 1:  # the connector moves rank 0's KV blocks only
+            raise ValueError("kv_transfer_config / kv_offloading_size work with one rank; tensor_parallel_size x "
+                             f"pipeline_parallel_size is {self.world_size}.")
 
     @property
     def world_size(self) -> int:
@@ -108,6 +122,14 @@ class EngineArgs:
                 parser.add_argument(flag, type=str, default=None,
                                     help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                                          '"prompt_lookup_max": 4}\' or \'{"model": PATH, "num_speculative_tokens": 3}\'')
+            elif f.name == "kv_transfer_config":
+                parser.add_argument(flag, type=str, default=None,
+                                    help='JSON, e.g. \'{"kv_connector": "redis", "url": "redis://127.0.0.1:6379"}\' '
+                                         '(kv_connector cpu | redis | directory; kv_role kv_both | kv_producer | '
+                                         'kv_consumer; kv_buffer_size; path; save_policy evict | write_through)')
+            elif f.name == "kv_offloading_size":
+                parser.add_argument(flag, type=float, default=None,
+                                    help="GiB of host memory for a second KV tier (evicted blocks are kept there)")
             elif f.name == "kv_cache_memory_bytes":
                 parser.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest=f.name,
                                     type=_parse_bytes, default=None,
@@ -165,18 +187,9 @@ class SpeculativeConfig:
         """From vLLM's JSON/dict form; ValueError naming the field when something is off."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError("speculative_config must be a JSON object.")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-                 "disable_by_batch_size"}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}.")
+        value = parse_json_object(value, "speculative_config", {
+            "method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+            "disable_by_batch_size"})
         method = value.get("method") or ("draft_model" if value.get("model") else None)
         if method not in ("ngram", "draft_model"):
             raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model' (or give 'model'), got "
@@ -264,3 +277,4 @@ class EngineConfig:
     limits: RequestLimits
     seed: int = 0
     speculative: SpeculativeConfig | None = None
+    kv_transfer: KVTransferConfig | None = None

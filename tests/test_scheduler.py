@@ -653,3 +653,47 @@ def test_drafts_that_do_not_fit_an_unchunked_budget_are_dropped_not_starved():
     out = sched.schedule()
     # ...and when even its drafts alone cannot fit next to a's decode, it decodes without them
     assert {i.request.request_id: i.num_new_tokens for i in out.scheduled} == {"a": 1, "b": 1}
+
+
+# ------------------------------------------------------------------ KV connector hooks (pure Python)
+def test_external_kv_blocks_are_loaded_not_computed_and_evicted_blocks_are_saved():
+    """The scheduler side of a KV connector, with the real host-memory store: blocks found outside the pool are
+    allocated fresh, handed to the runner as kv_loads and counted as computed (outside the token budget), never
+    the last token's block; with the evict policy a cached block leaves through kv_saves when the LRU reuses it."""
+    from pagedserve.core.block_pool import BlockHash
+    from pagedserve.kv_transfer.stores import LRUMemoryStore
+
+    class Source:  # keys = block hashes; payloads = the hash itself, so the test can tell which block went where
+        def __init__(self) -> None:
+            self.store = LRUMemoryStore(1 << 20)
+
+        def fetch(self, block_hashes: list[BlockHash]) -> list[bytes]:
+            return self.store.get_prefix([h.hex() for h in block_hashes])
+
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=24)
+    source = sched.external_kv = Source()
+    sched.kv.set_save_policy("evict")
+    first = make_request("a", list(range(100, 113)), max_tokens=1)  # 13 tokens: 3 full blocks
+    sched.add_request(first)
+    sched.kv.get_computed_blocks(first)
+    source.store.put([(h.hex(), h) for h in first.block_hashes[:2]])  # the store holds its first 2 blocks
+    out = sched.schedule()
+    ids = sched.kv.block_ids("a")
+    assert [(b, p) for b, p in out.kv_loads] == [(ids[0], first.block_hashes[0]), (ids[1], first.block_hashes[1])]
+    assert first.num_computed_tokens == 8 and out.scheduled[0].num_new_tokens == 5 and out.num_scheduled_tokens == 5
+    assert first.num_cached_tokens == 8 and not out.kv_saves
+    assert (sched.external_queried_tokens, sched.external_hit_tokens) == (12, 8)  # 3 loadable blocks, 2 found
+    sched.update_from_output(out, {"a": [7]})  # finishes (max_tokens=1); its 3 full blocks stay cached
+    assert sched.kv.block_pool.cached_blocks.keys() >= set(first.block_hashes[:3])
+    # a request that needs the whole pool evicts them: their (block id, hash) leave through kv_saves
+    second = make_request("b", 21, max_tokens=1)
+    sched.add_request(second)
+    evicted = sched.schedule().kv_saves
+    assert {h for _, h in evicted} == set(first.block_hashes[:3])
+    # never the last token: a prompt of exactly 2 full blocks loads 1 and computes 4 tokens
+    third = make_request("c", list(range(100, 108)), max_tokens=1)
+    sched2 = make_scheduler(num_blocks=6, block_size=4)
+    sched2.external_kv = source
+    sched2.add_request(third)
+    out = sched2.schedule()
+    assert len(out.kv_loads) == 1 and third.num_computed_tokens == 4 and out.num_scheduled_tokens == 4

@@ -103,6 +103,23 @@ def stop_all() -> None:
 atexit.register(stop_all)
 
 
+def start_cli_process(*args: str) -> tuple[subprocess.Popen, str]:
+    """`pagedserve ARGS --port P` (a proxy or a router) in a subprocess; returns it and its URL once /health is 200."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", *args, "--port", str(port)],
+                            cwd=str(REPO_ROOT))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    return proc, url
+
+
 def auth_headers(key: str = API_KEY) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 

@@ -92,6 +92,8 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
+        # (block id, hash) of each cached block evicted, while a KV connector saves evicted blocks elsewhere
+        self.evicted: list[tuple[int, BlockHash]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -141,6 +143,8 @@ class BlockPool:
             return
         if self.cached_blocks.get(block.block_hash) is block:
             del self.cached_blocks[block.block_hash]
+        if self.evicted is not None:
+            self.evicted.append((block.block_id, block.block_hash))
         block.block_hash = None
         self.num_evictions += 1
 

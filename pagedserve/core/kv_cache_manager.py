@@ -35,6 +35,20 @@ class KVCacheManager:
         self._pending_of: dict[str, list[BlockHash]] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # KV connector: (block id, hash) of written blocks to save outside the pool (see set_save_policy)
+        self.save_policy: str | None = None
+        self.blocks_to_save: list[tuple[int, BlockHash]] = []
+
+    def set_save_policy(self, policy: str | None) -> None:
+        """None: nothing leaves the pool. "evict": a cached block is queued for saving when the LRU evicts it
+        (it must be saved before the forward that overwrites it). "write_through": every block once written."""
+        self.save_policy = policy
+        self.block_pool.evicted = self.blocks_to_save if policy == "evict" else None
+
+    def take_blocks_to_save(self) -> list[tuple[int, BlockHash]]:
+        blocks = self.blocks_to_save[:]
+        self.blocks_to_save.clear()
+        return blocks
 
     @property
     def num_blocks(self) -> int:
@@ -144,6 +158,8 @@ class KVCacheManager:
         blocks = self.req_to_blocks[request.request_id]
         for i in range(start, num_full):
             self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+        if self.save_policy == "write_through":
+            self.blocks_to_save += [(blocks[i].block_id, request.block_hashes[i]) for i in range(start, num_full)]
         self.num_cached_blocks[request.request_id] = num_full
 
     def free(self, request: Request) -> None:

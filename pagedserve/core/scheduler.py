@@ -13,8 +13,11 @@ import heapq
 import itertools
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from pagedserve.core.block_pool import BlockHash
 from pagedserve.core.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit
 from pagedserve.core.request import Request, RequestStatus
 
@@ -74,10 +77,22 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     # requests finished or aborted since the previous step, so the runner can drop their state
     finished_request_ids: list[str] = field(default_factory=list)
+    # KV connector: blocks evicted this step, (block id, hash), to save before the forward overwrites them; then
+    # (block id, payload) of blocks loaded from outside the pool, to write before the forward reads them
+    kv_saves: list[tuple[int, BlockHash]] = field(default_factory=list)
+    kv_loads: list[tuple[int, bytes]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+class ExternalKVSource(Protocol):
+    """A KV connector's scheduler side (kv_transfer/connector.py)."""
+
+    def fetch(self, block_hashes: Sequence[BlockHash]) -> list[bytes]:
+        """Payloads of the leading blocks held outside the pool (possibly none)."""
+        ...
 
 
 class WaitingQueue:
@@ -127,6 +142,10 @@ class Scheduler:
         self._finished_since_last_step: list[str] = []
         self.num_preemptions = 0
         self.spec_stats = SpecDecodingStats()
+        self.external_kv: ExternalKVSource | None = None
+        # admitted requests' prompt tokens looked up outside the pool (past the pool's hit), of which loaded
+        self.external_queried_tokens = 0
+        self.external_hit_tokens = 0
 
     # ----------------------------------------------------------------- queue management
     def add_request(self, request: Request) -> None:
@@ -209,16 +228,23 @@ class Scheduler:
             hit = self.kv.get_computed_blocks(request)
             if self.kv.prefix_in_flight(request, hit):
                 break  # its next block is being written by a running request: hit it next step instead
-            num_new = self._chunk_size(request.num_tokens - hit.num_tokens, budget)
+            loaded = self._fetch_external(request, hit)
+            num_loaded = len(loaded) * self.kv.block_size  # loaded, not computed: outside the token budget
+            num_new = self._chunk_size(request.num_tokens - hit.num_tokens - num_loaded, budget)
             if num_new <= 0:
                 break
-            if not self._allocate(request, num_new, hit):
+            if not self._allocate(request, num_loaded + num_new, hit):
                 break
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = hit.num_tokens
+            request.num_computed_tokens = hit.num_tokens + num_loaded
+            if self.external_kv is not None:
+                self._count_external(request, hit, num_loaded)
+            if loaded:  # the blocks right after the hit were freshly allocated for them
+                first = len(hit.blocks)
+                out.kv_loads += zip(self.kv.block_ids(request.request_id)[first:first + len(loaded)], loaded)
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = hit.num_tokens
+                request.num_cached_tokens = request.num_computed_tokens
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.time()
             self._insert_running(request)
@@ -226,7 +252,25 @@ class Scheduler:
             budget -= num_new
 
         out.num_scheduled_tokens = cfg.max_num_batched_tokens - budget
+        out.kv_saves = self.kv.take_blocks_to_save()
         return out
+
+    def _num_loadable_blocks(self, request: Request) -> int:
+        """Full blocks before the last token: that one is always computed (its logits give the next token)."""
+        return (request.num_tokens - 1) // self.kv.block_size
+
+    def _fetch_external(self, request: Request, hit: PrefixHit) -> list[bytes]:
+        """Payloads of the blocks after the pool's hit that the KV connector holds."""
+        num_full = self._num_loadable_blocks(request)
+        if self.external_kv is None or len(hit.blocks) >= num_full:
+            return []
+        return self.external_kv.fetch(request.block_hashes[len(hit.blocks):num_full])
+
+    def _count_external(self, request: Request, hit: PrefixHit, num_loaded: int) -> None:
+        """At admission only: a request that waits for blocks asks again next step, and is counted once."""
+        num_queried = max(self._num_loadable_blocks(request) - len(hit.blocks), 0) * self.kv.block_size
+        self.external_queried_tokens += num_queried
+        self.external_hit_tokens += num_loaded
 
     def _allocate(self, request: Request, num_new: int, hit: PrefixHit = NO_HIT) -> bool:
         """Slots for the step, plus a draft model's lookahead slots when the pool has them (the drafter proposes

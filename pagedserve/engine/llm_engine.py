@@ -15,10 +15,11 @@ from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.structured_output import StructuredOutputManager
 from pagedserve.executor import create_executor
+from pagedserve.kv_transfer.connector import KVConnector
 from pagedserve.metrics.loggers import StepStats
 from pagedserve.metrics.stats import EngineStats, IterationStats, SchedulerStats
 from pagedserve.model_executor.model_config import ModelConfig, resolve_model_dir
-from pagedserve.model_executor.model_runner import configure_threads, resolve_device, resolve_dtype
+from pagedserve.model_executor.model_runner import configure_threads, kv_bytes_per_block, resolve_device, resolve_dtype
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -73,7 +74,8 @@ class LLMEngine:
                                     args.pipeline_parallel_size, args.resolved_executor_backend),
             limits=RequestLimits.from_args(args),
             seed=args.seed,
-            speculative=args.speculative)
+            speculative=args.speculative,
+            kv_transfer=args.kv_transfer)
         self.structured_output = StructuredOutputManager(self.tokenizer, cfg.vocab_size)
         self.input_processor = InputProcessor(self.config, self.tokenizer, self.structured_output)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -82,6 +84,7 @@ class LLMEngine:
         self.last_iteration = IterationStats()
         if warm_up:
             self.warm_up()
+        self.kv_connector = self._connect_kv_store(args, model_dir) if args.kv_transfer is not None else None
         logger.info("Engine ready in %.1f s", time.perf_counter() - t_start)
 
     @classmethod
@@ -113,6 +116,22 @@ class LLMEngine:
                     "per request: %.2fx", tokens, num_blocks, args.block_size, num_blocks * per_block / 2**30,
                     self.model_config.max_model_len, tokens / self.model_config.max_model_len)
         return num_blocks
+
+    def _connect_kv_store(self, args: EngineArgs, model_dir: Path) -> KVConnector:
+        """After warm-up, so that no warm-up block reaches the store."""
+        c, kv_dtype = self.model_config, self.runner.kv_dtype
+        connector = KVConnector.create(args.kv_transfer, model_dir, self.config.cache.kv_cache_dtype, args.block_size,
+                                       (c.num_layers, c.num_kv_heads, c.head_dim),
+                                       kv_bytes_per_block(self.runner.model, args.block_size, kv_dtype))
+        self.scheduler.external_kv = connector
+        self.kv_cache_manager.set_save_policy(args.kv_transfer.save_policy)
+        logger.info("KV connector %s (%s, saves on %s), key namespace %s", args.kv_transfer.kv_connector,
+                    args.kv_transfer.kv_role, args.kv_transfer.save_policy, connector.namespace)
+        return connector
+
+    def _save_kv(self, blocks: list) -> None:
+        if blocks and self.kv_connector is not None:
+            self.kv_connector.save(blocks, self.runner.read_kv_blocks)
 
     # ------------------------------------------------------------------ start-up
     def warm_up(self) -> None:
@@ -197,12 +216,14 @@ class LLMEngine:
         num_decode_tokens = sum(s.num_new_tokens for s in sched_out.scheduled
                                 if s.request.num_computed_tokens >= s.request.num_prompt_tokens)
         try:
+            self._save_kv(sched_out.kv_saves)  # evicted blocks, before this forward overwrites them
             if self.fault_injector is not None:
                 self.fault_injector.arm(sched_out)
             runner_out = self.executor.execute_model(sched_out, grammars if grammars.matchers else None)
         except Exception as exc:
             return self._fail_step(sched_out, exc)
         progressed = self.scheduler.update_from_output(sched_out, runner_out.sampled, runner_out.spec_token_ids)
+        self._save_kv(self.kv_cache_manager.take_blocks_to_save())  # write-through: the blocks written just now
         now = time.time()
         to_stop, failed = self.output_processor.process_tokens(progressed, runner_out.logprobs, now)
         if grammars.matchers:  # a completed grammar ends its sequence ("stop"), like EOS (no drafts: one token)
@@ -265,6 +286,11 @@ class LLMEngine:
             num_step_failures=self.num_step_failures,
             spec_decoding=self.scheduler.spec_stats.snapshot() if self.config.speculative else None,
         )
+        if self.kv_connector is not None:
+            scheduler.external_prefix_cache_queries = self.scheduler.external_queried_tokens
+            scheduler.external_prefix_cache_hits = self.scheduler.external_hit_tokens
+            scheduler.kv_connector_saved_blocks = self.kv_connector.stats.num_saved_blocks
+            scheduler.kv_connector_failures = self.kv_connector.store.num_failures
         return EngineStats(scheduler, self.last_iteration)
 
     def take_step_stats(self) -> StepStats:

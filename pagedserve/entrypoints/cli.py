@@ -1,4 +1,4 @@
-"""`pagedserve serve | generate | bench ...`"""
+"""`pagedserve serve | generate | proxy | router | bench ...`"""
 from __future__ import annotations
 
 import argparse
@@ -43,8 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate_parser(subparsers)
     from pagedserve.entrypoints.openai.api_server import add_serve_parser
     from pagedserve.benchmarks.cli import add_bench_parser
+    from pagedserve.entrypoints.disagg_proxy import add_proxy_parser
+    from pagedserve.entrypoints.router import add_router_parser
 
     add_serve_parser(subparsers)
+    add_proxy_parser(subparsers)
+    add_router_parser(subparsers)
     add_bench_parser(subparsers)
     args = parser.parse_args(argv)
     try:

@@ -32,6 +32,10 @@ registered in prometheus_client's global REGISTRY.  Counters are exposed with th
 | pagedserve:request_params_n | histogram | the n parameter per request |
 | pagedserve:request_params_max_tokens | histogram | the max_tokens parameter per request |
 | pagedserve:cache_config_info | gauge (info) | block_size, num_gpu_blocks, prefix caching on/off |
+| pagedserve:external_prefix_cache_queries_total | counter | prompt tokens looked up in the KV connector's store (past the pool's own hit) |
+| pagedserve:external_prefix_cache_hits_total | counter | of which loaded from there instead of computed |
+| pagedserve:kv_connector_saved_blocks_total | counter | KV blocks saved to the KV connector's store |
+| pagedserve:kv_connector_failures_total | counter | store operations that failed (recomputed / not saved instead) |
 | pagedserve:spec_decode_num_drafts_total | counter | verifications of a request's drafts (speculative decoding) |
 | pagedserve:spec_decode_num_draft_tokens_total | counter | draft tokens verified |
 | pagedserve:spec_decode_num_accepted_tokens_total | counter | of which accepted |
@@ -147,6 +151,17 @@ class PrometheusStatLogger(StatLoggerBase):
                          [str(k) for k in cache_config], registry=registry, multiprocess_mode="mostrecent")
             info.labels(**{str(k): str(v) for k, v in cache_config.items()}).set(1)
 
+        self.c_external_queries = counter("external_prefix_cache_queries",
+                                          "External prefix cache queries from KV connector cross-instance cache "
+                                          "sharing, in terms of number of queried tokens.").labels(**self._lv)
+        self.c_external_hits = counter("external_prefix_cache_hits",
+                                       "External prefix cache hits from KV connector cross-instance cache sharing, "
+                                       "in terms of number of cached tokens.").labels(**self._lv)
+        self.c_kv_saved = counter("kv_connector_saved_blocks", "KV blocks saved to the KV connector's store."
+                                  ).labels(**self._lv)
+        self.c_kv_failures = counter("kv_connector_failures", "KV store operations that failed."
+                                     ).labels(**self._lv)
+        self._last_external = SchedulerStats()
         self.c_spec_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.").labels(**self._lv)
         self.c_spec_draft_tokens = counter("spec_decode_num_draft_tokens",
                                            "Number of draft tokens.").labels(**self._lv)
@@ -172,6 +187,12 @@ class PrometheusStatLogger(StatLoggerBase):
         self._last_hits = self._inc(self.c_prefix_hits, s.prefix_cache_hits, self._last_hits)
         self._last_preemptions = self._inc(self.c_preemptions, s.num_preemptions, self._last_preemptions)
         self._last_step_failures = self._inc(self.c_step_failures, s.num_step_failures, self._last_step_failures)
+        last = self._last_external
+        self._inc(self.c_external_queries, s.external_prefix_cache_queries, last.external_prefix_cache_queries)
+        self._inc(self.c_external_hits, s.external_prefix_cache_hits, last.external_prefix_cache_hits)
+        self._inc(self.c_kv_saved, s.kv_connector_saved_blocks, last.kv_connector_saved_blocks)
+        self._inc(self.c_kv_failures, s.kv_connector_failures, last.kv_connector_failures)
+        self._last_external = s
         if s.spec_decoding is not None:
             self._update_spec_decoding(s.spec_decoding)
 

@@ -22,6 +22,11 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_step_failures: int = 0  # engine steps whose forward raised (their requests failed, the rest went on)
     spec_decoding: SpecDecodingStats | None = None  # speculative decoding's counters, when it is on
+    # KV connector (vLLM's external prefix cache): tokens looked up outside the pool, of which loaded from there
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_connector_saved_blocks: int = 0
+    kv_connector_failures: int = 0  # store operations that failed (their blocks were recomputed / not saved)
 
 
 @dataclass

@@ -1,0 +1,74 @@
+"""`--kv-transfer-config` (vLLM's JSON shape, fewer fields) and `--kv-offloading-size`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.json_args import parse_json_object
+
+CONNECTORS = ("cpu", "redis", "directory")
+ROLES = ("kv_both", "kv_producer", "kv_consumer")
+SAVE_POLICIES = ("evict", "write_through")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Where KV blocks go beyond the pool.
+
+    kv_connector: `cpu` (a second tier in this process: an LRU of host-memory bytes, kv_buffer_size bytes),
+    `redis` (a Redis/Valkey server at `url`, shared by instances), `directory` (files under `path`, shared).
+    kv_role: kv_producer only saves, kv_consumer only loads, kv_both does both.
+    save_policy: `evict` saves a block when the pool's LRU evicts it (the cheap default of a private tier);
+    `write_through` saves every block once written (the default of a shared store: a neighbour may need it now).
+    """
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_buffer_size: int = 1 << 30
+    url: str | None = None
+    path: str | None = None
+    save_policy: str = "evict"
+
+    @property
+    def loads(self) -> bool:
+        return self.kv_role != "kv_producer"
+
+    @property
+    def saves(self) -> bool:
+        return self.kv_role != "kv_consumer"
+
+    @property
+    def is_shared(self) -> bool:
+        return self.kv_connector != "cpu"
+
+    @classmethod
+    def parse(cls, value: "dict | str | KVTransferConfig | None",
+              offloading_size_gib: float | None = None) -> "KVTransferConfig | None":
+        """From the JSON/dict form, or `--kv-offloading-size` GiB alone (a cpu tier); ValueError naming the field."""
+        if isinstance(value, KVTransferConfig):
+            return value
+        if value is None:
+            if offloading_size_gib is None:
+                return None
+            value = {"kv_connector": "cpu"}
+        value = parse_json_object(value, "kv_transfer_config",
+                                  {"kv_connector", "kv_role", "kv_buffer_size", "url", "path", "save_policy"})
+        connector = value.get("kv_connector")
+        if connector not in CONNECTORS:
+            raise ValueError(f"kv_transfer_config.kv_connector must be one of {list(CONNECTORS)}, got {connector!r}.")
+        role = value.get("kv_role", "kv_both")
+        if role not in ROLES:
+            raise ValueError(f"kv_transfer_config.kv_role must be one of {list(ROLES)}, got {role!r}.")
+        size = value.get("kv_buffer_size", 1 << 30)
+        if offloading_size_gib is not None:
+            if connector != "cpu":
+                raise ValueError("kv_offloading_size sizes the cpu tier; the kv_connector is " + repr(connector))
+            size = int(offloading_size_gib * (1 << 30))
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"kv_transfer_config.kv_buffer_size (bytes) must be an integer >= 1, got {size!r}.")
+        if connector == "redis" and not value.get("url"):
+            raise ValueError("kv_transfer_config.url (e.g. redis://127.0.0.1:6379) is required for redis.")
+        if connector == "directory" and not value.get("path"):
+            raise ValueError("kv_transfer_config.path is required for directory.")
+        policy = value.get("save_policy", "evict" if connector == "cpu" else "write_through")
+        if policy not in SAVE_POLICIES:
+            raise ValueError(f"kv_transfer_config.save_policy must be one of {list(SAVE_POLICIES)}, got {policy!r}.")
+        return cls(connector, role, size, value.get("url"), value.get("path"), policy)

@@ -1,0 +1,253 @@
+"""KV beyond one engine: the second tier in host memory, a Redis server and a directory shared by instances.
+
+Every output is compared token for token with an engine without a connector (float32, tiny random model)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+def make_llm(model_dir, **kwargs) -> LLM:
+    kwargs.setdefault("num_kv_blocks", 24)
+    return LLM(str(model_dir), num_threads=1, dtype="float32", block_size=BLOCK, **kwargs)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 700, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def generate(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+    """Greedy outputs, and the prompt tokens the engine computed (loaded and cached ones are not computed)."""
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{id(p)}-{i}", p, GREEDY)
+    outputs, computed = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+        computed += engine.last_iteration.num_prompt_tokens
+    return [outputs[f"r{id(p)}-{i}"] for i, p in enumerate(prompts)], computed
+
+
+def assert_drained(llm: LLM) -> None:
+    pool = llm.llm_engine.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
+
+
+def test_second_tier_serves_evicted_prefix(model_dir):
+    prompt, other = tokens(160, 1), tokens(376, 2)  # 10 full blocks; the other needs all 24 blocks of the pool
+    plain = make_llm(model_dir)
+    tiered = make_llm(model_dir, kv_offloading_size=1 / 1024)  # 1 MiB host tier
+    expected = [generate(plain, [p])[0][0] for p in (prompt, other, prompt)]
+    connector = tiered.llm_engine.kv_connector
+    first, computed_first = generate(tiered, [prompt])
+    assert first == [expected[0]] and computed_first == 160
+    assert generate(tiered, [other])[0] == [expected[1]]  # evicts the prompt's blocks into the tier
+    assert tiered.llm_engine.kv_cache_manager.block_pool.num_evictions >= 10
+    assert len(connector.store) >= 10
+    again, computed_again = generate(tiered, [prompt])
+    assert again == [expected[2]]
+    # all 9 full blocks before the last token were loaded from the tier: none survived in the pool
+    assert computed_again == 160 - 9 * BLOCK
+    assert tiered.llm_engine.get_stats().scheduler.external_prefix_cache_hits == 9 * BLOCK
+    assert_drained(tiered)
+
+
+# ------------------------------------------------------------------ stores shared by instances
+@pytest.fixture
+def redis_url(tmp_path):
+    """A real redis-server on a free loopback port, stopped after the test (which may kill it earlier)."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (Debian package redis-server; .ci/run installs it)")
+    pytest.importorskip("redis", reason="the redis client package (pagedserve[kv]) is not installed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail("redis-server did not start")
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}", proc
+    proc.kill()
+    proc.wait()
+
+
+def test_redis_store_shared_by_instances(model_dir, tiny_model_dir, redis_url):
+    url, server = redis_url
+    store = {"kv_connector": "redis", "url": url}
+    prompt, other = tokens(100, 3), tokens(70, 4)  # 6 and 4 full blocks
+    expected = generate(make_llm(model_dir), [prompt, other])[0]
+    producer = make_llm(model_dir, kv_transfer_config={**store, "kv_role": "kv_producer"})
+    assert generate(producer, [prompt])[0] == expected[:1]
+    assert producer.llm_engine.kv_connector.stats.num_saved_blocks == 6  # write-through: every full block
+    # instance B (its own, empty pool) loads what A computed; it computes only the last partial block
+    consumer = make_llm(model_dir, kv_transfer_config={**store, "kv_role": "kv_consumer"})
+    outputs, computed = generate(consumer, [prompt])
+    assert outputs == expected[:1] and computed == 100 - 6 * BLOCK
+    assert consumer.llm_engine.kv_connector.stats.num_saved_blocks == 0
+    # another model, or the same one with another KV dtype, never reads these blocks (both are in every key)
+    strangers = [make_llm(tiny_model_dir("llama", seed=7), kv_transfer_config=store),
+                 make_llm(model_dir, kv_cache_dtype="bfloat16", kv_transfer_config=store)]
+    for stranger in strangers:
+        assert generate(stranger, [prompt])[1] == 100
+        assert stranger.llm_engine.get_stats().scheduler.external_prefix_cache_hits == 0
+    # the store dies mid-run: requests still succeed, recomputing, and nothing hangs
+    server.kill()
+    server.wait()
+    outputs, computed = generate(consumer, [other])
+    assert outputs == expected[1:] and computed == 70
+    assert consumer.llm_engine.kv_connector.store.num_failures > 0
+    for llm in (producer, consumer, *strangers):
+        assert_drained(llm)
+
+
+def test_directory_store_shared_by_instances(model_dir, tmp_path):
+    store = {"kv_connector": "directory", "path": str(tmp_path / "kv")}
+    prompts = [tokens(50, 5), tokens(50, 5)[:32] + tokens(18, 6)]  # the second shares 2 blocks with the first
+    expected = generate(make_llm(model_dir), prompts)[0]
+    a = make_llm(model_dir, kv_transfer_config=store)
+    assert generate(a, prompts[:1])[0] == expected[:1]
+    b = make_llm(model_dir, kv_transfer_config=store)
+    outputs, computed = generate(b, prompts[1:])
+    assert outputs == expected[1:] and computed == 50 - 2 * BLOCK
+    assert len(list((tmp_path / "kv").iterdir())) == 3 + 1  # A's 3 blocks, then B's own third block
+    # a damaged block (truncated file) is a miss: it and the blocks after it are computed, the output is right
+    second_block = b.llm_engine.kv_connector.key(b.llm_engine.kv_cache_manager.hash_fn(
+        b.llm_engine.kv_cache_manager.hash_fn(None, prompts[0][:16], ()), prompts[0][16:32], ()))
+    path = tmp_path / "kv" / second_block.replace("/", "-")
+    path.write_bytes(path.read_bytes()[:100])
+    c = make_llm(model_dir, kv_transfer_config=store)
+    outputs, computed = generate(c, prompts[:1])
+    assert outputs == expected[:1] and computed == 50 - BLOCK
+    assert c.llm_engine.kv_connector.stats.num_rejected_payloads == 1
+
+
+def test_kv_transfer_config_errors(model_dir):
+    from pagedserve import EngineArgs
+
+    for bad, match in [({"kv_connector": "nfs"}, "kv_connector"), ({"kv_connector": "redis"}, "url"),
+                       ({"kv_connector": "cpu", "kv_role": "prefill"}, "kv_role"),
+                       ({"kv_connector": "cpu", "kv_buffer_size": 0}, "kv_buffer_size"),
+                       ({"kv_connector": "cpu", "extra": 1}, "unknown"), ("{", "JSON")]:
+        with pytest.raises(ValueError, match=match):
+            EngineArgs(kv_transfer_config=bad)
+    with pytest.raises(ValueError, match="prefix caching"):
+        EngineArgs(kv_offloading_size=1.0, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="sha256"):
+        EngineArgs(kv_transfer_config={"kv_connector": "directory", "path": "x"}, prefix_caching_hash_algo="builtin")
+
+
+def test_second_tier_under_pressure_matches(model_dir):
+    """Concurrent requests sharing prefixes in a pool too small for them (preemption, chunked prefill, blocks
+    evicted and loaded back in the same steps): outputs equal the no-connector engine's."""
+    shared = tokens(64, 7)
+    prompts = [shared[:16 * (i % 4 + 1)] + tokens(20 + 9 * i, 10 + i) for i in range(10)] * 2
+    plain = make_llm(model_dir, num_kv_blocks=20, max_num_batched_tokens=40)
+    expected, computed_plain = generate(plain, prompts)
+    tiered = make_llm(model_dir, num_kv_blocks=20, max_num_batched_tokens=40, kv_offloading_size=1 / 1024)
+    outputs, computed = generate(tiered, prompts)
+    assert outputs == expected
+    assert plain.llm_engine.scheduler.num_preemptions > 0 and tiered.llm_engine.scheduler.num_preemptions > 0
+    assert computed < computed_plain
+    stats = tiered.llm_engine.get_stats().scheduler
+    assert 0 < stats.external_prefix_cache_hits <= stats.external_prefix_cache_queries
+    assert_drained(tiered)
+
+
+def test_disaggregated_prefill_decode_through_proxy(tiny_model_dir, redis_url):
+    """`pagedserve proxy` in front of a prefill server (kv_producer) and a decode server (kv_consumer) sharing a
+    real redis-server, all real processes: the official openai client sees ordinary answers, streamed or not,
+    equal to a plain engine's; the decode server loads the prompt's blocks instead of computing them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from test_server_helpers import MAIN_ARGS, ServerProcess, metric_value, start_cli_process
+
+    openai = pytest.importorskip("openai")
+    model_dir = tiny_model_dir("llama")
+    store = {"kv_connector": "redis", "url": redis_url[0]}
+
+    def server(role: str) -> ServerProcess:
+        # the KV dtype is part of every key: both run float32
+        config = json.dumps({**store, "kv_role": role})
+        return ServerProcess(model_dir, MAIN_ARGS + ("--dtype", "float32", "--kv-transfer-config", config))
+
+    with ThreadPoolExecutor(2) as pool:  # start both at once
+        prefill, decode = pool.map(server, ("kv_producer", "kv_consumer"))
+    proxy, url = start_cli_process("proxy", "--prefill", prefill.url, "--decode", decode.url)
+    try:
+        prompt = tokens(100, 8)
+        params = SamplingParams(temperature=0.0, max_tokens=8)
+        want = make_llm(model_dir).generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].text
+        client = openai.OpenAI(base_url=url + "/v1", api_key="test-key-123")
+        model = client.models.list().data[0].id
+        args = dict(model=model, prompt=prompt, max_tokens=8, temperature=0)
+        assert client.completions.create(**args).choices[0].text == want
+        metrics = httpx.get(decode.url + "/metrics").text
+        assert metric_value(metrics, "pagedserve:external_prefix_cache_hits_total") == 6 * BLOCK
+        assert metric_value(metrics, "pagedserve:prompt_tokens_total") == 100 - 6 * BLOCK
+        assert metric_value(httpx.get(prefill.url + "/metrics").text, "pagedserve:generation_tokens_total") == 1
+        other = tokens(70, 9)  # streamed, through a fresh prompt
+        want = make_llm(model_dir).generate({"prompt_token_ids": other}, params, use_tqdm=False)[0].outputs[0].text
+        stream = client.completions.create(**{**args, "prompt": other}, stream=True)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == want
+        metrics = httpx.get(decode.url + "/metrics").text
+        assert metric_value(metrics, "pagedserve:external_prefix_cache_hits_total") == (6 + 4) * BLOCK
+        # the prefill server goes away: the decode server computes the prompt itself, the request succeeds
+        prefill.stop()
+        third = tokens(40, 10)
+        want = make_llm(model_dir).generate({"prompt_token_ids": third}, params, use_tqdm=False)[0].outputs[0].text
+        assert client.completions.create(**{**args, "prompt": third}).choices[0].text == want
+        metrics = httpx.get(decode.url + "/metrics").text
+        assert metric_value(metrics, "pagedserve:external_prefix_cache_hits_total") == (6 + 4) * BLOCK
+    finally:
+        proxy.terminate()
+        proxy.wait(10)
+        for s in (prefill, decode):
+            assert s.stop() == 0
+
+
+def test_unreachable_redis_is_left_alone_for_a_while():
+    """After a failure the store answers as a miss without trying again until retry_after_s has passed."""
+    import socket
+    import time
+
+    pytest.importorskip("redis", reason="the redis client package (pagedserve[kv]) is not installed")
+    from pagedserve.kv_transfer.stores import RedisStore
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = RedisStore(f"redis://127.0.0.1:{port}", retry_after_s=0.2)
+    assert store.get_prefix(["k"]) == [] and store.num_failures == 1
+    store.put([("k", b"v")])
+    assert store.missing(["k"]) == [] and store.get_prefix(["k"]) == [] and store.num_failures == 1
+    time.sleep(0.25)
+    assert store.get_prefix(["k"]) == [] and store.num_failures == 2
