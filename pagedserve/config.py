@@ -35,6 +35,7 @@ class EngineArgs:
     trust_remote_code: bool = False
     revision: str | None = None
     num_threads: int | None = None  # torch intra-op threads; None: all cores
+    trace_file: str | None = None  # write the engine's step events as JSONL (pagedserve/engine/events.py)
     # ---- request limits (each refused with a clear error before any work is done)
     max_logprobs: int = 20  # vLLM's name: top-N logprobs a request may ask for (beam width <= half of it)
     max_sequences_per_request: int = 256  # prompts x n of one request
