@@ -178,7 +178,7 @@ def test_ring_is_bounded_and_reports_a_gap():
     items, missed = ring.since(3)
     assert [s for s, _, _ in items] == [4, 5] and not missed
     assert ring.since(5) == ([], False)
-    assert [s for s, _, _ in ring.from_last_snapshot()] == [3, 4, 5]
+    assert [s for s, _, _ in ring.from_oldest_snapshot()] == [3, 4, 5]
     with pytest.raises(ValueError):
         EventRing(0)
 

@@ -74,7 +74,7 @@ class EventRing:
             first = max(seq + 1 - self._items[0][0], 0)
             return [self._items[i] for i in range(first, len(self._items))], missed
 
-    def from_last_snapshot(self) -> list[tuple[int, str, str]]:
+    def from_oldest_snapshot(self) -> list[tuple[int, str, str]]:
         """The backlog a new reader can apply: everything from the oldest snapshot still in the ring."""
         with self._lock:
             items = list(self._items)

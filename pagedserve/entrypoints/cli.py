@@ -1,4 +1,4 @@
-"""`pagedserve serve | generate | bench ...`"""
+"""`pagedserve serve | generate | bench ... | replay TRACE | diagnose`"""
 from __future__ import annotations
 
 import argparse
@@ -43,9 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate_parser(subparsers)
     from pagedserve.entrypoints.openai.api_server import add_serve_parser
     from pagedserve.benchmarks.cli import add_bench_parser
+    from pagedserve.entrypoints.dashboard.replay import add_replay_parser
+    from pagedserve.entrypoints.diagnose import add_diagnose_parser
 
     add_serve_parser(subparsers)
     add_bench_parser(subparsers)
+    add_replay_parser(subparsers)
+    add_diagnose_parser(subparsers)
     args = parser.parse_args(argv)
     try:
         return args.func(args) or 0
