@@ -25,6 +25,7 @@ QUEUED = 0.3  # requests waited in this share of the steps
 FULL = 0.9  # "full": budget used / seats taken in at least this share of a step's capacity
 KV_BLOCKED = 0.2  # admissions held back by KV blocks in this share of the steps with a queue
 KV_HIGH = 0.9  # KV usage at or above this is "the pool is full"
+MIN_SUGGESTED_CHUNK = 64  # smaller chunks cost more in per-step overhead than they save in ITL
 
 
 @dataclass
@@ -84,8 +85,8 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
-    """Least squares y = a + b x; None when x does not vary."""
-    if len(set(xs)) < 2:
+    """Least squares y = a + b x; None unless x takes at least three values."""
+    if len(set(xs)) < 3:
         return None
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
@@ -127,7 +128,11 @@ def step_stats(events: list[dict[str, Any]], config: dict[str, Any]) -> StepStat
     _latencies(events, st)
     batches = [len(e["decode"]) for e in decode_only]
     st.decode_batch_p50 = _pct(batches, 0.5)
-    fit = _fit_line(batches, [e["dur"] * 1e3 for e in decode_only])
+    by_batch: dict[int, list[float]] = {}
+    for b, e in zip(batches, decode_only):
+        by_batch.setdefault(b, []).append(e["dur"] * 1e3)
+    # one point per batch size (its median step): robust to a few slow steps, and sizes weigh alike
+    fit = _fit_line(list(by_batch), [statistics.median(v) for v in by_batch.values()])
     if fit is not None and fit[1] > 0:
         st.decode_ms_fixed, st.decode_ms_per_extra_seq = fit
         st.b_sat = max(fit[0], 0.0) / fit[1]
@@ -189,7 +194,10 @@ def diagnose(events: list[dict[str, Any]], config: dict[str, Any] | None = None)
             st, config)
     if st.decode_only_steps and st.stall_steps >= max(1, MIN_STALL_STEPS * st.num_steps):
         ratio = st.mixed_step_ms_p90 / st.decode_step_ms_p50 if st.decode_step_ms_p50 else float("inf")
-        suggested = max(16, int(sched["max_num_batched_tokens"] * STALL_RATIO / max(ratio, STALL_RATIO)) // 16 * 16)
+        # prefill cost per token, from the stalls: the chunk that keeps a mixed step within STALL_RATIO decode steps
+        ms_per_token = max(st.mixed_step_ms_p90 - st.decode_step_ms_p50, 1e-6) / st.max_prefill_tokens_in_mixed_step
+        fits = (STALL_RATIO - 1) * st.decode_step_ms_p50 / ms_per_token
+        suggested = max(MIN_SUGGESTED_CHUNK, int(fits) // 16 * 16)
         return Diagnosis(
             "token_budget", "The token budget bounds inter-token latency: long prefill chunks share steps with "
                             "running decodes, and those steps take several decode steps' time (ITL spikes).",
@@ -201,7 +209,8 @@ def diagnose(events: list[dict[str, Any]], config: dict[str, Any] | None = None)
              f"{sched['long_prefill_token_threshold'] or 'off'})",
              f"ITL p50 {st.itl_ms_p50:.1f} ms, p99 {st.itl_ms_p99:.1f} ms"],
             [f"lower --max-num-batched-tokens to about {suggested} so a chunk costs at most ~{STALL_RATIO:.0f} "
-             "decode steps",
+             f"decode steps (prefill measured at {ms_per_token:.3f} ms per token; long prompts then take more "
+             "steps to their first token)",
              f"or cap each prompt's chunk: --long-prefill-token-threshold {suggested}",
              "keep chunked prefill on (--enable-chunked-prefill): without it a whole prompt shares one step"],
             st, config)

@@ -7,6 +7,7 @@ const BLOCK_COLORS = ["--free", "--cached", "--inuse", "--shared"];  // index = 
 const KEEP_STEPS = 20000;
 const KEEP_REQUESTS = 2000;
 const THROUGHPUT_WINDOW_S = 1.0;
+const IDLE_GAP_S = 1.0;
 
 const S = {
   config: null, blocks: [], steps: [], series: [], reqs: new Map(),
@@ -270,7 +271,12 @@ function drawSeries() {
   for (const [key, color, top] of lines) {
     g.strokeStyle = color;
     g.beginPath();
-    for (const p of pts) g.lineTo(x(p.t), h - 14 - (h - 24) * p[key] / top);
+    let previous = -Infinity;
+    for (const p of pts) {  // idle stretches (no step) are gaps, not slopes
+      const y = h - 14 - (h - 24) * p[key] / top;
+      if (p.t - previous > IDLE_GAP_S) g.moveTo(x(p.t), y); else g.lineTo(x(p.t), y);
+      previous = p.t;
+    }
     g.stroke();
   }
   g.fillStyle = css("--muted");
