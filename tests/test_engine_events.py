@@ -71,6 +71,8 @@ def check_steps(engine: LLMEngine, events: list[dict]) -> list[dict]:
         assert e["tokens"] == e["prefill_tokens"] + e["decode_tokens"]
         assert e["prefill_tokens"] == sum(p[1] for p in e["prefill"]) and e["decode_tokens"] == len(e["decode"])
         assert e["dur"] >= e["fwd"] > 0
+        free, cached, in_use, shared = e["kv"]["states"]
+        assert free + cached + in_use + shared == e["kv"]["total"] and in_use + shared == e["kv"]["used"]
     # the deltas, applied to the first snapshot, rebuild the real pool
     snapshot = next(e for e in events if e["type"] == "snapshot")
     later = [e for e in events if e["seq"] > snapshot["seq"]]

@@ -88,9 +88,18 @@ class KVStepDelta:
 
 
 class KVEventCollector:
-    """A BlockPoolObserver that accumulates one step's changes; `take(blocks)` hands them over and resets."""
+    """A BlockPoolObserver that accumulates one step's changes; `take()` hands them over and resets.
 
-    def __init__(self) -> None:
+    It keeps every block's last reported state, so a step reports only the blocks whose state really changed and
+    the count of blocks in each state costs O(changed blocks), not O(pool).
+    """
+
+    def __init__(self, blocks: Sequence[KVBlock]) -> None:
+        self._blocks = blocks
+        self.states = [int(block_state(b)) for b in blocks]
+        self.counts = [0] * len(BlockState)
+        for state in self.states:
+            self.counts[state] += 1
         self._delta = KVStepDelta()
         self._dirty: set[int] = set()
 
@@ -119,9 +128,15 @@ class KVEventCollector:
     def on_cleared(self) -> None:
         self._delta.cleared = True
 
-    def take(self, blocks: Sequence[KVBlock]) -> KVStepDelta:
+    def take(self) -> KVStepDelta:
         delta, self._delta = self._delta, KVStepDelta()
-        ids = range(len(blocks)) if delta.cleared else sorted(self._dirty)
-        delta.changed = [(i, int(block_state(blocks[i]))) for i in ids]
+        ids = range(len(self._blocks)) if delta.cleared else sorted(self._dirty)
         self._dirty = set()
+        for i in ids:
+            state = int(block_state(self._blocks[i]))
+            if state != self.states[i]:
+                self.counts[self.states[i]] -= 1
+                self.counts[state] += 1
+                self.states[i] = state
+                delta.changed.append((i, state))
         return delta

@@ -101,7 +101,7 @@ class EngineEventRecorder:
         self._trace: TextIO | None = None
         self._last_flush = 0.0
         self.active = False  # engine thread's view: recording this step
-        self._collector = KVEventCollector()
+        self._collector = KVEventCollector(())
         self._step_id = 0
         self._steps_since_snapshot = 0
         self._t0 = 0.0
@@ -156,7 +156,7 @@ class EngineEventRecorder:
         self._emit({"v": EVENTS_VERSION, "type": "abort", "t": time.time(), "step": self._step_id,
                     "finished": [[r.request_id, "abort"] for r in requests],
                     "running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
-                    "blocks": self._collector.take(self.kv.block_pool.blocks).changed})
+                    "blocks": self._collector.take().changed})
 
     def on_scheduled(self, out: SchedulerOutput) -> None:
         """Capture each scheduled request's progress before the step advances it."""
@@ -176,7 +176,7 @@ class EngineEventRecorder:
         duration = time.perf_counter() - self._t0
         finished = [[item.request.request_id, item.request.status.finish_reason] for item in out.scheduled
                     if item.request.is_finished]
-        delta = self._collector.take(self.kv.block_pool.blocks)
+        delta = self._collector.take()
         pool = self.kv.block_pool
         scheduled = self._scheduled
         num_prefill = sum(p[1] for p in scheduled.get("prefill", ()))
@@ -190,7 +190,8 @@ class EngineEventRecorder:
             "running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
             "kv": {"allocated": delta.num_allocated, "freed": delta.num_freed, "stored": delta.num_stored,
                    "evicted": delta.num_evicted, "hit_blocks": delta.num_hit_blocks,
-                   "used": pool.num_used_blocks, "cached_free": self._num_cached_free(), "total": pool.num_blocks},
+                   "used": pool.num_used_blocks, "total": pool.num_blocks,
+                   "states": list(self._collector.counts)},  # blocks per BlockState: free, cached, in use, shared
             "blocks": delta.changed,
             "kv_events": self._kv_events(delta, out),
         }
@@ -226,15 +227,12 @@ class EngineEventRecorder:
         self.active = active
         pool = self.kv.block_pool
         if active:
-            self._collector = KVEventCollector()
+            self._collector = KVEventCollector(pool.blocks)
             pool.observer = self._collector
             self._snapshot_wanted = True
         else:
             pool.observer = None
             self._arrived = []
-
-    def _num_cached_free(self) -> int:
-        return sum(1 for b in self.kv.block_pool.cached_blocks.values() if b.ref_cnt == 0)
 
     def _kv_events(self, delta, out: SchedulerOutput) -> list[dict[str, Any]]:
         events: list[Any] = []
