@@ -9,9 +9,10 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from test_server_helpers import REPO_ROOT
+
+from test_engine_boundary import prompt  # seeded random token ids
 
 from pagedserve import SamplingParams
 from pagedserve.config import EngineArgs
@@ -19,11 +20,6 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.metrics.diagnose import diagnose, format_report
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 700, (n,), generator=g).tolist()
 
 
 def record(engine: LLMEngine, arrivals: dict[int, list[tuple[str, list[int], int]]], max_steps: int = 3000) -> list:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+
+from test_engine_boundary import prompt  # seeded random token ids
 
 from pagedserve import SamplingParams
 from pagedserve.config import EngineArgs
@@ -17,21 +18,13 @@ from pagedserve.engine.llm_engine import LLMEngine
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-def make_engine(model_dir, **kwargs) -> LLMEngine:
-    kwargs.setdefault("num_kv_blocks", 64)
-    kwargs.setdefault("max_model_len", 256)
-    kwargs.setdefault("block_size", 4)
-    return LLMEngine(EngineArgs(model=str(model_dir), num_threads=1, **kwargs))
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 700, (n,), generator=g).tolist()
+@pytest.fixture
+def make_engine(tiny_model_dir):
+    """LLMEngine on the tiny Llama: 64 blocks of 4 tokens unless told otherwise."""
+    def make(**kwargs) -> LLMEngine:
+        args = {"num_kv_blocks": 64, "max_model_len": 256, "block_size": 4, **kwargs}
+        return LLMEngine(EngineArgs(model=str(tiny_model_dir("llama")), num_threads=1, **args))
+    return make
 
 
 def run(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int = 6, max_steps: int = 500) -> None:
@@ -80,8 +73,8 @@ def check_steps(engine: LLMEngine, events: list[dict]) -> list[dict]:
     return steps
 
 
-def test_nothing_is_recorded_while_nobody_listens(model_dir):
-    engine = make_engine(model_dir)
+def test_nothing_is_recorded_while_nobody_listens(make_engine):
+    engine = make_engine()
     run(engine, {"a": prompt(10, 0)})
     assert len(engine.events.ring) == 0 and engine.kv_cache_manager.block_pool.observer is None
     listen(engine)
@@ -94,9 +87,9 @@ def test_nothing_is_recorded_while_nobody_listens(model_dir):
     assert len(engine.events.ring) == before
 
 
-def test_chunked_prefill_and_lifecycle(model_dir):
+def test_chunked_prefill_and_lifecycle(make_engine):
     """A 40-token prompt under a 16-token budget is computed in chunks while another request decodes."""
-    engine = make_engine(model_dir, max_num_batched_tokens=16)
+    engine = make_engine(max_num_batched_tokens=16)
     listen(engine)
     run(engine, {"short": prompt(5, 0)}, max_tokens=3)  # nothing in flight: a clean start
     run(engine, {"other": prompt(6, 2), "long": prompt(40, 1)}, max_tokens=8)
@@ -118,8 +111,8 @@ def test_chunked_prefill_and_lifecycle(model_dir):
     assert steps[-1]["kv"]["used"] == 0 and steps[-1]["running"] == steps[-1]["waiting"] == 0
 
 
-def test_prefix_cache_hit_and_vllm_kv_events(model_dir):
-    engine = make_engine(model_dir)
+def test_prefix_cache_hit_and_vllm_kv_events(make_engine):
+    engine = make_engine()
     listen(engine)
     shared = prompt(16, 3)
     run(engine, {"first": shared + [5, 6]})
@@ -141,9 +134,9 @@ def test_prefix_cache_hit_and_vllm_kv_events(model_dir):
         assert len(k["token_ids"]) == 4 * len(k["block_hashes"])
 
 
-def test_preemption_is_reported(model_dir):
+def test_preemption_is_reported(make_engine):
     """8 requests of 30+20 tokens in 24 blocks of 4 tokens: running requests must give their KV away."""
-    engine = make_engine(model_dir, num_kv_blocks=24, max_num_batched_tokens=64, enable_prefix_caching=False)
+    engine = make_engine(num_kv_blocks=24, max_num_batched_tokens=64, enable_prefix_caching=False)
     listen(engine)
     run(engine, {f"r{i}": prompt(30, 10 + i) for i in range(8)}, max_tokens=20, max_steps=2000)
     events = recorded(engine)
@@ -156,8 +149,8 @@ def test_preemption_is_reported(model_dir):
     assert sorted(f[0] for e in steps for f in e["finished"]) == sorted(f"r{i}" for i in range(8))
 
 
-def test_abort_is_reported_at_once(model_dir):
-    engine = make_engine(model_dir)
+def test_abort_is_reported_at_once(make_engine):
+    engine = make_engine()
     listen(engine)
     engine.add_request("gone", prompt(12, 4), SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
@@ -185,9 +178,9 @@ def test_ring_is_bounded_and_reports_a_gap():
         EventRing(0)
 
 
-def test_trace_file_holds_the_steps(model_dir, tmp_path):
+def test_trace_file_holds_the_steps(make_engine, tmp_path):
     path = tmp_path / "trace.jsonl"
-    engine = make_engine(model_dir, trace_file=str(path))
+    engine = make_engine(trace_file=str(path))
     run(engine, {"a": prompt(9, 5), "b": prompt(7, 6)})
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert lines[0]["type"] == "snapshot" and lines[0]["config"]["cache"]["num_blocks"] == 64
