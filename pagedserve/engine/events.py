@@ -90,7 +90,7 @@ class EngineEventRecorder:
     thread. `subscribe` / `unsubscribe` / `request_snapshot` may be called from any thread."""
 
     def __init__(self, config: EngineConfig, scheduler: Scheduler, kv: KVCacheManager,
-                 buffer_size: int = DEFAULT_BUFFER_SIZE, trace_file: str | None = None) -> None:
+                 buffer_size: int = DEFAULT_BUFFER_SIZE) -> None:
         self.config = config_dict(config)
         self.scheduler = scheduler
         self.kv = kv
@@ -109,8 +109,6 @@ class EngineEventRecorder:
         self._running_before: set[str] = set()
         self._scheduled: dict[str, Any] = {}
         self._arrived: list[list[Any]] = []
-        if trace_file is not None:
-            self.open_trace(trace_file)
 
     # ------------------------------------------------------------------ listeners (any thread)
     @property
@@ -130,7 +128,9 @@ class EngineEventRecorder:
         self._snapshot_wanted = True
 
     def open_trace(self, path: str | Path) -> None:
+        """Write every event from the next step on to `path` (JSONL), starting with a snapshot."""
         self._trace = open(path, "w", encoding="utf-8")
+        self._snapshot_wanted = True
 
     def close(self) -> None:
         trace, self._trace = self._trace, None
