@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
-from test_server_helpers import REPO_ROOT
+from test_server_helpers import API_KEY, REPO_ROOT
 
 from test_engine_boundary import prompt  # seeded random token ids
 
@@ -89,3 +90,26 @@ def test_no_events_is_no_data_and_missing_config_is_an_error():
         diagnose([])
     config = {"scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64}, "cache": {}}
     assert diagnose([], config).bottleneck == "no_data"
+
+
+def test_diagnose_url_listens_to_a_running_server(server):
+    """`diagnose --url` reads the served config and the steps of live traffic (the verdict depends on the load)."""
+    from openai import OpenAI
+
+    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "diagnose", "--url", server.url, "--api-key", API_KEY,
+           "--duration", "6", "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    client = OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+    model = client.models.list().data[0].id
+    deadline = time.monotonic() + 90
+    while proc.poll() is None and time.monotonic() < deadline:  # traffic until diagnose has listened its 6 s
+        client.completions.create(model=model, prompt="a b c", max_tokens=16, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    report = json.loads(out)
+    assert report["config"]["scheduler"]["max_num_seqs"] == 64 and report["config"]["cache"]["num_blocks"] == 256
+    assert report["stats"]["num_steps"] >= 15 and report["stats"]["admissions"] >= 1
+    assert report["bottleneck"] in ("none", "kv_memory", "token_budget", "batch_size", "compute")
+    bad = subprocess.run(cmd[:6] + ["--duration", "1"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
+    assert bad.returncode == 2 and "needs an API key" in bad.stderr

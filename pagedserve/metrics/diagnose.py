@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 # Thresholds of the verdicts (fractions of steps unless said otherwise).
-STALL_RATIO = 2.0  # a mixed prefill+decode step this many times a decode-only step is an ITL spike
+STALL_RATIO = 2.0  # a mixed prefill+decode step this many times a slow (p90) decode-only step is an ITL spike
 MIN_STALL_STEPS = 0.02  # ... and that many of the steps are such spikes
 QUEUED = 0.3  # requests waited in this share of the steps
 FULL = 0.9  # "full": budget used / seats taken in at least this share of a step's capacity
@@ -36,9 +36,10 @@ class StepStats:
     step_ms_mean: float = 0.0
     decode_only_steps: int = 0
     decode_step_ms_p50: float = 0.0
+    decode_step_ms_p90: float = 0.0
     mixed_steps: int = 0  # prefill chunks and decodes in one step
     mixed_step_ms_p90: float = 0.0
-    stall_steps: int = 0  # mixed steps longer than STALL_RATIO x the median decode-only step
+    stall_steps: int = 0  # mixed steps longer than STALL_RATIO x the p90 decode-only step (noise is no stall)
     max_prefill_tokens_in_mixed_step: int = 0
     itl_ms_p50: float = 0.0
     itl_ms_p99: float = 0.0
@@ -107,9 +108,10 @@ def step_stats(events: list[dict[str, Any]], config: dict[str, Any]) -> StepStat
     mixed = [e for e in steps if e["prefill"] and e["decode"]]
     st.decode_only_steps, st.mixed_steps = len(decode_only), len(mixed)
     st.decode_step_ms_p50 = _pct([e["dur"] * 1e3 for e in decode_only], 0.5)
+    st.decode_step_ms_p90 = _pct([e["dur"] * 1e3 for e in decode_only], 0.9)
     st.mixed_step_ms_p90 = _pct([e["dur"] * 1e3 for e in mixed], 0.9)
     if decode_only:
-        st.stall_steps = sum(1 for e in mixed if e["dur"] * 1e3 > STALL_RATIO * st.decode_step_ms_p50)
+        st.stall_steps = sum(1 for e in mixed if e["dur"] * 1e3 > STALL_RATIO * st.decode_step_ms_p90)
     st.max_prefill_tokens_in_mixed_step = max((e["prefill_tokens"] for e in mixed), default=0)
     st.budget_full_frac = sum(1 for e in steps if e["tokens"] >= FULL * e["budget"]) / len(steps)
     running = [e["running"] for e in steps]
