@@ -63,6 +63,7 @@ def check_steps(engine: LLMEngine, events: list[dict]) -> list[dict]:
         assert e["tokens"] <= e["budget"] == engine.scheduler.config.max_num_batched_tokens
         assert e["tokens"] == e["prefill_tokens"] + e["decode_tokens"]
         assert e["prefill_tokens"] == sum(p[1] for p in e["prefill"]) and e["decode_tokens"] == len(e["decode"])
+        assert e["spec"] == []  # no speculative decoding here: one token per decode
         assert e["dur"] >= e["fwd"] > 0
         free, cached, in_use, shared = e["kv"]["states"]
         assert free + cached + in_use + shared == e["kv"]["total"] and in_use + shared == e["kv"]["used"]

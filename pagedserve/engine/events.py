@@ -10,7 +10,8 @@ Event types (every event has "v" = EVENTS_VERSION, "type", "seq", "t" = wall-clo
             requests. Emitted when recording starts, when a new subscriber asks, and every SNAPSHOT_EVERY steps,
             so a reader can always start from one.
   step      one engine step, derived from its SchedulerOutput: duration, forward time, budget and tokens used,
-            prefill chunks [[id, new tokens, computed before, total tokens]], decodes [id], admissions with their
+            prefill chunks [[id, new tokens, computed before, total tokens]], decodes [id] (and, for decodes that
+            verified speculative drafts, spec [[id, drafts, tokens out]]), admissions with their
             prefix-cache hit [[id, hit tokens]], arrivals, preemptions, finishes [[id, reason]], queue depths,
             KV counts, the blocks whose state changed [[block id, BlockState]] (absolute states: applying them to
             any earlier snapshot gives the pool now) and the vLLM-compatible KV-cache events of the step.
@@ -108,6 +109,7 @@ class EngineEventRecorder:
         self._wall0 = 0.0
         self._running_before: set[str] = set()
         self._scheduled: dict[str, Any] = {}
+        self._drafts: dict[str, tuple[int, int]] = {}  # request id -> (draft tokens, outputs before the step)
         self._arrived: list[list[Any]] = []
 
     # ------------------------------------------------------------------ listeners (any thread)
@@ -161,11 +163,13 @@ class EngineEventRecorder:
     def on_scheduled(self, out: SchedulerOutput) -> None:
         """Capture each scheduled request's progress before the step advances it."""
         prefill, decode, admitted = [], [], []
+        self._drafts = {}
         for item in out.scheduled:
             r = item.request
-            if item.num_new_tokens == 1 and r.num_computed_tokens == r.num_tokens - 1 \
-                    and r.num_computed_tokens >= r.num_prompt_tokens:
+            if r.num_computed_tokens == r.num_tokens - 1 and r.num_computed_tokens >= r.num_prompt_tokens:
                 decode.append(r.request_id)
+                if item.num_new_tokens > 1:  # the next token plus speculative drafts to verify
+                    self._drafts[r.request_id] = (item.num_new_tokens - 1, r.num_output_tokens)
             else:
                 prefill.append([r.request_id, item.num_new_tokens, r.num_computed_tokens, r.num_tokens])
             if r.request_id not in self._running_before:
@@ -180,12 +184,16 @@ class EngineEventRecorder:
         pool = self.kv.block_pool
         scheduled = self._scheduled
         num_prefill = sum(p[1] for p in scheduled.get("prefill", ()))
+        # decodes that verified drafts: [id, drafts, tokens this step] (accepted drafts + the sampled token)
+        spec = [[item.request.request_id, self._drafts[item.request.request_id][0],
+                 item.request.num_output_tokens - self._drafts[item.request.request_id][1]]
+                for item in out.scheduled if item.request.request_id in self._drafts]
         event = {
             "v": EVENTS_VERSION, "type": "step", "t": self._wall0, "step": self._step_id,
             "dur": round(duration, 6), "fwd": round(forward_time, 6), "failed": failed,
             "budget": self.scheduler.config.max_num_batched_tokens, "tokens": out.num_scheduled_tokens,
-            "prefill_tokens": num_prefill, "decode_tokens": len(scheduled.get("decode", ())),
-            **scheduled,
+            "prefill_tokens": num_prefill, "decode_tokens": out.num_scheduled_tokens - num_prefill,
+            **scheduled, "spec": spec,
             "arrived": self._arrived, "preempted": out.preempted_request_ids, "finished": finished,
             "running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
             "kv": {"allocated": delta.num_allocated, "freed": delta.num_freed, "stored": delta.num_stored,

@@ -111,6 +111,10 @@ function applyStep(ev) {
     addSpan(r, t, t1, "decode");
     token(r, t1);
   }
+  for (const [id, , out] of ev.spec || []) {  // accepted speculative drafts: more tokens in the same step
+    for (let i = 1; i < out; i++) token(request(id, t), t1);
+    sampled += Math.max(out - 1, 0);
+  }
   for (const id of ev.preempted) setState(request(id, t), "preempted", t);
   S.preemptions += ev.preempted.length;
   finish(ev.finished, t1);
