@@ -70,7 +70,7 @@ def test_events_stream_needs_the_key_and_shows_a_real_request(server):
     reader = EventReader(server.url, auth_headers())
     reader.wait_for(lambda e: e["type"] == "snapshot")
     assert reader.status == 200 and reader.content_type.startswith("text/event-stream")
-    assert reader.events[0] == {"v": 1, "type": "hello", "mode": "live"}
+    assert reader.events[0] == {"v": 1, "type": "hello", "mode": "live", "listeners": 1}
     snapshot = next(e for e in reader.events if e["type"] == "snapshot")
     assert snapshot["config"]["cache"]["num_blocks"] == 256 and len(snapshot["blocks"]) == 256
 
@@ -80,6 +80,15 @@ def test_events_stream_needs_the_key_and_shows_a_real_request(server):
                                     extra_body={"ignore_eos": True})
     reader.wait_for(lambda e: e["type"] == "step" and [out.id, "length"] in e["finished"])
     reader.stop()
+    deadline = time.monotonic() + 15  # the first reader's subscription ends with its connection
+    while True:
+        again = EventReader(server.url, auth_headers())
+        again.wait_for(lambda e: e["type"] == "hello")
+        again.stop()
+        if again.events[0]["listeners"] == 1:
+            break
+        assert time.monotonic() < deadline, "a closed stream still counts as a listener (recording stays on)"
+        time.sleep(0.2)
     steps = [e for e in reader.events if e["type"] == "step"]
     assert [a[0] for e in steps for a in e["admitted"]].count(out.id) == 1
     prompt_len = out.usage.prompt_tokens

@@ -114,6 +114,10 @@ class EngineEventRecorder:
 
     # ------------------------------------------------------------------ listeners (any thread)
     @property
+    def num_subscribers(self) -> int:
+        return self._num_subscribers
+
+    @property
     def wanted(self) -> bool:
         return self._num_subscribers > 0 or self._trace is not None
 

@@ -44,7 +44,7 @@ async def live_events(recorder: EngineEventRecorder, serving: Callable[[], bool]
     snapshot, else a snapshot read now (the engine then adds an exact one at its next step)."""
     recorder.subscribe()
     try:
-        yield hello("live")
+        yield hello("live", listeners=recorder.num_subscribers)  # this reader included
         ring = recorder.ring
         items, missed = ring.since(since) if since is not None and since <= ring.last_seq else ([], True)
         if missed:
