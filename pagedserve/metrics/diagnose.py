@@ -29,7 +29,7 @@ MIN_SUGGESTED_CHUNK = 64  # smaller chunks cost more in per-step overhead than t
 
 
 @dataclass
-class StepStats:
+class TraceStats:
     """What the steps of a trace add up to (times in ms)."""
     num_steps: int = 0
     duration_s: float = 0.0
@@ -71,7 +71,7 @@ class Diagnosis:
     headline: str
     evidence: list[str] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
-    stats: StepStats = field(default_factory=StepStats)
+    stats: TraceStats = field(default_factory=TraceStats)
     config: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -95,9 +95,9 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
     return my - b * mx, b
 
 
-def step_stats(events: list[dict[str, Any]], config: dict[str, Any]) -> StepStats:
+def trace_stats(events: list[dict[str, Any]], config: dict[str, Any]) -> TraceStats:
     steps = [e for e in events if e["type"] == "step" and not e.get("failed")]
-    st = StepStats(num_steps=len(steps), max_num_seqs=config["scheduler"]["max_num_seqs"],
+    st = TraceStats(num_steps=len(steps), max_num_seqs=config["scheduler"]["max_num_seqs"],
                    budget=config["scheduler"]["max_num_batched_tokens"])
     if not steps:
         return st
@@ -141,7 +141,7 @@ def step_stats(events: list[dict[str, Any]], config: dict[str, Any]) -> StepStat
     return st
 
 
-def _latencies(events: list[dict[str, Any]], st: StepStats) -> None:
+def _latencies(events: list[dict[str, Any]], st: TraceStats) -> None:
     """TTFT (arrival -> first token) and ITL (between tokens) of each request, from when its tokens came out."""
     arrival: dict[str, float] = {}
     tokens: dict[str, list[float]] = {}
@@ -170,7 +170,7 @@ def diagnose(events: list[dict[str, Any]], config: dict[str, Any] | None = None)
         config = next((e["config"] for e in events if e["type"] == "snapshot" and "config" in e), None)
         if config is None:
             raise ValueError("no config: the events hold no snapshot (read them from the start of a trace or stream).")
-    st = step_stats(events, config)
+    st = trace_stats(events, config)
     sched, cache = config["scheduler"], config["cache"]
     if st.num_steps == 0:
         return Diagnosis("no_data", "No engine step was recorded: send traffic while diagnose listens.",
