@@ -42,6 +42,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1  # -pp: layers split over this many stages
     distributed_executor_backend: str | None = None  # uni | mp | ray; None: uni for one rank, else mp
     cpu_bind: str | None = None  # cores per rank, "0-31|32-63" (or env PAGEDSERVE_CPU_OMP_THREADS_BIND)
+    trace_file: str | None = None  # write the engine's step events as JSONL (pagedserve/engine/events.py)
     # ---- request limits (each refused with a clear error before any work is done)
     max_logprobs: int = 20  # vLLM's name: top-N logprobs a request may ask for (beam width <= half of it)
     max_sequences_per_request: int = 256  # prompts x n of one request

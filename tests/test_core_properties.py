@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.core.kv_events import KVEventCollector, block_state
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedserve.sampling_params import SamplingParams
@@ -199,11 +200,26 @@ class SimulatedKV:
                     f"{r.request_id} reads wrong K/V at position {p} (block {item.block_ids[p // bs]})")
 
 
+def check_events(events: KVEventCollector, registered: set, kv: KVCacheManager) -> None:
+    """What the observer saw this step rebuilds the pool: block states, their counts, the cached hashes (a
+    step evicts while scheduling, before it registers what its forward wrote)."""
+    delta = events.take()
+    pool = kv.block_pool
+    assert events.states == [int(block_state(b)) for b in pool.blocks]
+    assert sum(events.counts) == pool.num_blocks and events.counts[2] + events.counts[3] == pool.num_used_blocks
+    registered.difference_update(delta.removed_hashes)
+    registered.update(delta.stored_hashes)
+    assert registered == set(pool.cached_blocks)
+
+
 # ---------------------------------------------------------------------------- the driver
 def run_scenario(scn: Scenario) -> Scheduler:
     kv = KVCacheManager(scn.num_blocks, scn.block_size, scn.enable_caching, scn.hash_algo)
     sched = Scheduler(scn.config, kv)
     store = SimulatedKV(scn.block_size)
+    events = KVEventCollector(kv.block_pool.blocks)  # the engine-event observer, attached all along
+    kv.block_pool.observer = events
+    registered: set = set()  # the prefix cache as a router rebuilds it from BlockStored / BlockRemoved
     rng = random.Random(scn.seed)
 
     order = sorted(range(len(scn.requests)), key=lambda i: (scn.requests[i].arrival_step, i))
@@ -263,6 +279,7 @@ def run_scenario(scn: Scenario) -> Scheduler:
             else:
                 assert r.num_tokens <= num_tokens + len(tokens)
         check_state(sched)
+        check_events(events, registered, kv)
         step += 1
 
     # everything finished; every block is back, unreferenced, in the free queue

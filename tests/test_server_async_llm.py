@@ -14,9 +14,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pagedserve.config import CacheConfig, EngineConfig, ModelInfo, ParallelConfig, RequestLimits
-from pagedserve.core.scheduler import SchedulerConfig
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.engine.async_llm import (AsyncLLM, EngineRequestError, EngineShuttingDown, RequestStream,
                                          merge_delta)
+from pagedserve.engine.events import EngineEventRecorder
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.entrypoints.openai.api_server import build_app
 from pagedserve.entrypoints.openai.errors import loc_to_param, validation_error_to_openai
@@ -55,6 +57,8 @@ class FakeEngine:
             scheduler=SchedulerConfig(max_num_batched_tokens=64, max_model_len=64),
             parallel=ParallelConfig("cpu", 1), limits=RequestLimits())
         self.input_processor = InputProcessor(self.config, self.tokenizer)
+        kv = KVCacheManager(64, 16)  # the event recorder's view: an empty pool (this engine never steps it)
+        self.events = EngineEventRecorder(self.config, Scheduler(self.config.scheduler, kv), kv)
         self.num_step_failures = 0
         self.last_iteration = IterationStats()
         self.finished: list[FinishedRequestStats] = []

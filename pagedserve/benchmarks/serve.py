@@ -218,7 +218,9 @@ async def benchmark(*, base_url: str, api_url: str, backend: str, model: str | N
     limits = httpx.Limits(max_connections=max_concurrency or None, max_keepalive_connections=max_concurrency or None)
     timeout = httpx.Timeout(request_timeout, connect=30.0)
     log = print if verbose else (lambda *a, **k: None)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    api_key = os.environ.get("OPENAI_API_KEY")  # as vLLM's bench: the key of a server started with --api-key
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
         if model is None:
             deadline = time.perf_counter() + max(ready_check_timeout_sec, 1)
             while True:

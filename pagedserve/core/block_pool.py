@@ -10,6 +10,10 @@ import hashlib
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedserve.core.kv_events import BlockPoolObserver
 
 BlockHash = bytes | int
 # hash(parent block's hash, this block's token ids, extra keys) -> this block's hash
@@ -94,6 +98,7 @@ class BlockPool:
         self.num_evictions = 0
         # (block id, hash) of each cached block evicted, while a KV connector saves evicted blocks elsewhere
         self.evicted: list[tuple[int, BlockHash]] | None = None
+        self.observer: BlockPoolObserver | None = None  # attached only while someone listens (kv_events.py)
 
     @property
     def num_free_blocks(self) -> int:
@@ -115,21 +120,29 @@ class BlockPool:
             self._evict(block)
             block.ref_cnt = 1
             blocks.append(block)
+        if self.observer is not None:
+            self.observer.on_allocated(blocks)
         return blocks
 
-    def touch(self, blocks: Iterable[KVBlock]) -> None:
+    def touch(self, blocks: Sequence[KVBlock]) -> None:
         """Take a reference on prefix-hit blocks; a free one leaves the free queue (it is no longer evictable)."""
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
+        if self.observer is not None and blocks:
+            self.observer.on_touched(blocks)
 
     def free_blocks(self, blocks_in_eviction_order: Iterable[KVBlock]) -> None:
+        if self.observer is not None:
+            blocks_in_eviction_order = list(blocks_in_eviction_order)
         for block in blocks_in_eviction_order:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+        if self.observer is not None:
+            self.observer.on_freed(blocks_in_eviction_order)
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Register a full block under its hash. If another block already holds that hash, keep the first."""
@@ -137,6 +150,8 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
+        if self.observer is not None:
+            self.observer.on_stored(block)
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
@@ -145,6 +160,8 @@ class BlockPool:
             del self.cached_blocks[block.block_hash]
         if self.evicted is not None:
             self.evicted.append((block.block_id, block.block_hash))
+        if self.observer is not None:
+            self.observer.on_removed(block, block.block_hash)
         block.block_hash = None
         self.num_evictions += 1
 
@@ -155,4 +172,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_blocks.clear()
+        if self.observer is not None:
+            self.observer.on_cleared()
         return True

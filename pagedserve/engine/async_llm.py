@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable
 
 from pagedserve.config import EngineConfig
+from pagedserve.engine.events import EngineEventRecorder
 from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest
 from pagedserve.engine.protocol import EngineHealth
 from pagedserve.engine.request_stream import RequestStream, merge_delta
@@ -135,6 +136,10 @@ class AsyncLLM:
     @property
     def input_processor(self) -> InputProcessor:
         return self.engine.input_processor
+
+    @property
+    def events(self) -> EngineEventRecorder:
+        return self.engine.events
 
     @property
     def is_running(self) -> bool:
@@ -257,6 +262,7 @@ class AsyncLLM:
             self._cond.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        self.engine.events.close()  # the trace file, if any, ends with the last step
         if self._thread is None or not self._thread.is_alive():  # the engine is idle for good: stop its workers
             self.engine.shutdown()
 

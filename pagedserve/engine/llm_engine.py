@@ -10,6 +10,7 @@ from pagedserve.config import (CacheConfig, EngineArgs, EngineConfig, ModelInfo,
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedserve.engine.events import EngineEventRecorder
 from pagedserve.engine.fault_injection import FaultInjector
 from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest
 from pagedserve.engine.output_processor import OutputProcessor
@@ -82,9 +83,12 @@ class LLMEngine:
         self.fault_injector = FaultInjector.from_env(self.runner.model)
         self.num_step_failures = 0
         self.last_iteration = IterationStats()
+        self.events = EngineEventRecorder(self.config, self.scheduler, self.kv_cache_manager)
         if warm_up:
             self.warm_up()
         self.kv_connector = self._connect_kv_store(args, model_dir) if args.kv_transfer is not None else None
+        if args.trace_file is not None:  # after the warm-up: the trace holds real traffic only
+            self.events.open_trace(args.trace_file)
         logger.info("Engine ready in %.1f s", time.perf_counter() - t_start)
 
     @classmethod
@@ -194,11 +198,16 @@ class LLMEngine:
             if processed.grammar is not None:
                 self.structured_output.add(seq.request_id, processed.grammar)
             self.scheduler.add_request(seq)
+            if self.events.active:
+                self.events.on_arrival(seq)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         now = time.time()
         for rid in [request_id] if isinstance(request_id, str) else request_id:
-            self.scheduler.finish_requests(self.output_processor.sequence_ids(rid), RequestStatus.FINISHED_ABORTED)
+            aborted = self.scheduler.finish_requests(self.output_processor.sequence_ids(rid),
+                                                     RequestStatus.FINISHED_ABORTED)
+            if self.events.active and aborted:
+                self.events.on_aborted(aborted)
             self.output_processor.abort(rid, now)
         self.structured_output.retain(self.scheduler.requests)
 
@@ -208,11 +217,14 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self.events.begin_step()
         sched_out = self.scheduler.schedule()
         grammars = self.structured_output
         if sched_out.is_empty:
             self.last_iteration = IterationStats()
             return []
+        if self.events.active:
+            self.events.on_scheduled(sched_out)
         num_decode_tokens = sum(s.num_new_tokens for s in sched_out.scheduled
                                 if s.request.num_computed_tokens >= s.request.num_prompt_tokens)
         try:
@@ -243,6 +255,8 @@ class LLMEngine:
             forward_time=runner_out.forward_time,
             step_time=time.perf_counter() - t0,
         )
+        if self.events.active:
+            self.events.end_step(sched_out, runner_out.forward_time)
         return outputs
 
     def _fail_step(self, sched_out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
@@ -258,6 +272,8 @@ class LLMEngine:
         message = f"engine step failed: {type(exc).__name__}: {exc}"
         outputs = self._fail_requests(dict.fromkeys(user_ids, message), time.time())
         self.structured_output.retain(self.scheduler.requests)
+        if self.events.active:
+            self.events.end_step(sched_out, 0.0, failed=True)
         return outputs
 
     def _fail_requests(self, failed: dict[str, str], now: float) -> list[RequestOutput]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable, Protocol
 
 from pagedserve.config import EngineConfig
+from pagedserve.engine.events import EngineEventRecorder
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.request_stream import RequestStream
 from pagedserve.metrics.loggers import StatLoggerBase
@@ -33,6 +34,12 @@ class EngineClient(Protocol):
 
     @property
     def input_processor(self) -> InputProcessor: ...
+
+    @property
+    def events(self) -> EngineEventRecorder: ...  # the step-event stream (subscribe / ring), thread-safe parts only
+
+    @property
+    def accepting(self) -> bool: ...
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                           priority: int = 0, cache_salt: str | None = None,

@@ -1,4 +1,4 @@
-"""`pagedserve serve | generate | proxy | router | bench ...`"""
+"""`pagedserve serve | generate | proxy | router | bench ... | replay TRACE | diagnose`"""
 from __future__ import annotations
 
 import argparse
@@ -45,11 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     from pagedserve.benchmarks.cli import add_bench_parser
     from pagedserve.entrypoints.disagg_proxy import add_proxy_parser
     from pagedserve.entrypoints.router import add_router_parser
+    from pagedserve.entrypoints.dashboard.replay import add_replay_parser
+    from pagedserve.entrypoints.diagnose import add_diagnose_parser
 
     add_serve_parser(subparsers)
     add_proxy_parser(subparsers)
     add_router_parser(subparsers)
     add_bench_parser(subparsers)
+    add_replay_parser(subparsers)
+    add_diagnose_parser(subparsers)
     args = parser.parse_args(argv)
     try:
         return args.func(args) or 0

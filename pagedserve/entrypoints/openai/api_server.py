@@ -4,7 +4,8 @@
     run_server(args)                     # load the model, bind, serve until SIGINT/SIGTERM
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
-GET /health, GET /version, POST /tokenize, POST /detokenize, GET /metrics.  See docs/SERVING.md.
+GET /health, GET /version, POST /tokenize, POST /detokenize, GET /metrics, GET /v1/events (engine step events,
+SSE), GET /dashboard.  See docs/SERVING.md.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.protocol import EngineClient
+from pagedserve.entrypoints.dashboard.routes import add_live_event_routes
 from pagedserve.entrypoints.openai.errors import (OpenAIError, error_response, exception_to_openai,
                                                   install_error_handlers)
 from pagedserve.errors import EngineRequestError, EngineShuttingDown
@@ -42,6 +44,7 @@ logger = logging.getLogger("pagedserve.api")
 
 # Reachable without the API key (load balancers and Prometheus scrapers carry no token).
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PREFIXES = ("/dashboard",)  # the page's static files; the events it reads need the key
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 
 
@@ -56,8 +59,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address (use 0.0.0.0 to listen on all interfaces)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer <key>' on every endpoint except /health and /metrics "
-                        "(default: $PAGEDSERVE_API_KEY)")
+                   help="require 'Authorization: Bearer <key>' on every endpoint except /health, /metrics and the "
+                        "/dashboard page (default: $PAGEDSERVE_API_KEY)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -93,7 +96,9 @@ class APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or scope.get("path") in OPEN_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or path in OPEN_PATHS or \
+                path.startswith(OPEN_PREFIXES):
             await self.app(scope, receive, send)
             return
         got = b""
@@ -289,6 +294,8 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
     @app.get("/metrics", response_class=Response, responses=api_docs.ROUTE_RESPONSES["metrics"])
     async def metrics():
         return Response(render(registry), media_type=CONTENT_TYPE_LATEST)
+
+    add_live_event_routes(app, engine_client.events, lambda: engine_client.accepting)
 
     api_key = arg("api_key", None)
     if api_key:
