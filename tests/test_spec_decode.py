@@ -321,3 +321,20 @@ def test_constrained_and_free_requests_share_a_speculative_batch():
     jsonschema.validate(json.loads(got[2].outputs[0].text), schema)
     check_speculated(spec_llm, accepted=False)
     check_engine_drained(spec_llm)
+
+
+def test_step_events_report_verified_drafts(tiny_model_dir, tiny_tokenizer):
+    """The engine events (issue 17) carry each verification: [request id, drafts, tokens out]."""
+    import json
+
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", num_threads=1, num_kv_blocks=512,
+              speculative_config=NGRAM)
+    events = llm.llm_engine.events
+    events.subscribe()
+    llm.generate(prompt_token_ids=repetitive_prompts(tiny_tokenizer, n=3), sampling_params=GREEDY, use_tqdm=False)
+    steps = [json.loads(line) for _, kind, line in events.ring.since(0)[0] if kind == "step"]
+    verified = [entry for step in steps for entry in step["spec"]]
+    stats = llm.llm_engine.scheduler.spec_stats
+    assert len(verified) == stats.num_drafts > 0
+    assert sum(drafts for _, drafts, _ in verified) == stats.num_draft_tokens
+    assert all(1 <= out <= drafts + 1 for _, drafts, out in verified)
