@@ -113,13 +113,17 @@ def test_write_kv(ops, src_dtype, cache_dtype):
 @pytest.mark.parametrize("q_dtype", DTYPES)
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_seqs, threads", [(1, 2), (4, 2), (3, 1)])
-def test_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads):
+@pytest.mark.parametrize("heads, kvh, d, bs", [(9, 3, 64, 16), (4, 2, 128, 8), (6, 6, 48, 16), (4, 1, 40, 4)])
+def test_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, heads, kvh, d, bs):
+    """Head sizes: SmolLM2's and Qwen3's (the AVX-512 path, VDPBF16PS for d % 32 == 0), 48 (16-wide tail of
+    the value sums), 40 (not a multiple of 16: the portable path); block sizes that split the 16-token chunks."""
     g = torch.Generator().manual_seed(num_seqs)
-    heads, kvh, d, bs, blocks = 9, 3, 64, 16, 40
+    blocks = 40
     k_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
     v_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
-    lens = torch.randint(1, 5 * bs, (num_seqs,), generator=g)
-    tables = torch.randperm(blocks, generator=g)[:num_seqs * 5].view(num_seqs, 5)
+    per_seq = blocks // num_seqs
+    lens = torch.randint(1, per_seq * bs, (num_seqs,), generator=g)
+    tables = torch.randperm(blocks, generator=g)[:num_seqs * per_seq].view(num_seqs, per_seq)
     qkv = torch.randn(num_seqs, (heads + 2 * kvh) * d, generator=g).to(q_dtype)
     q = qkv[:, :heads * d].view(num_seqs, heads, d)  # strided between sequences, as in the model
     torch.set_num_threads(threads)

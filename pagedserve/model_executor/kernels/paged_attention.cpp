@@ -78,6 +78,124 @@ void attend(const float* qf, const T* k_cache, const T* v_cache, const int64_t* 
   }
 }
 
+#if defined(__AVX512F__)
+constexpr int64_t kChunk = 16;      // tokens scored together: one score per lane
+constexpr float kNoScore = -1e30f;  // the running max before any token (finite: the kernel builds with -ffast-math)
+
+// Scores of one query head against kChunk keys (k[i]: key i's head_dim values): lane i = q . k[i]. Every key
+// is accumulated in its own register over head_dim, then the 16 registers are reduced together.
+template <typename T>
+inline __m512 score_chunk(const float* q, const T* const* k, int64_t offset, int64_t d) {
+  __m512 acc[kChunk];
+  for (int i = 0; i < kChunk; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + c);
+    for (int i = 0; i < kChunk; ++i) acc[i] = _mm512_fmadd_ps(qv, ps::load16(k[i] + offset + c), acc[i]);
+  }
+  return ps::reduce16x16(acc);
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 query and keys: VDPBF16PS multiplies 32 bfloat16 pairs exactly and accumulates in float32 (d % 32 == 0).
+inline __m512 score_chunk_bf16(const bf16* q, const bf16* const* k, int64_t offset, int64_t d) {
+  __m512 acc[kChunk];
+  for (int i = 0; i < kChunk; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 32) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + c);
+    for (int i = 0; i < kChunk; ++i)
+      acc[i] = _mm512_dpbf16_ps(acc[i], qv, (__m512bh)_mm512_loadu_si512(k[i] + offset + c));
+  }
+  return ps::reduce16x16(acc);
+}
+#endif
+
+// a[0 .. 16 NC) = alpha a + sum over the chunk's tokens i of p[i] v_i[offset ..]: NC independent FMA chains in
+// registers (one long chain through memory would wait on its own latency every step).
+template <int NC, typename T>
+inline void accumulate_values(float* a, __m512 alpha, const float* p, const T* const* v_rows, int64_t offset,
+                              int64_t n) {
+  __m512 o[NC];
+  for (int c = 0; c < NC; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), alpha);
+  for (int64_t i = 0; i < n; ++i) {
+    const __m512 pi = _mm512_set1_ps(p[i]);
+    for (int c = 0; c < NC; ++c) o[c] = _mm512_fmadd_ps(pi, ps::load16(v_rows[i] + offset + 16 * c), o[c]);
+  }
+  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(a + 16 * c, o[c]);
+}
+
+// `attend` for head_dim % 16 == 0 on AVX-512: one pass over the tokens in chunks of 16 with an online softmax.
+// Each chunk's K/V rows (every KV head) are read from memory once and stay in L1 while all query heads use them;
+// a query head's 16 scores come out of one reduction tree; acc, m and l are rescaled once per chunk.
+template <typename TQ, typename T>
+void attend_avx512(const TQ* q, float scale, const T* k_cache, const T* v_cache, const int64_t* table, int64_t t0,
+                   int64_t t1, const Shape& s, float* qf, float* acc, float* m, float* l) {
+  const int64_t heads = s.num_heads, d = s.head_dim, group = s.num_heads / s.num_kv_heads;
+  const int64_t row = s.num_kv_heads * d;
+  for (int64_t i = 0; i < heads * d; ++i) qf[i] = to_float(q[i]);
+  std::fill(acc, acc + heads * d, 0.f);
+  std::fill(l, l + heads, 0.f);
+  std::fill(m, m + heads, kNoScore);
+  // Row pointers of a chunk's tokens; lanes past the end point at its first token again (scored, masked out).
+  auto chunk_rows = [&](int64_t c0, int64_t n, const T** k_rows, const T** v_rows) {
+    int64_t b = c0 / s.block_size, off = c0 % s.block_size;
+    for (int64_t i = 0; i < kChunk; ++i) {
+      const int64_t slot = (i < n ? table[b] * s.block_size + off : (k_rows[0] - k_cache) / row);
+      k_rows[i] = k_cache + slot * row;
+      v_rows[i] = v_cache + slot * row;
+      if (++off == s.block_size) off = 0, ++b;
+    }
+  };
+  const T* rows[2][2][kChunk];  // [current/next chunk][K/V][token]
+  alignas(64) float p[kChunk];
+  if (t0 < t1) chunk_rows(t0, std::min(kChunk, t1 - t0), rows[0][0], rows[0][1]);
+  for (int64_t c0 = t0, cur = 0; c0 < t1; c0 += kChunk, cur ^= 1) {
+    const int64_t n = std::min(kChunk, t1 - c0);
+    const T* const* k_rows = rows[cur][0];
+    const T* const* v_rows = rows[cur][1];
+    if (c0 + kChunk < t1) {  // the blocks are scattered in memory: fetch the next chunk while this one computes
+      const int64_t next_n = std::min(kChunk, t1 - c0 - kChunk);
+      chunk_rows(c0 + kChunk, next_n, rows[cur ^ 1][0], rows[cur ^ 1][1]);
+      for (int64_t i = 0; i < next_n; ++i)
+        for (int64_t byte = 0; byte < row * static_cast<int64_t>(sizeof(T)); byte += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(rows[cur ^ 1][0][i]) + byte, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(rows[cur ^ 1][1][i]) + byte, _MM_HINT_T1);
+        }
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t offset = (h / group) * d;
+      __m512 sc;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<TQ, bf16> && std::is_same_v<T, bf16>) {
+        if (d % 32 == 0)
+          sc = score_chunk_bf16(q + h * d, k_rows, offset, d);
+        else
+          sc = score_chunk(qf + h * d, k_rows, offset, d);
+      } else
+#endif
+        sc = score_chunk(qf + h * d, k_rows, offset, d);
+      sc = _mm512_mask_mov_ps(_mm512_set1_ps(kNoScore), valid, _mm512_mul_ps(sc, _mm512_set1_ps(scale)));
+      const float m_new = std::max(m[h], _mm512_reduce_max_ps(sc));
+      const float alpha = std::exp(m[h] - m_new);
+      const __m512 pv = _mm512_maskz_mov_ps(valid, ps::exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
+      l[h] = l[h] * alpha + _mm512_reduce_add_ps(pv);
+      m[h] = m_new;
+      _mm512_store_ps(p, pv);
+      const __m512 av = _mm512_set1_ps(alpha);
+      float* a = acc + h * d;
+      int64_t c = 0;
+      for (; c + 64 <= d; c += 64) accumulate_values<4>(a + c, av, p, v_rows, offset + c, n);
+      switch ((d - c) / 16) {
+        case 3: accumulate_values<3>(a + c, av, p, v_rows, offset + c, n); break;
+        case 2: accumulate_values<2>(a + c, av, p, v_rows, offset + c, n); break;
+        case 1: accumulate_values<1>(a + c, av, p, v_rows, offset + c, n); break;
+        default: break;
+      }
+    }
+  }
+}
+#endif
+
 template <typename TQ, typename T>
 void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                    const int64_t* context_lens, TQ* out, Shape s, float scale) {
@@ -94,12 +212,20 @@ void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / parts, part = task % parts, len = context_lens[seq];
       const TQ* qs = q + seq * s.q_stride;
-      for (int64_t i = 0; i < heads * d; ++i) qf[i] = to_float(qs[i]) * scale;
       float* a = parts > 1 ? part_acc.data() + task * heads * d : acc.data();
       float* mm = parts > 1 ? part_m.data() + task * heads : m.data();
       float* ll = parts > 1 ? part_l.data() + task * heads : l.data();
-      attend(qf.data(), k_cache, v_cache, block_tables + seq * s.max_blocks, len * part / parts,
-             len * (part + 1) / parts, s, scores, a, mm, ll);
+      const int64_t* table = block_tables + seq * s.max_blocks;
+      const int64_t t0 = len * part / parts, t1 = len * (part + 1) / parts;
+#if defined(__AVX512F__)
+      if (d % 16 == 0) {
+        attend_avx512(qs, scale, k_cache, v_cache, table, t0, t1, s, qf.data(), a, mm, ll);
+      } else
+#endif
+      {
+        for (int64_t i = 0; i < heads * d; ++i) qf[i] = to_float(qs[i]) * scale;
+        attend(qf.data(), k_cache, v_cache, table, t0, t1, s, scores, a, mm, ll);
+      }
       if (parts == 1) {
         for (int64_t h = 0; h < heads; ++h) {
           const float inv = 1.f / ll[h];
