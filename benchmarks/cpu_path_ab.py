@@ -26,16 +26,6 @@ the table reports the median over rounds. Variants (each adds one change to the 
                 attention reading and writing bfloat16; GEMMs on oneDNN at every row count
   bf16-gemv1    bf16, with batch-1 products through the native bf16 GEMV (VDPBF16PS where present; off by
                 default: not faster here)
-
-`--suite attention` (issue 12, attention kernels): the mixed workload (`--num-prompts` requests of `bench
---dataset mixed`, exact output lengths, greedy, all submitted at once, 2048-token budget, prefix caching off) run
-to the end (or for its first `--max-steps` steps) on one float32 and one bfloat16 engine, round-robin:
-
-  before          decode attention from the kernels built from `--baseline-kernels DIR` (the sources of an
-                  earlier commit, e.g. `git show 119190e:pagedserve/model_executor/kernels/<file>` for the three
-                  files), prefill chunks through PyTorch's SDPA
-  +decode-kernel  decode attention per 16-token chunk with an online softmax (kernels/paged_attention.cpp)
-  +prefill-kernel the native prefill-chunk attention too (the default engine)
 """
 from __future__ import annotations
 
@@ -110,23 +100,6 @@ BF16_VARIANTS = {  # name -> (model dtype, small ops in bf16 native, attention g
 }
 
 
-class AttentionKernels:
-    """What attention.py sees as `cpu_kernels()`: the current kernels, with decode attention taken from another
-    build and/or the native prefill switched off."""
-
-    def __init__(self, current, decode_from, native_prefill: bool) -> None:
-        self.current, self.decode_from, self.prefill = current, decode_from, native_prefill
-
-    def paged_decode_attention(self, *args):
-        return self.decode_from.paged_decode_attention(*args)
-
-    def native_prefill(self, head_dim: int) -> bool:
-        return self.prefill and self.current.native_prefill(head_dim)
-
-    def __getattr__(self, name):
-        return getattr(self.current, name)
-
-
 def decoding_engine(model: str, batch: int, context: int, threads: int, kv_cache_dtype: str,
                     dtype: str = "float32"):
     """An engine with `batch` requests past their prefill, each with `context` tokens in the cache."""
@@ -161,18 +134,12 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--suite", choices=["issue7", "bf16", "attention"], default="issue7")
-    p.add_argument("--baseline-kernels", help="attention suite: a directory with earlier kernel sources")
-    p.add_argument("--num-prompts", type=int, default=16, help="attention suite: mixed requests per run")
-    p.add_argument("--max-steps", type=int, default=0, help="attention suite: stop each run after this many steps")
-    p.add_argument("--dtypes", default="float32,bfloat16", help="attention suite: model dtypes")
+    p.add_argument("--suite", choices=["issue7", "bf16"], default="issue7")
     args = p.parse_args(argv)
     if cpu_kernels() is None:
         raise SystemExit("the native CPU kernels did not build: nothing to compare")
     if args.suite == "bf16":
         return bf16_suite(args)
-    if args.suite == "attention":
-        return attention_suite(args)
     print(f"| B | {' | '.join(VARIANTS)} | default vs baseline |")
     print(f"|---:|{'---:|' * (len(VARIANTS) + 1)}")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
@@ -220,61 +187,6 @@ def bf16_suite(args) -> int:
         print(f"| {batch} | {cells} | {med['fp32'] / med['bf16']:.2f}x | {med['bf16-before'] / med['bf16']:.2f}x |",
               flush=True)
         del engines
-    return 0
-
-
-def run_workload(llm: LLM, requests, max_steps: int) -> tuple[float, int]:
-    """Seconds to run `requests` (all submitted at once) to the end or for max_steps steps; output tokens made."""
-    engine = llm.llm_engine
-    for i, r in enumerate(requests):
-        engine.add_request(f"r{i}", r.prompt, SamplingParams(max_tokens=r.expected_output_len, ignore_eos=True,
-                                                             temperature=0.0))
-    t0, steps, made = time.perf_counter(), 0, {}
-    while engine.has_unfinished_requests() and (not max_steps or steps < max_steps):
-        made.update((o.request_id, len(o.outputs[0].token_ids)) for o in engine.step())  # cumulative outputs
-        steps += 1
-    elapsed = time.perf_counter() - t0
-    if engine.has_unfinished_requests():  # a capped run
-        engine.abort_request([f"r{i}" for i in range(len(requests))])
-    return elapsed, sum(made.values())
-
-
-def attention_suite(args) -> int:
-    from pathlib import Path
-
-    from pagedserve.benchmarks.datasets import TokenSpace, sample_mixed
-    from pagedserve.model_executor import kernels as K
-
-    current = cpu_kernels()
-    isa = current.isa()
-    sources = tuple(Path(args.baseline_kernels) / n for n in K.SOURCES + K.HEADERS)
-    baseline = K.build_extension(K.extension_name(isa, sources), list(sources[:len(K.SOURCES)]), K.build_flags(isa))
-    variants = {"before": (baseline, False), "+decode-kernel": (current, False), "+prefill-kernel": (current, True)}
-    print(f"native kernels: {isa}; threads {args.threads}; {args.num_prompts} mixed requests"
-          f"{f', first {args.max_steps} steps' if args.max_steps else ''}; seconds per run (median of "
-          f"{args.rounds} rounds), output tok/s in brackets")
-    print(f"| dtype | {' | '.join(variants)} | after vs before |")
-    print(f"|---|{'---:|' * (len(variants) + 1)}")
-    for dtype in args.dtypes.split(","):
-        llm = LLM(args.model, num_threads=args.threads, dtype=dtype, max_num_batched_tokens=2048,
-                  max_num_seqs=args.num_prompts, enable_prefix_caching=False)
-        requests = sample_mixed(TokenSpace(llm.llm_engine.model_config.vocab_size), args.num_prompts, seed=0)
-        results: dict[str, list[tuple[float, int]]] = {name: [] for name in variants}
-        try:
-            for name, (decode_from, prefill) in variants.items():  # warm-up: first calls, caches, allocator
-                attention.cpu_kernels = lambda k=AttentionKernels(current, decode_from, prefill): k
-                run_workload(llm, requests, 3)
-            for _ in range(args.rounds):
-                for name, (decode_from, prefill) in variants.items():
-                    attention.cpu_kernels = lambda k=AttentionKernels(current, decode_from, prefill): k
-                    results[name].append(run_workload(llm, requests, args.max_steps))
-        finally:
-            attention.cpu_kernels = cpu_kernels
-        med = {name: float(np.median([t for t, _ in v])) for name, v in results.items()}
-        toks = {name: v[0][1] for name, v in results.items()}
-        cells = " | ".join(f"{med[n]:.1f} ({toks[n] / med[n]:.1f})" for n in variants)
-        print(f"| {dtype} | {cells} | {med['before'] / med['+prefill-kernel']:.2f}x |", flush=True)
-        del llm
     return 0
 
 

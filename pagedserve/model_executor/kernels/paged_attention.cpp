@@ -295,6 +295,9 @@ void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_
   const int64_t threads = at::get_num_threads();
   const int64_t parts = s.num_seqs >= threads ? 1 : (threads + s.num_seqs - 1) / s.num_seqs;
   const int64_t num_tasks = s.num_seqs * parts;
+  // Measured (BENCHMARKS.md section 6): the chunked kernel wins on rows under 2 KiB (SmolLM2: 3 KV heads x 64) and
+  // loses on wider ones (Qwen3 in bf16: 8 x 128), where the token-at-a-time pass below streams each row whole.
+  const bool narrow_rows = s.num_kv_heads * d * static_cast<int64_t>(sizeof(T)) < 2048;
   std::vector<float> part_acc(parts > 1 ? num_tasks * heads * d : 0), part_m(parts > 1 ? num_tasks * heads : 0),
       part_l(parts > 1 ? num_tasks * heads : 0);
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
@@ -308,7 +311,7 @@ void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_
       const int64_t* table = block_tables + seq * s.max_blocks;
       const int64_t t0 = len * part / parts, t1 = len * (part + 1) / parts;
 #if defined(__AVX512F__)
-      if (d % 16 == 0) {
+      if (d % 16 == 0 && narrow_rows) {
         attend_avx512(qs, scale, k_cache, v_cache, table, t0, t1, s, qf.data(), a, mm, ll);
       } else
 #endif
