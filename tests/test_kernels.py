@@ -113,13 +113,17 @@ def test_write_kv(ops, src_dtype, cache_dtype):
 @pytest.mark.parametrize("q_dtype", DTYPES)
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_seqs, threads", [(1, 2), (4, 2), (3, 1)])
-def test_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads):
+@pytest.mark.parametrize("heads, kvh, d, bs", [(9, 3, 64, 16), (4, 2, 128, 8), (6, 6, 48, 16), (4, 1, 40, 4)])
+def test_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, heads, kvh, d, bs):
+    """Head sizes: SmolLM2's and Qwen3's (the AVX-512 path, VDPBF16PS for d % 32 == 0), 48 (16-wide tail of
+    the value sums), 40 (not a multiple of 16: the portable path); block sizes that split the 16-token chunks."""
     g = torch.Generator().manual_seed(num_seqs)
-    heads, kvh, d, bs, blocks = 9, 3, 64, 16, 40
+    blocks = 40
     k_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
     v_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
-    lens = torch.randint(1, 5 * bs, (num_seqs,), generator=g)
-    tables = torch.randperm(blocks, generator=g)[:num_seqs * 5].view(num_seqs, 5)
+    per_seq = blocks // num_seqs
+    lens = torch.randint(1, per_seq * bs, (num_seqs,), generator=g)
+    tables = torch.randperm(blocks, generator=g)[:num_seqs * per_seq].view(num_seqs, per_seq)
     qkv = torch.randn(num_seqs, (heads + 2 * kvh) * d, generator=g).to(q_dtype)
     q = qkv[:, :heads * d].view(num_seqs, heads, d)  # strided between sequences, as in the model
     torch.set_num_threads(threads)
@@ -134,6 +138,38 @@ def test_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads):
         expected = torch.einsum("ht,thd->hd", scores.softmax(-1), values)
         torch.testing.assert_close(out[i].float(), expected, **(_tol(q_dtype) if q_dtype != torch.float32 else
                                                                 dict(atol=1e-5, rtol=1e-4)))
+
+
+@pytest.mark.parametrize("q_dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                   (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)])
+@pytest.mark.parametrize("n, first, threads", [(37, 0, 1), (20, 45, 2), (1, 16, 1), (70, 3, 2)])
+@pytest.mark.parametrize("heads, kvh, d, bs", [(9, 3, 64, 16), (4, 2, 128, 8), (6, 6, 48, 4)])
+def test_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, heads, kvh, d, bs):
+    """A prefill chunk of n tokens after `first` cached ones, causal over the paged cache (tiles of 16 query tokens
+    and chunks of 16 keys cut at odd places); built on AVX-512 for head_dim % 16 == 0 only."""
+    assert ops.native_prefill(d) == (ops.isa().startswith("avx512") and d % 16 == 0)
+    assert not ops.native_prefill(40)
+    if not ops.native_prefill(d):
+        return
+    g = torch.Generator().manual_seed(n + first)
+    ctx, blocks = first + n, 60
+    k_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
+    v_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
+    block_ids = torch.randperm(blocks, generator=g)[:-(-ctx // bs)]
+    qkv = torch.randn(n, (heads + 2 * kvh) * d, generator=g).to(q_dtype)
+    q = qkv[:, :heads * d].view(n, heads, d)  # strided between tokens, as in the model
+    out_rows = torch.zeros(n + 2, heads * d, dtype=q_dtype)
+    out = out_rows[1:-1].view(n, heads, d)
+    torch.set_num_threads(threads)
+    ops.paged_prefill_attention(q, k_cache, v_cache, block_ids, first, d ** -0.5, out)
+    assert not out_rows[0].any() and not out_rows[-1].any()
+    keys = k_cache[block_ids].reshape(-1, kvh, d)[:ctx].float().repeat_interleave(heads // kvh, dim=1)
+    values = v_cache[block_ids].reshape(-1, kvh, d)[:ctx].float().repeat_interleave(heads // kvh, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.float(), keys) * d ** -0.5
+    visible = torch.arange(ctx)[None, :] <= torch.arange(first, ctx)[:, None]
+    expected = torch.einsum("hts,shd->thd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)
+    torch.testing.assert_close(out.float(), expected, **(_tol(q_dtype) if q_dtype != torch.float32 else
+                                                         dict(atol=1e-5, rtol=1e-4)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

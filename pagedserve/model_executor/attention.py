@@ -12,8 +12,11 @@ position - causal, since every K/V of the step is written first.
   * decodes: on CPU, a native kernel reads each row's blocks in place through its block table
     (kernels/paged_attention.cpp); elsewhere, one batched SDPA over blocks gathered through the
     padded block table;
-  * prefill chunks: one SDPA per chunk; a chunk with no earlier context attends to its own new K/V
-    (causal), a later chunk gathers its context through its block table (causal with an offset).
+  * prefill chunks: on CPU with AVX-512 (head_dim % 16 == 0), one native call per chunk reads the
+    chunk's whole context, its own new K/V included, from the cache through its block table (causal
+    with an offset; kernels/paged_attention.cpp); elsewhere one SDPA per chunk: a chunk with no earlier
+    context attends to its own new K/V (causal), a later chunk gathers its context through its block
+    table (causal with an offset).
 """
 from __future__ import annotations
 
@@ -91,8 +94,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
                                            scale=scale, enable_gqa=True)
         out[:d] = o.squeeze(2)
+    native_prefill = kernels is not None and kernels.native_prefill(head_dim)
     for span in meta.prefills:
         sl = slice(span.start, span.start + span.num_tokens)
+        if native_prefill:  # reads the chunk's context (its own K/V included) from the cache in place
+            kernels.paged_prefill_attention(q[sl], k_cache, v_cache, span.block_ids,
+                                            span.context_len - span.num_tokens, scale, out[sl])
+            continue
         qs = q[sl].transpose(0, 1).unsqueeze(0)
         if span.causal_mask is None:  # the chunk is the whole context so far
             keys, values = k[sl], v[sl]

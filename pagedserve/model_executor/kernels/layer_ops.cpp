@@ -210,12 +210,8 @@ inline void dot_rows(const bf16* x, const bf16* w, float* y, int64_t k) {
 }
 #else
 // bfloat16 weights and x on AVX-512 without BF16: widen 16 at a time (a shift) and FMA in float32.
-inline __m512 load_bf16(const bf16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-inline __m512 load_bf16_tail(const bf16* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
+using ps::load16;
+using ps::load16_tail;
 template <int R>
 inline void dot_rows(const bf16* x, const bf16* w, float* y, int64_t k) {
   const int64_t k16 = k - k % 16;
@@ -223,12 +219,12 @@ inline void dot_rows(const bf16* x, const bf16* w, float* y, int64_t k) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < k16; i += 16) {
-    const __m512 xv = load_bf16(x + i);
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(load_bf16(w + r * k + i), xv, acc[r]);
+    const __m512 xv = load16(x + i);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(load16(w + r * k + i), xv, acc[r]);
   }
   if (k16 < k) {
-    const __m512 xv = load_bf16_tail(x + k16, tail);
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(load_bf16_tail(w + r * k + k16, tail), xv, acc[r]);
+    const __m512 xv = load16_tail(x + k16, tail);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(load16_tail(w + r * k + k16, tail), xv, acc[r]);
   }
   for (int r = 0; r < R; ++r) y[r] = _mm512_reduce_add_ps(acc[r]);
 }

@@ -78,6 +78,214 @@ void attend(const float* qf, const T* k_cache, const T* v_cache, const int64_t* 
   }
 }
 
+#if defined(__AVX512F__)
+constexpr int64_t kChunk = 16;      // tokens scored together: one score per lane
+constexpr float kNoScore = -1e30f;  // the running max before any token (finite: the kernel builds with -ffast-math)
+
+// Scores of one query head against kChunk keys (k[i]: key i's head_dim values): lane i = q . k[i]. Every key
+// is accumulated in its own register over head_dim, then the 16 registers are reduced together.
+template <typename T>
+inline __m512 score_chunk(const float* q, const T* const* k, int64_t offset, int64_t d) {
+  __m512 acc[kChunk];
+  for (int i = 0; i < kChunk; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + c);
+    for (int i = 0; i < kChunk; ++i) acc[i] = _mm512_fmadd_ps(qv, ps::load16(k[i] + offset + c), acc[i]);
+  }
+  return ps::reduce16x16(acc);
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 query and keys: VDPBF16PS multiplies 32 bfloat16 pairs exactly and accumulates in float32 (d % 32 == 0).
+inline __m512 score_chunk_bf16(const bf16* q, const bf16* const* k, int64_t offset, int64_t d) {
+  __m512 acc[kChunk];
+  for (int i = 0; i < kChunk; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 32) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + c);
+    for (int i = 0; i < kChunk; ++i)
+      acc[i] = _mm512_dpbf16_ps(acc[i], qv, (__m512bh)_mm512_loadu_si512(k[i] + offset + c));
+  }
+  return ps::reduce16x16(acc);
+}
+#endif
+
+// a[0 .. 16 NC) = alpha a + sum over the chunk's tokens i of p[i] v_i[offset ..]: NC independent FMA chains in
+// registers (one long chain through memory would wait on its own latency every step).
+template <int NC, typename T>
+inline void accumulate_values(float* a, __m512 alpha, const float* p, const T* const* v_rows, int64_t offset,
+                              int64_t n) {
+  __m512 o[NC];
+  for (int c = 0; c < NC; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), alpha);
+  for (int64_t i = 0; i < n; ++i) {
+    const __m512 pi = _mm512_set1_ps(p[i]);
+    for (int c = 0; c < NC; ++c) o[c] = _mm512_fmadd_ps(pi, ps::load16(v_rows[i] + offset + 16 * c), o[c]);
+  }
+  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(a + 16 * c, o[c]);
+}
+
+// Walks a sequence's tokens [t0, t1) through its block table in chunks of kChunk: the K and V row pointers of the
+// current chunk (lanes past the end point at its first token again: scored, then masked out), while the next
+// chunk's rows - scattered in memory, block by block - are prefetched into L2 (only the `width` elements at
+// `offset` of each row that the caller reads).
+template <typename T>
+class ChunkWalker {
+ public:
+  ChunkWalker(const T* k_cache, const T* v_cache, const int64_t* table, int64_t block_size, int64_t row, int64_t t0,
+              int64_t t1, int64_t offset, int64_t width)
+      : k_cache_(k_cache), v_cache_(v_cache), table_(table), bs_(block_size), row_(row), c0_(t0), t1_(t1),
+        offset_(offset), width_(width) {
+    if (t0 < t1) fill(t0, rows_[0]);
+  }
+  bool done() const { return c0_ >= t1_; }
+  int64_t start() const { return c0_; }
+  int64_t size() const { return std::min(kChunk, t1_ - c0_); }
+  const T* const* keys() const { return rows_[cur_][0]; }
+  const T* const* values() const { return rows_[cur_][1]; }
+  void prefetch_next() {
+    const int64_t next = c0_ + kChunk;
+    if (next >= t1_) return;
+    fill(next, rows_[cur_ ^ 1]);
+    const int64_t n = std::min(kChunk, t1_ - next), bytes = width_ * static_cast<int64_t>(sizeof(T));
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t byte = 0; byte < bytes; byte += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(rows_[cur_ ^ 1][0][i] + offset_) + byte, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(rows_[cur_ ^ 1][1][i] + offset_) + byte, _MM_HINT_T1);
+      }
+  }
+  void advance() { c0_ += kChunk, cur_ ^= 1; }
+
+ private:
+  void fill(int64_t c0, const T* (*rows)[kChunk]) {
+    const int64_t n = std::min(kChunk, t1_ - c0);
+    int64_t b = c0 / bs_, off = c0 % bs_;
+    for (int64_t i = 0; i < kChunk; ++i) {
+      const int64_t slot = i < n ? table_[b] * bs_ + off : (rows[0][0] - k_cache_) / row_;
+      rows[0][i] = k_cache_ + slot * row_;
+      rows[1][i] = v_cache_ + slot * row_;
+      if (++off == bs_) off = 0, ++b;
+    }
+  }
+  const T* k_cache_;
+  const T* v_cache_;
+  const int64_t* table_;
+  int64_t bs_, row_, c0_, t1_, offset_, width_, cur_ = 0;
+  const T* rows_[2][2][kChunk];  // [current/next chunk][K/V][token]
+};
+
+// One query head (q: its d values in the model dtype, qf: the same in float32) over the first n keys of a chunk,
+// online softmax: m (running max score), l (running sum of exp(score - m)) and acc (d floats, the running sum of
+// exp(score - m) * value) are rescaled once and updated.
+template <typename TQ, typename T, typename TV>
+inline void attend_chunk(const TQ* q, const float* qf, const T* const* k_rows, int64_t k_offset,
+                         const TV* const* v_rows, int64_t v_offset, int64_t d, int64_t n, float scale, float* acc,
+                         float& m, float& l) {
+  const int64_t offset = k_offset;
+  __m512 sc;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<TQ, bf16> && std::is_same_v<T, bf16>) {
+    sc = d % 32 == 0 ? score_chunk_bf16(q, k_rows, offset, d) : score_chunk(qf, k_rows, offset, d);
+  } else
+#endif
+    sc = score_chunk(qf, k_rows, offset, d);
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  sc = _mm512_mask_mov_ps(_mm512_set1_ps(kNoScore), valid, _mm512_mul_ps(sc, _mm512_set1_ps(scale)));
+  const float m_new = std::max(m, _mm512_reduce_max_ps(sc));
+  const float alpha = std::exp(m - m_new);
+  const __m512 pv = _mm512_maskz_mov_ps(valid, ps::exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
+  l = l * alpha + _mm512_reduce_add_ps(pv);
+  m = m_new;
+  alignas(64) float p[kChunk];
+  _mm512_store_ps(p, pv);
+  const __m512 av = _mm512_set1_ps(alpha);
+  int64_t c = 0;
+  for (; c + 64 <= d; c += 64) accumulate_values<4>(acc + c, av, p, v_rows, v_offset + c, n);
+  switch ((d - c) / 16) {
+    case 3: accumulate_values<3>(acc + c, av, p, v_rows, v_offset + c, n); break;
+    case 2: accumulate_values<2>(acc + c, av, p, v_rows, v_offset + c, n); break;
+    case 1: accumulate_values<1>(acc + c, av, p, v_rows, v_offset + c, n); break;
+    default: break;
+  }
+}
+
+// `attend` for head_dim % 16 == 0 on AVX-512: one pass over the tokens in chunks of 16 with an online softmax.
+// Each chunk's K/V rows (every KV head) are read from memory once and stay in cache while all query heads use
+// them; a query head's 16 scores come out of one reduction tree; acc, m and l are rescaled once per chunk.
+template <typename TQ, typename T>
+void attend_avx512(const TQ* q, float scale, const T* k_cache, const T* v_cache, const int64_t* table, int64_t t0,
+                   int64_t t1, const Shape& s, float* qf, float* acc, float* m, float* l) {
+  const int64_t heads = s.num_heads, d = s.head_dim, group = s.num_heads / s.num_kv_heads;
+  const int64_t row = s.num_kv_heads * d;
+  for (int64_t i = 0; i < heads * d; ++i) qf[i] = to_float(q[i]);
+  std::fill(acc, acc + heads * d, 0.f);
+  std::fill(l, l + heads, 0.f);
+  std::fill(m, m + heads, kNoScore);
+  for (ChunkWalker<T> w(k_cache, v_cache, table, s.block_size, row, t0, t1, 0, row); !w.done(); w.advance()) {
+    w.prefetch_next();
+    for (int64_t h = 0; h < heads; ++h)
+      attend_chunk(q + h * d, qf + h * d, w.keys(), (h / group) * d, w.values(), (h / group) * d, d, w.size(), scale,
+                   acc + h * d, m[h], l[h]);
+  }
+}
+
+constexpr int64_t kPrefillTile = 16;  // query tokens per task: they share each key chunk while it is in L1
+
+// Attention of a prefill chunk (head_dim % 16 == 0): its token i, at position first + i, over the sequence's keys
+// [0, first + i] (the chunk's own K/V are already in the cache). One task per (KV head, tile of query tokens) with
+// the group's query heads: each key chunk is read once per tile and serves every (token, head) row of it.
+template <typename TQ, typename T>
+void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* table,
+                    int64_t n, int64_t first, TQ* out, int64_t out_stride, const Shape& s, float scale) {
+  const int64_t d = s.head_dim, group = s.num_heads / s.num_kv_heads, row = s.num_kv_heads * d;
+  const int64_t tiles = (n + kPrefillTile - 1) / kPrefillTile;
+  at::parallel_for(0, s.num_kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    const int64_t max_rows = kPrefillTile * group;
+    std::vector<float> qf(max_rows * d), acc(max_rows * d), m(max_rows), l(max_rows), vf(kChunk * d);
+    std::vector<T> kb(kChunk * d);
+    const float* vf_rows[kChunk];
+    const T* kb_rows[kChunk];
+    for (int64_t i = 0; i < kChunk; ++i) vf_rows[i] = vf.data() + i * d, kb_rows[i] = kb.data() + i * d;
+    for (int64_t task = begin; task < end; ++task) {
+      // later tiles see more keys: order them short, long, short, ... so each thread's range has a fair share
+      const int64_t kvh = task % s.num_kv_heads, j = task / s.num_kv_heads;
+      const int64_t tile = j % 2 == 0 ? j / 2 : tiles - 1 - j / 2;
+      const int64_t a = tile * kPrefillTile, b = std::min(n, a + kPrefillTile), rows = (b - a) * group;
+      for (int64_t r = 0; r < rows; ++r) {
+        const TQ* src = q + (a + r / group) * q_stride + (kvh * group + r % group) * d;
+        for (int64_t i = 0; i < d; ++i) qf[r * d + i] = to_float(src[i]);
+      }
+      std::fill(acc.begin(), acc.begin() + rows * d, 0.f);
+      std::fill(m.begin(), m.begin() + rows, kNoScore);
+      std::fill(l.begin(), l.begin() + rows, 0.f);
+      for (ChunkWalker<T> w(k_cache, v_cache, table, s.block_size, row, 0, first + b, kvh * d, d); !w.done();
+           w.advance()) {
+        w.prefetch_next();
+        const int64_t c0 = w.start();
+        // The chunk's keys copied together and its values in float32, once for all rows of the tile: rows of the
+        // cache lie a whole K/V row apart (4 KiB for Qwen3 in float32), so 16 of them would share an L1 set.
+        for (int64_t i = 0; i < kChunk; ++i) {
+          std::memcpy(kb.data() + i * d, w.keys()[i] + kvh * d, d * sizeof(T));
+          const T* v = w.values()[i] + kvh * d;
+          for (int64_t e = 0; e < d; ++e) vf[i * d + e] = to_float(v[e]);
+        }
+        for (int64_t t = std::max(a, c0 - first); t < b; ++t) {  // the tile's tokens that see this chunk
+          const int64_t visible = std::min(w.size(), first + t - c0 + 1);
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t r = (t - a) * group + g;
+            attend_chunk(q + t * q_stride + (kvh * group + g) * d, qf.data() + r * d, kb_rows, 0, vf_rows, 0,
+                         d, visible, scale, acc.data() + r * d, m[r], l[r]);
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const float inv = 1.f / l[r];
+        TQ* o = out + (a + r / group) * out_stride + (kvh * group + r % group) * d;
+        for (int64_t i = 0; i < d; ++i) o[i] = from_float<TQ>(acc[r * d + i] * inv);
+      }
+    }
+  });
+}
+#endif
+
 template <typename TQ, typename T>
 void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                    const int64_t* context_lens, TQ* out, Shape s, float scale) {
@@ -87,6 +295,9 @@ void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_
   const int64_t threads = at::get_num_threads();
   const int64_t parts = s.num_seqs >= threads ? 1 : (threads + s.num_seqs - 1) / s.num_seqs;
   const int64_t num_tasks = s.num_seqs * parts;
+  // Measured (BENCHMARKS.md section 6): the chunked kernel wins on rows under 2 KiB (SmolLM2: 3 KV heads x 64) and
+  // loses on wider ones (Qwen3 in bf16: 8 x 128), where the token-at-a-time pass below streams each row whole.
+  const bool narrow_rows = s.num_kv_heads * d * static_cast<int64_t>(sizeof(T)) < 2048;
   std::vector<float> part_acc(parts > 1 ? num_tasks * heads * d : 0), part_m(parts > 1 ? num_tasks * heads : 0),
       part_l(parts > 1 ? num_tasks * heads : 0);
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
@@ -94,12 +305,20 @@ void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / parts, part = task % parts, len = context_lens[seq];
       const TQ* qs = q + seq * s.q_stride;
-      for (int64_t i = 0; i < heads * d; ++i) qf[i] = to_float(qs[i]) * scale;
       float* a = parts > 1 ? part_acc.data() + task * heads * d : acc.data();
       float* mm = parts > 1 ? part_m.data() + task * heads : m.data();
       float* ll = parts > 1 ? part_l.data() + task * heads : l.data();
-      attend(qf.data(), k_cache, v_cache, block_tables + seq * s.max_blocks, len * part / parts,
-             len * (part + 1) / parts, s, scores, a, mm, ll);
+      const int64_t* table = block_tables + seq * s.max_blocks;
+      const int64_t t0 = len * part / parts, t1 = len * (part + 1) / parts;
+#if defined(__AVX512F__)
+      if (d % 16 == 0 && narrow_rows) {
+        attend_avx512(qs, scale, k_cache, v_cache, table, t0, t1, s, qf.data(), a, mm, ll);
+      } else
+#endif
+      {
+        for (int64_t i = 0; i < heads * d; ++i) qf[i] = to_float(qs[i]) * scale;
+        attend(qf.data(), k_cache, v_cache, table, t0, t1, s, scores, a, mm, ll);
+      }
       if (parts == 1) {
         for (int64_t h = 0; h < heads; ++h) {
           const float inv = 1.f / ll[h];
@@ -168,6 +387,44 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+// Whether paged_prefill_attention handles this head size in this build (AVX-512, head_dim % 16 == 0); else the
+// caller keeps PyTorch's SDPA.
+bool native_prefill(int64_t head_dim) {
+#if defined(__AVX512F__)
+  return head_dim % 16 == 0;
+#else
+  return false;
+#endif
+}
+
+// One prefill chunk of one sequence: q [n, H, D] (heads contiguous, any token stride) at positions first ..
+// first + n - 1, causal over the sequence's K/V in the paged cache (block_ids: its blocks in order, covering
+// first + n tokens; the chunk's own K/V written already). Writes out ([n, H, D], q's dtype, any token stride).
+void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_ids,
+                             int64_t first, double scale, torch::Tensor out) {
+  TORCH_CHECK(ps::is_act_dtype(q.scalar_type()) && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be float32 or bfloat16 [T, H, D] with contiguous heads");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.sizes() == q.sizes() && out.stride(2) == 1 &&
+              out.stride(1) == out.size(2), "out must be shaped like q, of q's dtype, with contiguous heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type());
+  TORCH_CHECK(block_ids.scalar_type() == torch::kLong && first >= 0);
+  auto table = block_ids.contiguous();
+  TORCH_CHECK(table.numel() * k_cache.size(1) >= first + q.size(0), "block_ids do not cover the context");
+  TORCH_CHECK(native_prefill(q.size(2)), "paged_prefill_attention: not built for head_dim ", q.size(2));
+#if defined(__AVX512F__)
+  const Shape s{1, q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), table.numel(), q.stride(0)};
+  ps::with_act_type(q.scalar_type(), [&](auto* qtag) {
+    using TQ = std::remove_pointer_t<decltype(qtag)>;
+    ps::with_cache_type(k_cache.scalar_type(), [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      prefill_kernel<TQ, T>(ps::ptr<TQ>(q), q.stride(0), ps::ptr<T>(k_cache), ps::ptr<T>(v_cache),
+                            table.data_ptr<int64_t>(), q.size(0), first, ps::ptr<TQ>(out), out.stride(0), s,
+                            static_cast<float>(scale));
+    });
+  });
+#endif
+}
+
 namespace {
 
 template <typename TS, typename T>
@@ -225,6 +482,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("scale"), py::arg("out") = py::none());
+  m.def("paged_prefill_attention", &paged_prefill_attention, "causal attention of one prefill chunk over its "
+        "sequence's paged KV cache (CPU, AVX-512)", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_ids"), py::arg("first"), py::arg("scale"), py::arg("out"));
+  m.def("native_prefill", &native_prefill, "whether paged_prefill_attention handles this head_dim in this build");
   m.def("write_kv", &write_kv, "write new K/V rows (float32 or bfloat16) into the paged cache at their slots");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row ([rows, n] or [T, heads, n]); with residual: residual += x in "
         "place, then its RMSNorm; with out (may be x): written there (float32 or bfloat16)", py::arg("x"),
