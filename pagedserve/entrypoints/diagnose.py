@@ -4,20 +4,26 @@
     pagedserve diagnose --trace trace.jsonl                                         # a --trace-file recording
 
 From a server it reads the event stream (/v1/events: the served config in its snapshot, then every step) for
-`--duration` seconds: recording starts when diagnose connects, so send the traffic while it listens.
+`--duration` seconds, and /metrics at both ends of that window (counters as their change: preemptions,
+prefix-cache hits, the latency histograms): recording starts when diagnose connects, so send the traffic while
+it listens.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from pagedserve.metrics.diagnose import diagnose, format_report
+from pagedserve.metrics.server_metrics import ServerMetrics, metrics_window
 
 
-def read_stream(url: str, api_key: str | None, duration: float) -> list[dict[str, Any]]:
-    """The events a server sends in `duration` seconds (its backlog first)."""
+def read_stream(url: str, api_key: str | None, duration: float,
+                on_connect: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+    """The events a server sends in `duration` seconds (its backlog first); `on_connect` runs once the server
+    records for this reader (its hello came), which is when traffic starts to count."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -33,9 +39,30 @@ def read_stream(url: str, api_key: str | None, duration: float) -> list[dict[str
                 event = json.loads(line[5:])
                 if event["type"] != "hello":
                     events.append(event)
+                elif on_connect is not None:
+                    on_connect()
             if time.monotonic() >= deadline:
                 break
     return events
+
+
+def read_server(url: str, api_key: str | None, duration: float,
+                on_connect: Callable[[], None] | None = None) -> tuple[list[dict[str, Any]], ServerMetrics]:
+    """The event stream of `duration` seconds, and what /metrics says over the same window."""
+    import httpx
+
+    def scrape() -> str:
+        resp = httpx.get(url.rstrip("/") + "/metrics", timeout=10.0)
+        resp.raise_for_status()
+        return resp.text
+
+    before = scrape()
+    events = read_stream(url, api_key, duration, on_connect)
+    return events, metrics_window(before, scrape())
+
+
+def _announce(duration: float) -> Callable[[], None]:
+    return lambda: print(f"listening for {duration:g} s: send the traffic now", file=sys.stderr, flush=True)
 
 
 def add_diagnose_parser(subparsers) -> None:
@@ -55,8 +82,9 @@ def run_diagnose(args: argparse.Namespace) -> int:
         from pagedserve.entrypoints.dashboard.replay import load_trace
 
         events = load_trace(args.trace)
+        metrics = None
     else:
-        events = read_stream(args.url, args.api_key, args.duration)
-    result = diagnose(events)
+        events, metrics = read_server(args.url, args.api_key, args.duration, _announce(args.duration))
+    result = diagnose(events, metrics=metrics)
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_report(result))
     return 0

@@ -10,13 +10,15 @@ behaviours bounds the server now, the numbers behind the verdict, and the flags 
   none          nothing bounds: the server keeps up with its traffic
 
 Pure functions over plain event dicts (pagedserve/engine/events.py), so a trace file, a live stream and a test
-all go through the same code.
+all go through the same code; a live server's /metrics (pagedserve/metrics/server_metrics.py) adds evidence.
 """
 from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from pagedserve.metrics.server_metrics import ServerMetrics, metrics_evidence
 
 # Thresholds of the verdicts (fractions of steps unless said otherwise).
 STALL_RATIO = 2.0  # a mixed prefill+decode step this many times a slow (p90) decode-only step is an ITL spike
@@ -39,7 +41,7 @@ class TraceStats:
     decode_step_ms_p90: float = 0.0
     mixed_steps: int = 0  # prefill chunks and decodes in one step
     mixed_step_ms_p90: float = 0.0
-    stall_steps: int = 0  # mixed steps longer than STALL_RATIO x the p90 decode-only step (noise is no stall)
+    stall_steps: int = 0  # mixed steps longer than STALL_RATIO x the p90 decode-only step, with a long chunk
     max_prefill_tokens_in_mixed_step: int = 0
     itl_ms_p50: float = 0.0
     itl_ms_p99: float = 0.0
@@ -73,6 +75,7 @@ class Diagnosis:
     advice: list[str] = field(default_factory=list)
     stats: TraceStats = field(default_factory=TraceStats)
     config: dict[str, Any] = field(default_factory=dict)
+    metrics: ServerMetrics | None = None  # from a live server's /metrics; None for a trace file
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,7 +114,10 @@ def trace_stats(events: list[dict[str, Any]], config: dict[str, Any]) -> TraceSt
     st.decode_step_ms_p90 = _pct([e["dur"] * 1e3 for e in decode_only], 0.9)
     st.mixed_step_ms_p90 = _pct([e["dur"] * 1e3 for e in mixed], 0.9)
     if decode_only:
-        st.stall_steps = sum(1 for e in mixed if e["dur"] * 1e3 > STALL_RATIO * st.decode_step_ms_p90)
+        # a chunk no longer than the smallest one diagnose would advise cannot be what stalls a step (a slow step
+        # with a few prefill tokens is noise: the host, the server's other threads)
+        st.stall_steps = sum(1 for e in mixed if e["dur"] * 1e3 > STALL_RATIO * st.decode_step_ms_p90
+                             and e["prefill_tokens"] > MIN_SUGGESTED_CHUNK)
     st.max_prefill_tokens_in_mixed_step = max((e["prefill_tokens"] for e in mixed), default=0)
     st.budget_full_frac = sum(1 for e in steps if e["tokens"] >= FULL * e["budget"]) / len(steps)
     running = [e["running"] for e in steps]
@@ -164,13 +170,22 @@ def _latencies(events: list[dict[str, Any]], st: TraceStats) -> None:
     st.itl_ms_p50, st.itl_ms_p99 = _pct(itls, 0.5), _pct(itls, 0.99)
 
 
-def diagnose(events: list[dict[str, Any]], config: dict[str, Any] | None = None) -> Diagnosis:
-    """The verdict on a run. `config` defaults to the one in the events' snapshot."""
+def diagnose(events: list[dict[str, Any]], config: dict[str, Any] | None = None,
+             metrics: ServerMetrics | None = None) -> Diagnosis:
+    """The verdict on a run. `config` defaults to the one in the events' snapshot; `metrics` (a live server's
+    /metrics over the same window) adds its numbers to the evidence."""
     if config is None:
         config = next((e["config"] for e in events if e["type"] == "snapshot" and "config" in e), None)
         if config is None:
             raise ValueError("no config: the events hold no snapshot (read them from the start of a trace or stream).")
-    st = trace_stats(events, config)
+    result = _verdict(trace_stats(events, config), config)
+    if metrics is not None:
+        result.metrics = metrics
+        result.evidence += metrics_evidence(metrics)
+    return result
+
+
+def _verdict(st: TraceStats, config: dict[str, Any]) -> Diagnosis:
     sched, cache = config["scheduler"], config["cache"]
     if st.num_steps == 0:
         return Diagnosis("no_data", "No engine step was recorded: send traffic while diagnose listens.",
