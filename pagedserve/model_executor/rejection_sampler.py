@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.model_executor.sampler import (LogprobsTensors, SamplingMetadata, gather_logprobs, inverse_cdf_sample,
-                                               processed_logits, sampling_probs, uniforms, _SAMPLING_EPS)
+                                               processed_logits, sampling_probs, uniforms, SAMPLING_EPS)
 
 
 @dataclass
@@ -52,7 +52,7 @@ def rejection_sample(logits: torch.Tensor, metadata: SamplingMetadata, drafts: D
     recovered = greedy_ids[draft_rows]
     bonus = greedy_ids[bonus_rows]
     if not metadata.all_greedy:
-        is_greedy = metadata.temperature < _SAMPLING_EPS
+        is_greedy = metadata.temperature < SAMPLING_EPS
         probs = sampling_probs(logits, metadata)
         probs = probs / probs.sum(dim=-1, keepdim=True)
         q = _draft_distributions(drafts, draft_ids, probs.shape[1], device)

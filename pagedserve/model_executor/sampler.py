@@ -20,7 +20,7 @@ from torch.nn.utils.rnn import pad_sequence
 from pagedserve.sampling_params import SamplingParams
 
 # Temperatures below this are greedy; the same bound as SamplingParams.greedy.
-_SAMPLING_EPS = 1e-5
+SAMPLING_EPS = 1e-5
 
 
 @dataclass
@@ -146,13 +146,13 @@ def _sample(
     if metadata.all_greedy:
         return greedy_ids
     random_ids = inverse_cdf_sample(sampling_probs(logits, metadata), metadata.generators, default_generator)
-    return torch.where(metadata.temperature < _SAMPLING_EPS, greedy_ids, random_ids)
+    return torch.where(metadata.temperature < SAMPLING_EPS, greedy_ids, random_ids)
 
 
 def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """[N, V] the distribution each random row samples from (temperature, top-k, top-p, then min-p; not
     renormalised after min-p). Greedy rows get softmax(logits): never used. Works in place on `logits`."""
-    is_greedy = metadata.temperature < _SAMPLING_EPS
+    is_greedy = metadata.temperature < SAMPLING_EPS
     logits.div_(torch.where(is_greedy, 1.0, metadata.temperature).unsqueeze(1))
     logits = apply_top_k_top_p(
         logits,

@@ -17,8 +17,8 @@ from pagedserve.config import SpeculativeConfig
 from pagedserve.core.scheduler import ScheduledRequest
 from pagedserve.model_executor.input_batch import TokenSpan, prepare_batch, runs_as_decode
 from pagedserve.model_executor.model_config import ModelConfig, resolve_model_dir
-from pagedserve.model_executor.sampler import (SamplingMetadata, inverse_cdf_sample, processed_logits,
-                                               sampling_probs)
+from pagedserve.model_executor.sampler import (SAMPLING_EPS, SamplingMetadata, inverse_cdf_sample,
+                                               processed_logits, sampling_probs)
 from pagedserve.spec_decode.drafter import Drafter
 
 
@@ -88,20 +88,19 @@ class DraftModelDrafter(Drafter):
         logits = logits[torch.argsort(torch.tensor(order))]  # back to `active` order
         for _, r, tokens, _, _ in active:
             self.num_valid[r.request_id] = len(tokens)
-        probs_per_step: list[torch.Tensor | None] = []
-        step_tokens = self._sample([r for _, r, _, _, _ in active], logits, probs_per_step)
+        q_rows: dict[str, list[torch.Tensor]] = {}  # random requests: the distribution of each draft
+        step_tokens = self._sample([r for _, r, _, _, _ in active], logits, q_rows)
         for (i, *_), token in zip(active, step_tokens):
             drafts[i].append(token)
         # 2. one batched decode per further draft, for the requests that want more
         for step in range(1, max(k for *_, k in active)):
-            rows = [j for j, entry in enumerate(active) if entry[4] > step]
-            spans = [TokenSpan([drafts[active[j][0]][-1]], len(active[j][2]) + step - 1, active[j][3], 1)
-                     for j in rows]
-            logits = self._forward(spans)
-            step_tokens = self._sample([active[j][1] for j in rows], logits, probs_per_step, rows)
-            for j, token in zip(rows, step_tokens):
-                drafts[active[j][0]].append(token)
-        self._keep_probs(active, probs_per_step)
+            rows = [entry for entry in active if entry[4] > step]
+            spans = [TokenSpan([drafts[i][-1]], len(tokens) + step - 1, block_ids, 1)
+                     for i, _, tokens, block_ids, _ in rows]
+            step_tokens = self._sample([r for _, r, _, _, _ in rows], self._forward(spans), q_rows)
+            for (i, *_), token in zip(rows, step_tokens):
+                drafts[i].append(token)
+        self._probs.update({request_id: torch.stack(q) for request_id, q in q_rows.items()})
         return drafts
 
     def _forward(self, spans: list[TokenSpan]) -> torch.Tensor:
@@ -109,31 +108,18 @@ class DraftModelDrafter(Drafter):
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata,
                           batch.logits_indices)
 
-    def _sample(self, requests, logits: torch.Tensor, probs_per_step: list, rows: list[int] | None = None) -> list[int]:
-        """Greedy requests draft the argmax; random ones draw from their own sampling distribution q (kept for
-        the rejection sampler)."""
+    def _sample(self, requests, logits: torch.Tensor, q_rows: dict[str, list[torch.Tensor]]) -> list[int]:
+        """Greedy requests draft the argmax; random ones draw from their own sampling distribution q, appended to
+        q_rows for the rejection sampler."""
         meta = SamplingMetadata.build([r.sampling_params for r in requests], {}, [], [], {}, self.device)
         logits, _ = processed_logits(logits, meta)
+        greedy_ids = logits.argmax(dim=-1)
         if meta.all_greedy:
-            probs_per_step.append(None)
-            return logits.argmax(dim=-1).tolist()
+            return greedy_ids.tolist()
         probs = sampling_probs(logits, meta)
         probs = probs / probs.sum(dim=-1, keepdim=True)
-        tokens = torch.where(meta.temperature < 1e-5, logits.argmax(dim=-1),
-                             inverse_cdf_sample(probs, {}, self.generator))
-        probs_per_step.append((rows, probs, (meta.temperature >= 1e-5).tolist()))
-        return tokens.tolist()
-
-    def _keep_probs(self, active, probs_per_step: list) -> None:
-        """q per random request, one row per draft, for the next step's verification."""
-        per_request: dict[int, list[torch.Tensor]] = {}
-        for entry in probs_per_step:
-            if entry is None:
-                continue
-            rows, probs, is_random = entry
-            rows = rows if rows is not None else list(range(len(active)))
-            for row, j in enumerate(rows):
-                if is_random[row]:
-                    per_request.setdefault(j, []).append(probs[row])
-        for j, rows in per_request.items():
-            self._probs[active[j][1].request_id] = torch.stack(rows)
+        is_random = meta.temperature >= SAMPLING_EPS
+        for request, row_probs, random_row in zip(requests, probs, is_random.tolist()):
+            if random_row:
+                q_rows.setdefault(request.request_id, []).append(row_probs)
+        return torch.where(is_random, inverse_cdf_sample(probs, {}, self.generator), greedy_ids).tolist()
