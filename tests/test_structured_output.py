@@ -267,3 +267,30 @@ def test_tool_call_parsers():
     content, calls = PARSERS["mistral"]('[TOOL_CALLS] [{"name": "f", "arguments": {"q": 2}}]')
     assert content is None and json.loads(calls[0].function.arguments) == {"q": 2}
     assert PARSERS["mistral"]("[TOOL_CALLS] [broken")[1] == []
+
+
+def test_mask_bias_allows_exactly_the_grammars_tokens(llm):
+    """The manager's logit bias (filled on its worker thread) is 0 exactly for the tokens llguidance's matcher
+    accepts and -inf elsewhere; free rows of the same batch stay all zero; the sampler adds it in one op and
+    sets the columns past its width to -inf."""
+    from pagedserve.model_executor.sampler import apply_token_mask_bias
+
+    manager = llm.llm_engine.structured_output
+    grammar = manager.grammar(SO(regex=r"[A-Z]{2}-\d{3}"))
+    manager.add("constrained", grammar)
+    try:
+        bias = manager.start_masks(["free", "constrained"]).result()
+        matcher = manager.matchers["constrained"]
+        allowed = [t for t in range(manager.vocab_size) if matcher.validate_tokens([t]) == 1]
+        assert 0 < len(allowed) < manager.vocab_size
+        assert bool((bias[0] == 0).all())
+        assert torch.nonzero(bias[1] == 0).flatten().tolist() == allowed
+        assert bool(torch.isneginf(bias[1, [t for t in range(manager.vocab_size) if t not in set(allowed)]]).all())
+        logits = torch.randn(2, manager.vocab_size + 5)
+        expected = logits.clone()
+        apply_token_mask_bias(logits, bias)
+        assert torch.equal(logits[0, :manager.vocab_size], expected[0, :manager.vocab_size])
+        assert torch.equal(logits[1, allowed], expected[1, allowed])
+        assert bool(torch.isneginf(logits[:, bias.shape[1]:]).all())
+    finally:
+        manager.retain(set())

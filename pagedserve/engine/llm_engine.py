@@ -239,8 +239,7 @@ class LLMEngine:
         now = time.time()
         to_stop, failed = self.output_processor.process_tokens(progressed, runner_out.logprobs, now)
         if grammars.matchers:  # a completed grammar ends its sequence ("stop"), like EOS (no drafts: one token)
-            to_stop += [r.request_id for r, _ in progressed
-                        if not r.is_finished and grammars.accept(r.request_id, r.all_token_ids[-1])]
+            to_stop += grammars.accept([(r.request_id, r.all_token_ids[-1]) for r, _ in progressed if not r.is_finished])
         if to_stop:
             self.scheduler.finish_requests(to_stop, RequestStatus.FINISHED_STOPPED)
         outputs = self._fail_requests(failed, now) if failed else []

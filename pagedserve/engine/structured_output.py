@@ -1,9 +1,10 @@
 """Structured output: per-sequence grammar state (llguidance) -> the token masks of the next step.
 
 Constrained and free requests share one step: the manager fills one bitmask row per constrained sequence that
-samples this step (free rows stay all-ones), the sampler applies it to the logits in one vectorized op, and
-only constrained requests pay for their masks. The masks are computed on a worker thread while the model
-forward runs (llguidance releases the GIL), so their cost overlaps the forward instead of adding to it.
+samples this step (free rows stay all-ones), turns the bits into an additive logit bias (0 allowed, -inf not),
+and the sampler adds it to the logits in one vectorized op, so only constrained requests pay for their masks.
+The masks are computed on a worker thread while the model forward runs, in one llguidance call and one numpy
+lookup that both release the GIL, so their cost overlaps the forward instead of adding to it.
 
 Grammars are compiled once per distinct constraint (an LRU cache); compiling and validating happens at
 add_request time, on the caller's thread, so a bad schema is a 400 naming the field and never blocks a step.
@@ -30,6 +31,9 @@ _GRAMMAR_CACHE_SIZE = 256
 # spend all of max_tokens on whitespace between two tokens; disable_any_whitespace makes it compact instead.
 _JSON_WHITESPACE = {"whitespace_pattern": "[ \\t\\n\\r]{0,24}"}
 _JSON_COMPACT = {"whitespace_flexible": False}
+# Byte value -> its 8 tokens' logit bias (bit b of a byte is token 8 * byte_index + b: llguidance's little-endian
+# bitmask). A table lookup is ~40x faster here than torch's masked_fill with a bool mask.
+_BYTE_TO_BIAS = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, 0.0, -np.inf).astype(np.float32)
 
 
 def _lark_choice(choices: list[str]) -> str:
@@ -45,6 +49,7 @@ class StructuredOutputManager:
         self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
         self.matchers: dict[str, Any] = {}  # sequence id -> llguidance.LLMatcher
         self._executor: ThreadPoolExecutor | None = None
+        self._ll_executor = None  # llguidance's batch executor: one GIL-free call for all rows
         self.mask_time = 0.0  # seconds spent filling masks (overlapped with the forward)
 
     @property
@@ -99,22 +104,35 @@ class StructuredOutputManager:
         for sid in [sid for sid in self.matchers if sid not in live_sequence_ids]:
             del self.matchers[sid]
 
-    def accept(self, sequence_id: str, token_id: int) -> bool:
-        """Advance a sequence's grammar by its sampled token. True when the grammar is complete (the
-        sequence should stop) or the token broke it."""
-        matcher = self.matchers.get(sequence_id)
-        if matcher is None:
-            return False
-        if not matcher.consume_token(token_id):
-            logger.warning("structured output: token %d rejected for %s (%s)", token_id, sequence_id,
-                           matcher.get_error())
-            return True
-        return matcher.is_stopped()
+    @property
+    def ll_executor(self):
+        if self._ll_executor is None:
+            import llguidance
+
+            # One thread: it runs beside the forward, whose threads own the other cores.
+            self._ll_executor = llguidance.LLExecutor(num_threads=1)
+        return self._ll_executor
+
+    def accept(self, sampled: list[tuple[str, int]]) -> list[str]:
+        """Advance each constrained sequence's grammar by its sampled token (free sequences are skipped).
+        Returns the sequences that should stop: their grammar is complete or the token broke it."""
+        # One consume_token call per sequence: ~10 us each, cheaper than llguidance's consume_token_par here.
+        to_stop = []
+        for sid, token in sampled:
+            matcher = self.matchers.get(sid)
+            if matcher is None:
+                continue
+            ok = matcher.consume_token(token)
+            if not ok:
+                logger.warning("structured output: token %d rejected for %s (%s)", token, sid, matcher.get_error())
+            if not ok or matcher.is_stopped():
+                to_stop.append(sid)
+        return to_stop
 
     # ------------------------------------------------------------------------------ masks
     def start_masks(self, sequence_ids: list[str]) -> "Future[torch.Tensor] | None":
-        """Begin computing this step's allowed-token masks (row i <-> sequence_ids[i]; [N, >= V] uint8) on a
-        worker thread; None when none of the rows is constrained."""
+        """Begin computing this step's token masks as a logit bias (row i <-> sequence_ids[i]; [N, >= V] float32,
+        0 where allowed, -inf where not) on a worker thread; None when none of the rows is constrained."""
         rows = [(i, self.matchers[sid]) for i, sid in enumerate(sequence_ids) if sid in self.matchers]
         if not rows:
             return None
@@ -123,14 +141,12 @@ class StructuredOutputManager:
         return self._executor.submit(self._fill, len(sequence_ids), rows)
 
     def _fill(self, num_rows: int, rows: list[tuple[int, Any]]) -> torch.Tensor:
-        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
 
         t0 = time.perf_counter()
         bitmask = allocate_token_bitmask(num_rows, self.vocab_size)  # all ones: free rows allow every token
-        for row, matcher in rows:
-            fill_next_token_bitmask(matcher, bitmask, row)
-        # Bits -> one byte per token, here on the worker rather than in the sampler (bit t%32 of word t//32;
-        # x86 and ARM are little-endian, so that is bit t%8 of byte t//8).
-        allowed = torch.from_numpy(np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little"))
+        fill_next_token_bitmask_par(self.ll_executor, [(matcher, row) for row, matcher in rows], bitmask)
+        # Bit t%32 of word t//32 is bit t%8 of byte t//8 (x86 and ARM are little-endian).
+        bias = np.take(_BYTE_TO_BIAS, bitmask.numpy().view(np.uint8), axis=0).reshape(num_rows, -1)
         self.mask_time += time.perf_counter() - t0
-        return allowed
+        return torch.from_numpy(bias)

@@ -154,7 +154,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput, token_masks: TokenMaskSource | None = None) -> ModelRunnerOutput:
-        """token_masks (structured output): asked for the sampling rows' allowed-token bitmask before the
+        """token_masks (structured output): asked for the sampling rows' token masks (a logit bias) before the
         forward, so that it is computed while the forward runs."""
         for request_id in out.finished_request_ids:
             self.generators.pop(request_id, None)
@@ -198,7 +198,7 @@ class ModelRunner:
         return spans
 
     def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest], result: ModelRunnerOutput,
-                allowed_token_mask: torch.Tensor | None = None) -> None:
+                token_mask_bias: torch.Tensor | None = None) -> None:
         """One row of logits per sampling request, or k + 1 for a request with k drafts (verified here)."""
         requests = [item.request for item in items]
         drafts = [item.spec_token_ids for item in items]
@@ -206,10 +206,10 @@ class ModelRunner:
         rows = [len(d) + 1 for d in drafts]
         row_requests = [r for r, n in zip(requests, rows) for _ in range(n)] if speculative else requests
         meta = self._sampling_metadata(row_requests)
-        if allowed_token_mask is not None:  # one mask row per request (constrained requests never draft)
-            meta.allowed_token_mask = allowed_token_mask.repeat_interleave(
-                torch.tensor(rows, device=allowed_token_mask.device), dim=0) \
-                if speculative else allowed_token_mask
+        if token_mask_bias is not None:  # one mask row per request (constrained requests never draft)
+            meta.token_mask_bias = token_mask_bias.repeat_interleave(
+                torch.tensor(rows, device=token_mask_bias.device), dim=0) \
+                if speculative else token_mask_bias
         logprobs: LogprobsTensors | None
         if speculative:
             draft_probs = [self.drafter.draft_probs(r.request_id) if d else None for r, d in zip(requests, drafts)]

@@ -46,7 +46,7 @@ class SamplingMetadata:
     banned_token_ids: dict[int, list[int]] = field(default_factory=dict)  # row -> ids forced to -inf
     max_num_logprobs: int | None = None  # None: no logprobs; k >= 0: top-k plus the sampled token
     # Structured output: [N, >= V] uint8, 1 where a row may sample the token (all ones: a free row), or None.
-    allowed_token_mask: torch.Tensor | None = None
+    token_mask_bias: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -134,8 +134,8 @@ def processed_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[
     raw_logprobs = None if metadata.max_num_logprobs is None else torch.log_softmax(logits, dim=-1)
     logits = apply_penalties(logits, metadata)
     logits = apply_banned_tokens(logits, metadata.banned_token_ids)
-    if metadata.allowed_token_mask is not None:
-        apply_allowed_token_mask(logits, metadata.allowed_token_mask)
+    if metadata.token_mask_bias is not None:
+        apply_token_mask_bias(logits, metadata.token_mask_bias)
     return logits, raw_logprobs
 
 
@@ -193,13 +193,13 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     return logits
 
 
-def apply_allowed_token_mask(logits: torch.Tensor, allowed: torch.Tensor) -> None:
-    """Structured output: logits[i, t] = -inf where allowed[i, t] == 0 ([N, >= V] uint8; tokens past its width are
-    never allowed). One whole-batch op."""
-    width = min(logits.shape[1], allowed.shape[1])
+def apply_token_mask_bias(logits: torch.Tensor, bias: torch.Tensor) -> None:
+    """Structured output: logits += bias ([N, >= V] float32: 0 where a token is allowed, -inf where not; tokens past
+    its width are never allowed). One whole-batch add, exact for allowed tokens."""
+    width = min(logits.shape[1], bias.shape[1])
     if width < logits.shape[1]:
         logits[:, width:] = float("-inf")
-    logits[:, :width].masked_fill_(allowed[:, :width].to(logits.device) == 0, float("-inf"))
+    logits[:, :width].add_(bias[:, :width].to(logits.device))
 
 
 def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: dict[int, list[int]]) -> torch.Tensor:
