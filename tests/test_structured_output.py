@@ -237,7 +237,13 @@ def test_tool_calls_named_and_required_streamed_equal_full(server):
     chunks = list(c.chat.completions.create(tool_choice="required", stream=True, **common))
     streamed = [tc for ch in chunks if ch.choices and ch.choices[0].delta.tool_calls
                 for tc in ch.choices[0].delta.tool_calls]
-    assert [(t.function.name, t.function.arguments) for t in streamed] == \
+    assert len(streamed) > 2  # the arguments stream in pieces, not whole at the end
+    reassembled: dict[int, list[str]] = {}
+    for piece in streamed:  # the first piece of a call carries its id and name
+        assert (piece.index in reassembled) == (piece.id is None)
+        name, args = reassembled.setdefault(piece.index, [piece.function.name, ""])
+        reassembled[piece.index][1] = args + (piece.function.arguments or "")
+    assert [tuple(v) for _, v in sorted(reassembled.items())] == \
         [(t.function.name, t.function.arguments) for t in full.message.tool_calls]
 
     # a tool result goes back through the template; "auto" needs the server flags
@@ -256,17 +262,76 @@ def test_tool_calls_named_and_required_streamed_equal_full(server):
     assert info.value.body["param"] == "tool_choice"
 
 
-def test_tool_call_parsers():
-    from pagedserve.entrypoints.openai.tool_calls import PARSERS
+def test_auto_tool_choice_hermes_over_http_streams_content_then_the_call(model_dir):
+    """--enable-auto-tool-choice --tool-call-parser hermes on a real server: the model's text is forced into the
+    Hermes format by a regex constraint (a random-weight model would not write it); the server turns it into
+    content + tool_calls, and the streamed deltas (content first, then the call once closed) reassemble to it."""
+    from test_server_helpers import API_KEY, MAIN_ARGS, get_server
 
-    content, calls = PARSERS["hermes"]('ok <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>')
-    assert content == "ok" and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("f", {"a": 1})]
-    assert PARSERS["hermes"]("no calls here") == ("no calls here", [])
-    _, calls = PARSERS["llama3_json"]('{"name": "f", "parameters": {"x": "y"}}; {"name": "g", "parameters": {}}')
-    assert [c.function.name for c in calls] == ["f", "g"]
-    content, calls = PARSERS["mistral"]('[TOOL_CALLS] [{"name": "f", "arguments": {"q": 2}}]')
-    assert content is None and json.loads(calls[0].function.arguments) == {"q": 2}
-    assert PARSERS["mistral"]("[TOOL_CALLS] [broken")[1] == []
+    srv = get_server(model_dir, MAIN_ARGS + ("--enable-auto-tool-choice", "--tool-call-parser", "hermes"))
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    regex = (r'Sure[.!] <tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", "days": [1-7]\}\}'
+             r'</tool_call>')
+    common = dict(model=c.models.list().data[0].id, messages=[{"role": "user", "content": "weather in Paris?"}],
+                  tools=[WEATHER, TIME], temperature=0, max_tokens=80,
+                  extra_body={"structured_outputs": {"regex": regex}})
+    full = c.chat.completions.create(**common).choices[0]
+    assert full.finish_reason == "tool_calls" and full.message.content in ("Sure.", "Sure!")
+    (call,) = full.message.tool_calls
+    assert call.function.name == "get_weather"
+    check_weather(call.function.arguments)
+    chunks = list(c.chat.completions.create(stream=True, **common))
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    assert "".join(d.content or "" for d in deltas) == full.message.content
+    (streamed,) = [tc for d in deltas for tc in d.tool_calls or []]
+    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == \
+        ["tool_calls"]
+
+
+def parse_in_pieces(plan, text: str, parser: str | None, size: int):
+    """Feed the text to a streaming tool-call parser `size` characters at a time -> (content, calls)."""
+    from pagedserve.entrypoints.openai.tool_calls import ToolCallDeltas, assemble, make_tool_call_parser
+
+    tool_parser, deltas = make_tool_call_parser(plan, parser), ToolCallDeltas()
+    for start in range(0, len(text), size):
+        deltas += tool_parser.feed(text[start:start + size])
+    deltas += tool_parser.finish()
+    content, calls = assemble(deltas)
+    return content, [(c.function.name, c.function.arguments) for c in calls]
+
+
+TOOL_OUTPUTS = [  # (plan, parser, text, expected content, expected calls)
+    ("auto", "hermes", 'ok <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', "ok", [("f", '{"a": 1}')]),
+    ("auto", "hermes", 'a <tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"name": "g", '
+                       '"arguments": {"s": "<tool_call>"}}</tool_call> b', "a \n b",
+     [("f", "{}"), ("g", '{"s": "<tool_call>"}')]),
+    ("auto", "hermes", "no calls here <tool_ca", "no calls here <tool_ca", []),
+    ("auto", "hermes", "<tool_call>not json</tool_call> x ", "<tool_call>not json</tool_call> x ", []),
+    ("auto", "llama3_json", '{"name": "f", "parameters": {"x": "y"}}; {"name": "g", "parameters": {}}', None,
+     [("f", '{"x": "y"}'), ("g", "{}")]),
+    ("auto", "llama3_json", "  plain {text}", "  plain {text}", []),
+    ("auto", "llama3_json", '{"not": "a call"}', '{"not": "a call"}', []),
+    ("auto", "mistral", 'hi [TOOL_CALLS] [{"name": "f", "arguments": {"q": 2}}]', "hi", [("f", '{"q": 2}')]),
+    ("auto", "mistral", "[TOOL_CALLS] [broken", "[TOOL_CALLS] [broken", []),
+    ("required", None, '[{"name":"f","parameters":{"a":[1,{"b":"}]\\""}]}},{"name":"g\\"x","parameters":{}}]',
+     None, [("f", '{"a":[1,{"b":"}]\\""}]}'), ('g"x', "{}")]),
+    ("required", None, '[{"name":"f","param', '[{"name":"f","param', []),
+    ("none", None, "just text", "just text", []),
+]
+
+
+@pytest.mark.parametrize("mode,parser,text,content,calls", TOOL_OUTPUTS)
+def test_tool_call_parsers_stream_in_any_pieces(mode, parser, text, content, calls):
+    """Every parser gives the same content and calls whether the text comes whole or a few characters at a
+    time (what makes streamed deltas reassemble to the non-streamed answer)."""
+    from pagedserve.entrypoints.openai.tool_calls import ToolPlan
+
+    plan = ToolPlan(mode)
+    for size in (len(text) or 1, 1, 2, 5):
+        assert parse_in_pieces(plan, text, parser, size) == (content, calls), size
+    named = ToolPlan("named", function_name="f")
+    assert parse_in_pieces(named, '{"a":1}', None, 3) == (None, [("f", '{"a":1}')])
 
 
 def test_mask_bias_allows_exactly_the_grammars_tokens(llm):

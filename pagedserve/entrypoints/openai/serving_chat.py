@@ -18,7 +18,7 @@ from pagedserve.entrypoints.openai.protocol import (ChatCompletionLogProbs, Chat
 from pagedserve.entrypoints.openai.serving_engine import (SSE_DONE, ChoiceState, OpenAIServing, SSEResponse,
                                                           chat_logprobs,
                                                           merge_streams, new_request_id, run_unless_disconnected)
-from pagedserve.entrypoints.openai.tool_calls import (ToolPlan, extract_tool_calls, new_call_id, plan_tools,
+from pagedserve.entrypoints.openai.tool_calls import (ToolPlan, extract_tool_calls, make_tool_call_parser, plan_tools,
                                                       template_tools)
 from pagedserve.errors import InvalidRequestError
 
@@ -70,14 +70,6 @@ class OpenAIServingChat(OpenAIServing):
         content, calls = extract_tool_calls(plan, st.text, self.tool_call_parser)
         return content, calls, "tool_calls" if calls and st.finish_reason == "stop" else st.finish_reason
 
-    def _whole_tool_calls_chunk(self, plan: ToolPlan, st: ChoiceState) -> ChatCompletionStreamChoice:
-        content, calls, finish = self._tool_calls(plan, st)
-        deltas = [DeltaToolCall(index=i, id=call.id, type="function",
-                                function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments))
-                  for i, call in enumerate(calls)]
-        return ChatCompletionStreamChoice(index=st.index, delta=DeltaMessage(content=content, tool_calls=deltas or None),
-                                          finish_reason=finish, stop_reason=st.stop_reason)
-
     async def _full(self, req: ChatCompletionRequest, plan: ToolPlan, request_id: str, created: int, model: str,
                     prompt: list[int], stream: RequestStream) -> JSONResponse:
         states = [ChoiceState(index=i) for i in range(req.n)]
@@ -108,10 +100,11 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, req: ChatCompletionRequest, plan: ToolPlan, request_id: str, created: int, model: str,
                       prompt: list[int], stream: RequestStream) -> AsyncIterator[str]:
-        """Named function: the arguments stream as delta.tool_calls pieces (the first one carries id and name).
-        required / auto: the text is held until the choice ends, then its calls (or its text) go out whole, so
-        the concatenated deltas always equal the non-streamed result."""
+        """Content and tool calls stream as the text grows, through the same parser as the non-streamed answer
+        (tool_calls.py), so the concatenated deltas always equal it: a named or required call's arguments stream
+        piece by piece (the first piece carries id and name); an "auto" call goes out whole once closed."""
         states = [ChoiceState(index=i) for i in range(req.n)]
+        parsers = [make_tool_call_parser(plan, self.tool_call_parser) for _ in states]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         num_top = req.top_logprobs or 0
@@ -136,28 +129,25 @@ class OpenAIServingChat(OpenAIServing):
                     st.text += c.text
                     if c.finish_reason is not None:
                         st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
-                    if plan.mode in ("required", "auto"):
-                        if c.finish_reason is not None:
-                            yield chunk(self._whole_tool_calls_chunk(plan, st))
-                        continue
-                    if not c.text and c.finish_reason is None and not (req.logprobs and c.token_ids):
+                    deltas = parsers[c.index].feed(c.text)
+                    if c.finish_reason is not None:
+                        deltas += parsers[c.index].finish()
+                    if not deltas.content and not deltas.calls and c.finish_reason is None \
+                            and not (req.logprobs and c.token_ids):
                         continue
                     logprobs = None
                     if req.logprobs:
                         logprobs = ChatCompletionLogProbs(
                             content=chat_logprobs(self.tokenizer, c.token_ids, c.logprobs or [], num_top))
+                    calls = [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
+                                           function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
+                             for d in deltas.calls]
                     finish = c.finish_reason
-                    if plan.mode == "named":
-                        call = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=c.text))
-                        if not st.started:
-                            st.started = True
-                            call.id, call.type, call.function.name = new_call_id(), "function", plan.function_name
-                        delta = DeltaMessage(tool_calls=[call])
-                        finish = "tool_calls" if finish == "stop" else finish
-                    else:
-                        delta = DeltaMessage(content=c.text) if c.text or c.finish_reason is None else DeltaMessage()
-                    yield chunk(ChatCompletionStreamChoice(index=st.index, delta=delta, logprobs=logprobs,
-                                                           finish_reason=finish, stop_reason=c.stop_reason))
+                    if finish == "stop" and parsers[c.index].num_calls:
+                        finish = "tool_calls"
+                    yield chunk(ChatCompletionStreamChoice(
+                        index=st.index, delta=DeltaMessage(content=deltas.content or None, tool_calls=calls or None),
+                        logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason))
                 if out.finished:
                     cached = out.num_cached_tokens or 0
             if include_usage:

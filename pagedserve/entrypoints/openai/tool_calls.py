@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ResponseFunctionCall, ResponseToolCall
@@ -97,62 +97,326 @@ def _loads_or_text(text: str) -> Any:
         return text
 
 
-def _call(name: str, arguments: Any) -> ResponseToolCall:
-    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return ResponseToolCall(id=new_call_id(), function=ResponseFunctionCall(name=name, arguments=args))
+# ---------------------------------------------------------------------------------------------- output -> calls
+@dataclass
+class CallDelta:
+    """A piece of one tool call: its first piece carries the id and the name."""
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+
+@dataclass
+class ToolCallDeltas:
+    content: str = ""
+    calls: list[CallDelta] = field(default_factory=list)
+
+    def __iadd__(self, other: "ToolCallDeltas") -> "ToolCallDeltas":
+        self.content += other.content
+        self.calls += other.calls
+        return self
+
+
+class ToolCallParser:
+    """Turns one choice's text into content and tool calls as the text grows: feed() each new piece, finish() at
+    the end. The non-streamed answer runs the same parser over the whole text, so the streamed deltas always
+    reassemble to it. This base class is the plain-text case (no tools, or tool_choice "none")."""
+
+    def __init__(self) -> None:
+        self.buffer = ""
+        self.num_calls = 0
+
+    def feed(self, text: str) -> ToolCallDeltas:
+        self.buffer += text
+        return self._scan()
+
+    def finish(self) -> ToolCallDeltas:
+        return self._flush()
+
+    def _scan(self) -> ToolCallDeltas:
+        out = ToolCallDeltas(content=self.buffer)
+        self.buffer = ""
+        return out
+
+    def _flush(self) -> ToolCallDeltas:
+        return self._scan()
+
+    def _start_call(self, out: ToolCallDeltas, name: str, arguments: str = "") -> None:
+        out.calls.append(CallDelta(self.num_calls, arguments, new_call_id(), name))
+        self.num_calls += 1
+
+    def _add_arguments(self, out: ToolCallDeltas, arguments: str) -> None:
+        if arguments:
+            out.calls.append(CallDelta(self.num_calls - 1, arguments))
+
+
+class NamedCallParser(ToolCallParser):
+    """tool_choice names a function: the whole (grammar-constrained) output is its arguments, streamed as is."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def _scan(self) -> ToolCallDeltas:
+        out = ToolCallDeltas()
+        if self.num_calls == 0:
+            self._start_call(out, self.name, self.buffer)
+        else:
+            self._add_arguments(out, self.buffer)
+        self.buffer = ""
+        return out
+
+
+_REQUIRED_ITEM_HEAD = re.compile(r'\{"name":("(?:[^"\\]|\\.)*"),"parameters":')
+
+
+class RequiredCallsParser(ToolCallParser):
+    """tool_choice "required": the output is grammar-constrained compact JSON, `[{"name":N,"parameters":{...}},
+    ...]`. A call starts as soon as its name is complete; its arguments stream as their raw JSON text."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text = ""  # all of it: content if no call ever starts
+        self.state = "open"  # open -> item -> args -> close -> item ... -> done
+        self.depth = 0
+        self.in_string = self.escaped = False
+
+    def feed(self, text: str) -> ToolCallDeltas:
+        self.text += text
+        return super().feed(text)
+
+    def _scan(self) -> ToolCallDeltas:
+        out = ToolCallDeltas()
+        pos, text = 0, self.buffer
+        while pos < len(text) and self.state != "done":
+            if self.state == "args":
+                end = self._args_end(text, pos)
+                self._add_arguments(out, text[pos:end])
+                pos = end
+                if self.depth == 0:
+                    self.state = "close"
+            elif self.state == "item" and text[pos] == "{":
+                head = _REQUIRED_ITEM_HEAD.match(text, pos)
+                if head is None:
+                    break  # the head is still incomplete
+                self._start_call(out, json.loads(head.group(1)))
+                self.state, pos = "args", head.end()
+            else:  # "[" opens, "," separates, "}" closes an item, "]" ends
+                self.state = {"]": "done", "}": "item"}.get(text[pos], "item")
+                pos += 1
+        self.buffer = text[pos:]
+        return out
+
+    def _args_end(self, text: str, pos: int) -> int:
+        """Where the arguments value ends in text[pos:] (len(text) if it goes on), tracking JSON nesting."""
+        for i in range(pos, len(text)):
+            ch = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return len(text)
+
+    def _flush(self) -> ToolCallDeltas:
+        # Cut short (max_tokens) before any call started: what there is stays content.
+        out = ToolCallDeltas(content=self.text if self.num_calls == 0 else "")
+        self.buffer = ""
+        return out
+
+
+class _MarkedCallsParser(ToolCallParser):
+    """Formats whose calls follow a marker in free text: the text before streams as content (held back only
+    while it could be the start of the marker); whitespace next to a call is dropped."""
+    marker = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_calls = False
+        self.pending_space = ""  # trailing whitespace: content only if more content follows
+        self.content_started = False
+
+    def _content(self, out: ToolCallDeltas, text: str) -> None:
+        body = text.rstrip()
+        trailing = text[len(body):]
+        if body:
+            body = self.pending_space + body
+            if self.num_calls and not self.content_started:
+                body = body.lstrip()  # the content starts after a call: no leading space
+            out.content += body
+            self.pending_space, self.content_started = "", True
+        self.pending_space += trailing
+
+    def _scan(self) -> ToolCallDeltas:
+        out = ToolCallDeltas()
+        while True:
+            if self.in_calls:
+                if not self._scan_calls(out):
+                    return out
+                continue
+            at = self.buffer.find(self.marker)
+            if at < 0:
+                keep = _partial_marker_length(self.buffer, self.marker)
+                self._content(out, self.buffer[:len(self.buffer) - keep])
+                self.buffer = self.buffer[len(self.buffer) - keep:]
+                return out
+            self._content(out, self.buffer[:at])
+            self.buffer, self.in_calls = self.buffer[at + len(self.marker):], True
+
+    def _scan_calls(self, out: ToolCallDeltas) -> bool:
+        """Consume calls from the buffer (after the marker); True when back in text."""
+        return False
+
+    def _calls_complete(self, out: ToolCallDeltas, body: str, items: Any) -> None:
+        """Emit whole calls from a parsed body, or the marker and body as content if they are not calls."""
+        try:
+            calls = [(item["name"], _arguments_text(item.get("arguments", item.get("parameters", {}))))
+                     for item in items]
+        except (TypeError, KeyError, AttributeError):
+            calls = None
+        if calls is None:
+            self._content(out, self.marker + body)
+            return
+        for name, arguments in calls:
+            self._start_call(out, name, arguments)
+
+    def _flush(self) -> ToolCallDeltas:
+        out = ToolCallDeltas()
+        if self.in_calls:
+            self._unterminated(out)
+        else:
+            self._content(out, self.buffer)
+        self.buffer = ""
+        if not self.num_calls:
+            out.content += self.pending_space
+        return out
+
+    def _unterminated(self, out: ToolCallDeltas) -> None:
+        self._content(out, self.marker + self.buffer)
+
+
+def _partial_marker_length(text: str, marker: str) -> int:
+    """The longest suffix of text that is a proper prefix of marker."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _arguments_text(arguments: Any) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+class HermesParser(_MarkedCallsParser):
+    """Hermes / Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, each call whole once closed."""
+    marker, end_marker = "<tool_call>", "</tool_call>"
+
+    def _scan_calls(self, out: ToolCallDeltas) -> bool:
+        at = self.buffer.find(self.end_marker)
+        if at < 0:
+            return False
+        body, self.buffer, self.in_calls = self.buffer[:at], self.buffer[at + len(self.end_marker):], False
+        obj = _json_or_none(body.strip())
+        if isinstance(obj, dict):
+            self._calls_complete(out, body, [obj])
+        else:
+            self._content(out, self.marker + body + self.end_marker)
+        return True
+
+
+class MistralParser(_MarkedCallsParser):
+    """Mistral: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` to the end of the output."""
+    marker = "[TOOL_CALLS]"
+
+    def _unterminated(self, out: ToolCallDeltas) -> None:
+        items = _json_or_none(self.buffer.strip())
+        self._calls_complete(out, self.buffer, items if isinstance(items, list) else None)
+
+
+class Llama3JsonParser(ToolCallParser):
+    """Llama 3: the whole reply is `{"name": ..., "parameters": ...}` (calls separated by ";"), optionally after
+    `<|python_tag|>`. Decided by the first non-space characters: a reply that starts as JSON is held to the
+    end and becomes calls (or, if it does not parse as calls, content); any other reply streams as content."""
+    python_tag = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mode = "undecided"  # -> "text" | "json"
+
+    def _scan(self) -> ToolCallDeltas:
+        if self.mode == "undecided":
+            head = self.buffer.lstrip()
+            if not head or self.python_tag.startswith(head):
+                return ToolCallDeltas()
+            self.mode = "json" if head.startswith(("{", self.python_tag)) else "text"
+        if self.mode == "json":
+            return ToolCallDeltas()
+        return super()._scan()
+
+    def _flush(self) -> ToolCallDeltas:
+        if self.mode != "json":
+            return super()._scan()
+        out = ToolCallDeltas()
+        parts = [_json_or_none(part) for part in self.buffer.strip().removeprefix(self.python_tag).split(";")]
+        try:
+            calls = [(obj["name"], _arguments_text(obj.get("parameters", obj.get("arguments", {})))) for obj in parts]
+        except (TypeError, KeyError):
+            calls = None
+        if calls is None:
+            out.content = self.buffer
+        for name, arguments in calls or []:
+            self._start_call(out, name, arguments)
+        self.buffer = ""
+        return out
+
+
+PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
+
+
+def make_tool_call_parser(plan: ToolPlan, parser: str | None) -> ToolCallParser:
+    if plan.mode == "named":
+        return NamedCallParser(plan.function_name or "")
+    if plan.mode == "required":
+        return RequiredCallsParser()
+    if plan.mode == "auto" and parser is not None:
+        return PARSERS[parser]()
+    return ToolCallParser()
 
 
 def extract_tool_calls(plan: ToolPlan, text: str, parser: str | None) -> tuple[str | None, list[ResponseToolCall]]:
-    """-> (remaining content, tool calls) of a finished output."""
-    if plan.mode == "named":
-        return None, [_call(plan.function_name or "", text)]
-    if plan.mode == "required":
-        try:
-            return None, [_call(item["name"], item["parameters"]) for item in json.loads(text)]
-        except (ValueError, TypeError, KeyError):  # cut short by max_tokens: no complete call
-            return text, []
-    if plan.mode == "auto" and parser is not None:
-        return PARSERS[parser](text)
-    return text, []
+    """-> (content, tool calls) of a finished output: the streamed parser run over the whole text."""
+    tool_parser = make_tool_call_parser(plan, parser)
+    deltas = tool_parser.feed(text)
+    deltas += tool_parser.finish()
+    return assemble(deltas)
 
 
-def _parse_hermes(text: str) -> tuple[str | None, list[ResponseToolCall]]:
-    calls, spans = [], []
-    for match in re.finditer(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.DOTALL):
-        try:
-            obj = json.loads(match.group(1))
-            calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
-            spans.append(match.span())
-        except (ValueError, TypeError, KeyError):
-            continue
-    for start, end in reversed(spans):
-        text = text[:start] + text[end:]
-    return (text.strip() or None) if calls else text, calls
-
-
-def _parse_llama3_json(text: str) -> tuple[str | None, list[ResponseToolCall]]:
-    body = text.strip().removeprefix("<|python_tag|>")
-    if not body.startswith("{"):
-        return text, []
-    calls = []
-    for part in body.split(";"):
-        try:
-            obj = json.loads(part)
-            calls.append(_call(obj["name"], obj.get("parameters", obj.get("arguments", {}))))
-        except (ValueError, TypeError, KeyError):
-            return text, []
-    return None, calls
-
-
-def _parse_mistral(text: str) -> tuple[str | None, list[ResponseToolCall]]:
-    head, sep, tail = text.partition("[TOOL_CALLS]")
-    if not sep:
-        return text, []
-    try:
-        calls = [_call(obj["name"], obj.get("arguments", {})) for obj in json.loads(tail.strip())]
-    except (ValueError, TypeError, KeyError):
-        return text, []
-    return head.strip() or None, calls
-
-
-PARSERS = {"hermes": _parse_hermes, "llama3_json": _parse_llama3_json, "mistral": _parse_mistral}
+def assemble(deltas: ToolCallDeltas) -> tuple[str | None, list[ResponseToolCall]]:
+    calls: list[ResponseToolCall] = []
+    for piece in deltas.calls:
+        if piece.id is not None:
+            calls.append(ResponseToolCall(id=piece.id, function=ResponseFunctionCall(name=piece.name or "",
+                                                                                     arguments=piece.arguments)))
+        else:
+            calls[piece.index].function.arguments += piece.arguments
+    if not calls:
+        return deltas.content, []
+    return deltas.content or None, calls
