@@ -35,8 +35,40 @@ class VerifiedTokens:
 def rejection_sample(logits: torch.Tensor, metadata: SamplingMetadata, drafts: DraftBatch,
                      default_generator: torch.Generator | None) -> VerifiedTokens:
     """logits: [sum(k_b + 1), V]; metadata: one row per logits row (a request's params repeated k_b + 1 times)."""
-    device = logits.device
     logits, raw_logprobs = processed_logits(logits, metadata)
+    greedy_ids = logits.argmax(dim=-1)
+    if metadata.all_greedy:  # the common case, and cheap: one argmax, then each request's leading matches
+        token_ids = _accept_greedy(greedy_ids.tolist(), drafts.token_ids)
+    else:
+        token_ids = _accept_sampled(logits, greedy_ids, metadata, drafts, default_generator)
+    logprobs = None
+    if raw_logprobs is not None:
+        row_start = 0
+        rows = []
+        for d, ids in zip(drafts.token_ids, token_ids):
+            rows += range(row_start, row_start + len(ids))
+            row_start += len(d) + 1
+        produced = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long, device=logits.device)
+        logprobs = gather_logprobs(raw_logprobs[torch.tensor(rows, device=logits.device)], produced,
+                                   metadata.max_num_logprobs)
+    return VerifiedTokens(token_ids, logprobs)
+
+
+def _accept_greedy(argmax: list[int], drafts: list[list[int]]) -> list[list[int]]:
+    """Per request: its drafts while they equal the argmax of their row, then the argmax after the last one kept."""
+    token_ids, row = [], 0
+    for draft in drafts:
+        targets = argmax[row:row + len(draft) + 1]
+        num_accepted = next((j for j, (d, t) in enumerate(zip(draft, targets)) if d != t), len(draft))
+        token_ids.append(draft[:num_accepted] + [targets[num_accepted]])
+        row += len(draft) + 1
+    return token_ids
+
+
+def _accept_sampled(logits: torch.Tensor, greedy_ids: torch.Tensor, metadata: SamplingMetadata, drafts: DraftBatch,
+                    default_generator: torch.Generator | None) -> list[list[int]]:
+    """Rejection sampling for a batch with random rows (greedy rows in it are verified as in _accept_greedy)."""
+    device = logits.device
     num_drafts = torch.tensor([len(d) for d in drafts.token_ids], dtype=torch.long)
     row_start = torch.cumsum(num_drafts + 1, 0) - (num_drafts + 1)
     bonus_rows = (row_start + num_drafts).to(device)
@@ -47,28 +79,23 @@ def rejection_sample(logits: torch.Tensor, metadata: SamplingMetadata, drafts: D
     draft_rows = (row_start[req_of_draft] + pos_of_draft).to(device)
     draft_ids = torch.tensor([t for d in drafts.token_ids for t in d], dtype=torch.long, device=device)
 
-    greedy_ids = logits.argmax(dim=-1)
-    accepted = greedy_ids[draft_rows] == draft_ids
-    recovered = greedy_ids[draft_rows]
-    bonus = greedy_ids[bonus_rows]
-    if not metadata.all_greedy:
-        is_greedy = metadata.temperature < SAMPLING_EPS
-        probs = sampling_probs(logits, metadata)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-        q = _draft_distributions(drafts, draft_ids, probs.shape[1], device)
-        p_draft = probs[draft_rows]
-        index = torch.arange(len(draft_ids), device=device)
-        u = uniforms(len(draft_ids), _rows_generators(metadata, draft_rows), default_generator, device)
-        keep = u * q[index, draft_ids].double() < p_draft[index, draft_ids].double()
-        residual = (p_draft - q).clamp_min_(0.0)
-        exhausted = residual.sum(dim=-1) <= 0  # p == q on this row: nothing left to correct, p itself is exact
-        residual[exhausted] = p_draft[exhausted]
-        draft_greedy = is_greedy[draft_rows]
-        accepted = torch.where(draft_greedy, accepted, keep)
-        recovered = torch.where(draft_greedy, recovered, inverse_cdf_sample(
-            residual, _rows_generators(metadata, draft_rows), default_generator))
-        bonus = torch.where(is_greedy[bonus_rows], bonus, inverse_cdf_sample(
-            probs[bonus_rows], _rows_generators(metadata, bonus_rows), default_generator))
+    is_greedy = metadata.temperature < SAMPLING_EPS
+    probs = sampling_probs(logits, metadata)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    q = _draft_distributions(drafts, draft_ids, probs.shape[1], device)
+    p_draft = probs[draft_rows]
+    index = torch.arange(len(draft_ids), device=device)
+    u = uniforms(len(draft_ids), _rows_generators(metadata, draft_rows), default_generator, device)
+    keep = u * q[index, draft_ids].double() < p_draft[index, draft_ids].double()
+    residual = (p_draft - q).clamp_min_(0.0)
+    exhausted = residual.sum(dim=-1) <= 0  # p == q on this row: nothing left to correct, p itself is exact
+    residual[exhausted] = p_draft[exhausted]
+    draft_greedy = is_greedy[draft_rows]
+    accepted = torch.where(draft_greedy, greedy_ids[draft_rows] == draft_ids, keep)
+    recovered = torch.where(draft_greedy, greedy_ids[draft_rows], inverse_cdf_sample(
+        residual, _rows_generators(metadata, draft_rows), default_generator))
+    bonus = torch.where(is_greedy[bonus_rows], greedy_ids[bonus_rows], inverse_cdf_sample(
+        probs[bonus_rows], _rows_generators(metadata, bonus_rows), default_generator))
 
     # accepted drafts per request: the length of the leading run of accepted positions
     table = torch.zeros(len(num_drafts), int(num_drafts.max()) + 1, dtype=torch.bool)
@@ -77,15 +104,7 @@ def rejection_sample(logits: torch.Tensor, metadata: SamplingMetadata, drafts: D
     first_rejected = (torch.cumsum(num_drafts, 0) - num_drafts + num_accepted).clamp_max(max(len(draft_ids) - 1, 0))
     rejected_token = recovered.cpu()[first_rejected] if len(draft_ids) else bonus.cpu()
     final = torch.where(num_accepted < num_drafts, rejected_token, bonus.cpu()).tolist()
-    num_accepted_list = num_accepted.tolist()
-    token_ids = [d[:a] + [t] for d, a, t in zip(drafts.token_ids, num_accepted_list, final)]
-
-    logprobs = None
-    if raw_logprobs is not None:
-        rows = torch.cat([torch.arange(s, s + a + 1) for s, a in zip(row_start.tolist(), num_accepted_list)])
-        produced = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long, device=device)
-        logprobs = gather_logprobs(raw_logprobs[rows.to(device)], produced, metadata.max_num_logprobs)
-    return VerifiedTokens(token_ids, logprobs)
+    return [d[:a] + [t] for d, a, t in zip(drafts.token_ids, num_accepted.tolist(), final)]
 
 
 def _draft_distributions(drafts: DraftBatch, draft_ids: torch.Tensor, vocab_size: int,
