@@ -109,6 +109,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="where the exported OpenVINO IRs live (default: next to --model, MODEL-ov-<format>)")
     p.add_argument("--ov-int8-hint", default="f32", choices=["f32", "bf16"],
                    help="OpenVINO INFERENCE_PRECISION_HINT in the int8 group (f32 = pagedserve's int8 activations)")
+    p.add_argument("--structured-output", default=None, choices=["json_schema", "regex", "choice"],
+                   help="also run every workload constrained (bench serve --structured-output), right after the free "
+                        "run on the same server, with fresh prompts (seed + 1000; give --random-range-ratio 0 for the "
+                        "same lengths): rows PRECISION+KIND, to compare what a constraint costs each engine")
     p.add_argument("--serve-args", default="", help="extra flags for `pagedserve serve` (one string)")
     p.add_argument("--vllm-args", default="", help="extra flags for `vllm serve` (one string)")
     p.add_argument("--vllm-preload", default="none",
@@ -136,13 +140,16 @@ def build_samples(args):
     return sbs.build_samples(args)
 
 
-def workload_args(args, conc: int) -> argparse.Namespace:
+def workload_args(args, conc: int, fresh: bool = False) -> argparse.Namespace:
     """args with the workload of the runs at concurrency `conc`: --c1-num-prompts at C=1, and seed + C for every C
-    but the largest (fresh prompts per C: no run may find the previous run's prompts in the prefix cache)."""
+    but the largest (fresh prompts per C: no run may find the previous run's prompts in the prefix cache).
+    fresh: other prompts again (a constrained rerun of the same C); the same lengths when --random-range-ratio is 0."""
     n = args.c1_num_prompts if conc == 1 and args.c1_num_prompts else args.num_prompts
     seed = args.seed
     if not args.same_prompts_every_c and conc != max(args.concurrencies):
         seed = args.seed + conc
+    if fresh:
+        seed += 1000
     return argparse.Namespace(**dict(vars(args), num_prompts=n, seed=seed))
 
 
@@ -259,24 +266,28 @@ def result_name(engine: str, precision: str, conc: int) -> str:
 
 def serve_each_concurrency(engine: str, label: str, precision: str, base_url: str, name: str, args, out_dir: str,
                            workloads, rows: list, skipped: dict, notes: str) -> None:
-    """`bench serve` against one running server at every --concurrency; a row each, or a skip note."""
+    """`bench serve` against one running server at every --concurrency; a row each, or a skip note. With
+    --structured-output the same requests run twice back to back, free and constrained (a row "PRECISION+KIND")."""
     for c in args.concurrencies:
-        res = run_bench_serve(engine, precision, base_url, name, c, args, out_dir)
-        if res is None:
-            skipped[f"{label} {precision} C={c}"] = "bench serve failed"
-            continue
-        rows.append(make_row(engine, precision, c, res, workloads[c], notes=notes))
+        for structured in (None, args.structured_output) if args.structured_output else (None,):
+            row_precision = precision if structured is None else f"{precision}+{structured}"
+            res = run_bench_serve(engine, row_precision, base_url, name, c, args, out_dir, structured)
+            if res is None:
+                skipped[f"{label} {row_precision} C={c}"] = "bench serve failed"
+                continue
+            rows.append(make_row(engine, row_precision, c, res, workloads[c], notes=notes))
 
 
 def run_bench_serve(engine: str, precision: str, base_url: str, served_name: str, conc: int, args,
-                    out_dir: str) -> dict | None:
+                    out_dir: str, structured: str | None = None) -> dict | None:
     fname = result_name(engine, precision, conc)
     cmd = sbs.pagedserve_cmd("bench", "serve", "--base-url", base_url, "--model", served_name,
-                             *sbs.dataset_flags(workload_args(args, conc)), "--ignore-eos", "--request-rate", "inf",
+                             *sbs.dataset_flags(workload_args(args, conc, fresh=structured is not None)), "--ignore-eos", "--request-rate", "inf",
                              "--max-concurrency", str(conc), "--percentile-metrics", "ttft,tpot,itl,e2el",
                              "--metric-percentiles", "50,99", "--label", f"{engine}-{precision}", "--save-result",
                              "--result-dir", out_dir, "--result-filename", fname, "--disable-tqdm",
-                             "--ready-check-timeout-sec", "300")
+                             "--ready-check-timeout-sec", "300",
+                             *(("--structured-output", structured) if structured else ()))
     log(f"[{LABELS[engine]} {precision}] C={conc}: {' '.join(cmd)}")
     r = subprocess.run(cmd, env=sbs.subprocess_env())
     path = os.path.join(out_dir, fname)
