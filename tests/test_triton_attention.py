@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available():  # before triton is first imported: it patches triton.language then
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[triton]')")
 
