@@ -89,10 +89,13 @@ def test_prefill_steps_and_big_batches_run_eagerly():
     assert not DecodeGraphs.fits(big)
 
 
-def test_padded_static_decode_matches_transformers(tiny_model_dir, tiny_tokenizer, monkeypatch):
+@pytest.mark.parametrize("capture", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="recording a CUDA graph needs a GPU"))])
+def test_padded_static_decode_matches_transformers(capture, tiny_model_dir, tiny_tokenizer, monkeypatch):
     """Whole generations whose decode steps run through the graph path's padded static buffers (rows padded to
-    8 and 4, block tables to a power of two, padding rows' K/V writes skipped) on the Triton kernels in the
-    interpreter: greedy tokens equal HF's float32 ones."""
+    8 and 4, block tables to a power of two, padding rows' K/V writes skipped) on the Triton kernels (in the
+    interpreter without a GPU; captured and replayed as CUDA graphs with one): greedy tokens equal HF's float32
+    ones."""
     pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[triton]')")
     monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "triton")
     attention.uses_triton.cache_clear()
@@ -103,7 +106,9 @@ def test_padded_static_decode_matches_transformers(tiny_model_dir, tiny_tokenize
         prompts = mixed_prompts(tiny_tokenizer, n=5, lengths=(5, 24))
         llm = LLM(str(model_dir), dtype="float32", num_threads=1, num_kv_blocks=64, block_size=4)
         runner = llm.llm_engine.runner
-        runner.decode_graphs = DecodeGraphs(runner.run_model, runner.block_size, runner.device, capture=False)
+        if not capture:
+            runner.decode_graphs = DecodeGraphs(runner.run_model, runner.block_size, runner.device, capture=False)
+        assert runner.decode_graphs is not None and runner.decode_graphs.capture == capture
         max_tokens = [3, 6, 6, 6, 6]  # 5 decode rows (padded to 8), then 4 (no padding)
         outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False, sampling_params=[
             SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in max_tokens])

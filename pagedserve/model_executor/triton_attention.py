@@ -8,7 +8,8 @@ float32/bfloat16/float16; arithmetic is float32 (online softmax), the output is 
     row (a CUDA graph's batch padded to a captured size) and writes nothing.
   * decode: one query token per row. A program takes one row, one KV head and one partition of the context
     (split-K: a long context is cut into PARTITION tokens so a small batch still fills the GPU), scores the
-    KV head's whole group of query heads (GQA: K/V read once per group) and keeps an unnormalised partial output
+    KV head's whole group of query heads (GQA: K/V read once per group; the group padded to 16 rows for a
+    tensor-core dot) and keeps an unnormalised partial output
     with its running max and sum; a second small kernel merges the partitions (log-sum-exp). The number of
     partitions follows the block table's width, so a CUDA graph (static width) keeps one grid.
   * prefill chunk: one program per (tile of BLOCK_M query rows, query head) walks the chunk's context through its
@@ -36,9 +37,22 @@ DECODE_PARTITION = 512
 DECODE_BLOCK_N = 32  # tokens per K/V tile inside a partition
 PREFILL_BLOCK_M = 64  # query rows per prefill program
 PREFILL_BLOCK_N = 64  # context tokens per tile
-# Triton's interpreter (3.9) computes a bfloat16 tl.dot wrongly, so there a bfloat16 prefill takes the float32
-# dot (the same kernel, operands upcast); bfloat16 tensor-core dots are checked on a GPU only.
+# Triton's interpreter (3.9) computes a bfloat16 tl.dot wrongly, so there bfloat16 attention takes the float32
+# dot (the same kernels, operands upcast); bfloat16 tensor-core dots are checked on a GPU only.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _fp32_dot(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 or (INTERPRETED and dtype == torch.bfloat16)
+
+
+@triton.jit
+def _dot(a, b, FP32: tl.constexpr):
+    """a @ b with float32 accumulation: exact float32 (no TF32 rounding, so a float32 model's greedy outputs match
+    the float32 CPU path) when FP32, else tensor cores on the operands' 16-bit dtype."""
+    if FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
 
 
 @triton.jit
@@ -80,18 +94,18 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, c
                              stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
                              num_heads, head_dim, group_size, num_partitions,
                              BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+                             BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
-    context_len = tl.load(context_lens_ptr + row)
+    context_len = tl.load(context_lens_ptr + row).to(tl.int32)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = kv_head * group_size + g
     g_mask = g < group_size
     d_mask = d < head_dim
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32) * scale
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -103,15 +117,14 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, c
         block = tl.load(block_table_ptr + row * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0)
         kv_off = block * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        # [G, N]: a decode row has one query per head, too few rows for a tensor-core dot; it is bandwidth-bound
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        s = _dot(q, tl.trans(k), FP32_DOT) * scale  # [G, N]: the group's query heads padded to 16 rows
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, FP32_DOT)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     # partials laid out [row, head, partition(, dim)]; an empty partition leaves max -inf, sum 0
@@ -154,13 +167,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_out = torch.empty((rows, num_heads, num_partitions, head_dim), dtype=torch.float32, device=q.device)
     part_max = torch.empty((rows, num_heads, num_partitions), dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dimension >= 16
     _decode_partition_kernel[(rows, num_kv_heads, num_partitions)](
         q, k_cache, v_cache, block_tables, context_lens, part_out, part_max, part_sum, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         num_heads, head_dim, group, num_partitions,
         BLOCK_SIZE=block_size, PARTITION=partition, BLOCK_N=block_n,
-        BLOCK_G=triton.next_power_of_2(group), BLOCK_D=block_d)
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, FP32_DOT=_fp32_dot(q.dtype))
     _decode_reduce_kernel[(rows, num_heads)](
         part_out, part_max, part_sum, out, out.stride(0), out.stride(1), num_heads, head_dim, num_partitions,
         BLOCK_P=triton.next_power_of_2(num_partitions), BLOCK_D=block_d)
@@ -181,8 +194,6 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_ids_ptr, out_ptr, sca
     d_mask = d < head_dim
     q = tl.load(q_ptr + m[:, None] * stride_qt + head * stride_qh + d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    if FP32_DOT:
-        q = q.to(tl.float32)
     q_pos = first_pos + m  # the rows' positions in the whole context
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -196,21 +207,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_ids_ptr, out_ptr, sca
         kv_off = block * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        if FP32_DOT:  # no TF32 rounding: a float32 model's greedy outputs match the float32 CPU path
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:  # tensor cores, float32 accumulation
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale
+        s = _dot(q, tl.trans(k), FP32_DOT) * scale
         s = tl.where((n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        if FP32_DOT:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(q.dtype), v)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, FP32_DOT)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     o = acc / l_i[:, None]  # every row sees at least itself: l_i > 0 for real rows
@@ -232,8 +235,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         num_tokens, context_len - num_tokens, head_dim, num_heads // num_kv_heads,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         # tl.dot needs every dimension >= 16
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        FP32_DOT=q.dtype == torch.float32 or (INTERPRETED and q.dtype == torch.bfloat16))
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), FP32_DOT=_fp32_dot(q.dtype))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
