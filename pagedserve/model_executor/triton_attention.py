@@ -56,6 +56,24 @@ def _dot(a, b, FP32: tl.constexpr):
 
 
 @triton.jit
+def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_ptr, n, n_mask, visible, kv_head, d, d_mask, scale,
+                 stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr, FP32_DOT: tl.constexpr):
+    """Folds one tile of context tokens `n` (found through the block table at table_ptr) into the online-softmax
+    state (running max m_i, sum l_i, unnormalised output acc) of the query rows q; visible [rows, N] says which
+    (query, key) pairs count. Returns the new state."""
+    block = tl.load(table_ptr + n // BLOCK_SIZE, mask=n_mask, other=0)
+    kv_off = block * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    s = tl.where(visible, _dot(q, tl.trans(k), FP32_DOT) * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + _dot(p.to(q.dtype), v, FP32_DOT)
+
+
+@triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cs, stride_ch,  # cache strides over flat slots and heads (head_dim contiguous)
@@ -111,22 +129,12 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, c
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     start = part * PARTITION
     end = tl.minimum(start + PARTITION, context_len)
-    for tile in range(start, end, BLOCK_N):
+    for tile in range(start, end, BLOCK_N):  # [G, N] scores: the group's query heads padded to 16 rows
         n = tile + tl.arange(0, BLOCK_N)
         n_mask = n < end
-        block = tl.load(block_table_ptr + row * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0)
-        kv_off = block * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        s = _dot(q, tl.trans(k), FP32_DOT) * scale  # [G, N]: the group's query heads padded to 16 rows
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, FP32_DOT)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr + row * stride_bt,
+                                     n, n_mask, n_mask[None, :], kv_head, d, d_mask, scale,
+                                     stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP32_DOT)
     # partials laid out [row, head, partition(, dim)]; an empty partition leaves max -inf, sum 0
     part_idx = (row * num_heads + heads) * num_partitions + part
     tl.store(part_max_ptr + part_idx, m_i, mask=g_mask)
@@ -203,19 +211,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_ids_ptr, out_ptr, sca
     for tile in range(0, end, BLOCK_N):
         n = tile + tl.arange(0, BLOCK_N)
         n_mask = n < end
-        block = tl.load(block_ids_ptr + n // BLOCK_SIZE, mask=n_mask, other=0)
-        kv_off = block * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        s = _dot(q, tl.trans(k), FP32_DOT) * scale
-        s = tl.where((n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, FP32_DOT)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_ids_ptr, n, n_mask,
+                                     (n[None, :] <= q_pos[:, None]) & n_mask[None, :], kv_head, d, d_mask, scale,
+                                     stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP32_DOT)
     o = acc / l_i[:, None]  # every row sees at least itself: l_i > 0 for real rows
     tl.store(out_ptr + m[:, None] * stride_ot + head * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & d_mask[None, :])
