@@ -26,7 +26,8 @@ def test_capture_sizes_and_padding():
     assert CAPTURE_SIZES[:5] == (1, 2, 4, 8, 16) and CAPTURE_SIZES[-1] == MAX_CAPTURE_SIZE
     assert [padded_batch_size(n) for n in (1, 2, 3, 5, 8, 9, 17, 255, 256)] == [1, 2, 4, 8, 8, 16, 24, 256, 256]
     assert padded_batch_size(MAX_CAPTURE_SIZE + 1) is None
-    assert [padded_width(n) for n in (1, 2, 3, 4, 5, 100)] == [1, 2, 4, 4, 8, 128]
+    assert [padded_width(n, 128) for n in (1, 2, 3, 4, 5, 100)] == [4, 4, 4, 4, 8, 128]  # >= 512 tokens
+    assert [padded_width(n, 16) for n in (1, 32, 33, 100)] == [32, 32, 64, 128]
 
 
 def test_graphs_only_for_one_cuda_rank_unless_enforce_eager(monkeypatch):
@@ -93,7 +94,7 @@ def test_prefill_steps_and_big_batches_run_eagerly():
     not torch.cuda.is_available(), reason="recording a CUDA graph needs a GPU"))])
 def test_padded_static_decode_matches_transformers(capture, tiny_model_dir, tiny_tokenizer, monkeypatch):
     """Whole generations whose decode steps run through the graph path's padded static buffers (rows padded to
-    8 and 4, block tables to a power of two, padding rows' K/V writes skipped) on the Triton kernels (in the
+    8 and 4, block tables to 128 blocks of 4, padding rows' K/V writes skipped) on the Triton kernels (in the
     interpreter without a GPU; captured and replayed as CUDA graphs with one): greedy tokens equal HF's float32
     ones."""
     pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[triton]')")
@@ -112,7 +113,7 @@ def test_padded_static_decode_matches_transformers(capture, tiny_model_dir, tiny
         max_tokens = [3, 6, 6, 6, 6]  # 5 decode rows (padded to 8), then 4 (no padding)
         outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False, sampling_params=[
             SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in max_tokens])
-        assert {rows for rows, _ in runner.decode_graphs.graphs} == {8, 4}
+        assert set(runner.decode_graphs.graphs) == {(8, 128), (4, 128)}
         hf = hf_greedy(model_dir, prompts, max(max_tokens))
         for ref, n in zip(hf, max_tokens):
             ref.token_ids = ref.token_ids[:n]

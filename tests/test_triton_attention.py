@@ -156,3 +156,9 @@ def test_mixed_step_through_paged_attention():
         want = reference_attention(q[start:start + n], k_cache, v_cache, table, list(range(first, first + n)), 0.25)
         torch.testing.assert_close(out[start:start + n], want, atol=2e-5, rtol=2e-5)
         start += n
+
+
+def test_graph_width_floor_is_one_decode_partition():
+    from pagedserve.model_executor.cuda_graphs import MIN_WIDTH_TOKENS
+
+    assert MIN_WIDTH_TOKENS == ta.DECODE_PARTITION

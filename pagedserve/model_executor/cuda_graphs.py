@@ -4,7 +4,8 @@ A decode step of a small model is hundreds of small kernels launched from Python
 set its time. A CUDA graph records the launches once and replays them with one call. A graph replays fixed
 addresses and shapes, so the step's inputs are copied into static buffers of a captured shape: the row count is
 padded up to the nearest capture size (vLLM's list: 1, 2, 4, then multiples of 8), the block table's width up to
-a power of two (it fixes the Triton decode kernel's split-K grid, so short contexts keep few partitions). A padding
+a power of two, at least one decode partition (it fixes the Triton decode kernel's split-K grid, so short contexts
+keep few partitions). A padding
 row has slot -1 (writes no K/V) and context length 0 (attends to nothing, output 0); its logits are dropped.
 
 Graphs are captured lazily, the first time a decode step of that shape arrives (one warm-up forward that also
@@ -27,6 +28,9 @@ logger = logging.getLogger("pagedserve")
 
 MAX_CAPTURE_SIZE = 256  # decode rows; a bigger step is compute-bound enough that launches no longer dominate
 CAPTURE_SIZES = (1, 2, 4, *range(8, MAX_CAPTURE_SIZE + 1, 8))
+# Block tables narrower than one split-K partition of the decode kernel (triton_attention.DECODE_PARTITION tokens)
+# cost the same as one partition wide: they share a graph, so short contexts do not multiply the captures.
+MIN_WIDTH_TOKENS = 512
 
 
 def wants_cuda_graphs(device_type: str, enforce_eager: bool, world_size: int) -> bool:
@@ -40,9 +44,10 @@ def padded_batch_size(num_rows: int) -> int | None:
     return next((size for size in CAPTURE_SIZES if size >= num_rows), None)
 
 
-def padded_width(num_blocks: int) -> int:
-    """Block-table width of the graph serving a table num_blocks wide: the next power of two."""
-    return 1 << max(0, num_blocks - 1).bit_length()
+def padded_width(num_blocks: int, block_size: int) -> int:
+    """Block-table width of the graph serving a table num_blocks wide: the next power of two, at least one
+    decode partition."""
+    return max(1 << max(0, num_blocks - 1).bit_length(), -(-MIN_WIDTH_TOKENS // block_size))
 
 
 @dataclass
@@ -116,7 +121,7 @@ class DecodeGraphs:
     def run(self, batch: InputBatch) -> torch.Tensor:
         """The step's logits, rows as in batch.logits_indices."""
         meta = batch.attn_metadata
-        key = (padded_batch_size(meta.num_decodes), padded_width(meta.decode_block_tables.shape[1]))
+        key = (padded_batch_size(meta.num_decodes), padded_width(meta.decode_block_tables.shape[1], self.block_size))
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = self._capture(*key)
