@@ -103,7 +103,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(1), k_cache.stride(2),
         num_kv_heads, head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+        # tiles of at least 2: no size-1 dimension for the compiler to special-case
+        BLOCK_H=max(2, triton.next_power_of_2(num_kv_heads)), BLOCK_D=max(2, triton.next_power_of_2(head_dim)))
 
 
 @triton.jit
@@ -184,7 +185,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, FP32_DOT=_fp32_dot(q.dtype))
     _decode_reduce_kernel[(rows, num_heads)](
         part_out, part_max, part_sum, out, out.stride(0), out.stride(1), num_heads, head_dim, num_partitions,
-        BLOCK_P=triton.next_power_of_2(num_partitions), BLOCK_D=block_d)
+        BLOCK_P=max(2, triton.next_power_of_2(num_partitions)), BLOCK_D=block_d)
 
 
 @triton.jit
