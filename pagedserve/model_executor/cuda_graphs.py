@@ -5,8 +5,8 @@ set its time. A CUDA graph records the launches once and replays them with one c
 addresses and shapes, so the step's inputs are copied into static buffers of a captured shape: the row count is
 padded up to the nearest capture size (vLLM's list: 1, 2, 4, then multiples of 8), the block table's width up to
 a power of two, at least one decode partition (it fixes the Triton decode kernel's split-K grid, so short contexts
-keep few partitions). A padding
-row has slot -1 (writes no K/V) and context length 0 (attends to nothing, output 0); its logits are dropped.
+keep few partitions). A padding row has slot -1 (writes no K/V) and context length 0 (attends to nothing, output
+0); its logits are dropped.
 
 Graphs are captured lazily, the first time a decode step of that shape arrives (one warm-up forward that also
 compiles the Triton kernels, then the capture), and share one memory pool. Steps with prefill chunks, more rows
