@@ -4,6 +4,9 @@ defined); on a CUDA machine the same tests run the compiled kernels (benchmarks/
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -162,3 +165,19 @@ def test_graph_width_floor_is_one_decode_partition():
     from pagedserve.model_executor.cuda_graphs import MIN_WIDTH_TOKENS
 
     assert MIN_WIDTH_TOKENS == ta.DECODE_PARTITION
+
+
+H100_H200_MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the tests above run the compiled kernels")
+def test_kernels_compile_for_sm90():
+    """Outside the interpreter, every kernel goes through Triton's real compiler down to a cubin for sm_90 (no GPU
+    needed), in bfloat16 (tensor-core dots) and float32 (IEEE dots), at head_dim 128; each fits the shared memory
+    of an H100/H200 block."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(__file__), "triton_compile_check.py")
+    r = subprocess.run([sys.executable, script, "bf16", "fp32"], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    shared = [int(n) for n in re.findall(r"compiled for sm_90, (\d+) bytes", r.stdout)]
+    assert len(shared) == 8 and max(shared) <= H100_H200_MAX_SHARED, r.stdout

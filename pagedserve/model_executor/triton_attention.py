@@ -51,8 +51,10 @@ def _dot(a, b, FP32: tl.constexpr):
     """a @ b with float32 accumulation: exact float32 (no TF32 rounding, so a float32 model's greedy outputs match
     the float32 CPU path) when FP32, else tensor cores on the operands' 16-bit dtype."""
     if FP32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
 
 
 @triton.jit
