@@ -110,6 +110,7 @@ def test_padded_static_decode_matches_transformers(capture, tiny_model_dir, tiny
         if not capture:
             runner.decode_graphs = DecodeGraphs(runner.run_model, runner.block_size, runner.device, capture=False)
         assert runner.decode_graphs is not None and runner.decode_graphs.capture == capture
+        runner.decode_graphs.graphs.clear()  # only this generation's shapes (not the engine warm-up's)
         max_tokens = [3, 6, 6, 6, 6]  # 5 decode rows (padded to 8), then 4 (no padding)
         outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False, sampling_params=[
             SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in max_tokens])
