@@ -157,6 +157,9 @@ def summarize(out_dir: str) -> int:
         for r in sbs.get("rows", []):
             lines.append(f"| {r['label']} | {r['concurrency']} | {r['output_tok_s']:.0f} | {_f(r['ttft_p50_ms'])} | "
                          f"{_f(r['itl_p50_ms'])} | {100 * r['fraction_of_matmul_peak']:.2f} |")
+        if sbs.get("ratios"):
+            lines += ["", "Ratios as side_by_side.py computed them:", "", "```", json.dumps(sbs["ratios"], indent=1),
+                      "```"]
         lines.append("")
         summary["side_by_side"] = sbs.get("rows")
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
