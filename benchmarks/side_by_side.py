@@ -155,6 +155,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=2048,
                    help="per-request context: pagedserve --max-model-len, llama.cpp context per slot")
     p.add_argument("--engines", default=",".join(ENGINES), help="comma list of " + ",".join(ENGINES))
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="pagedserve's device and the roofline's (HF runs on the GPU whenever there is one)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="model dtype of pagedserve and HF, and the roofline's GEMM dtype")
     p.add_argument("--skip-hf", action="store_true",
                    help="skip the transformers baselines (HF naive, HF static, HF continuous batching)")
     p.add_argument("--hf-cb-max-batch-tokens", type=int, default=2048,
@@ -345,8 +349,8 @@ def measure_roofline(args, out_dir: str):
     else:
         log(f"measuring the machine's matmul FLOP/s and memory bandwidth ({args.threads} threads) ...")
         peaks = measure_peaks(tuple(int(s) for s in args.roofline_sizes.split(",")), args.roofline_repeats,
-                              args.roofline_bw_mib, args.threads, device="cpu", dtype="float32")
-    roof = roofline_for(shape_from_config(args.model), peaks, "float32")
+                              args.roofline_bw_mib, args.threads, device=args.device, dtype=args.dtype)
+    roof = roofline_for(shape_from_config(args.model), peaks, args.dtype)
     log(format_report(roof, peaks))
     path = os.path.join(out_dir, "roofline.json")
     with open(path, "w") as f:  # the format of `bench roofline --output-json` (so `bench latency` can reuse it)
@@ -364,7 +368,7 @@ def batch1_pagedserve(args, roofline_json: str, out_dir: str) -> dict | None:
     argv = ["bench", "latency", "--model", args.model, "--batch-sizes", "1",
             "--input-len", str(args.batch1_input_len), "--output-len", str(args.batch1_output_len),
             "--num-threads", str(args.threads), "--max-model-len", str(args.max_model_len),
-            "--num-kv-blocks", str(blocks), "--device", "cpu", "--roofline-json", roofline_json, "--output-json", out,
+            "--num-kv-blocks", str(blocks), "--device", args.device, "--dtype", args.dtype, "--roofline-json", roofline_json, "--output-json", out,
             "--disable-tqdm"]
     log(f"[pagedserve] batch-1 decode: pagedserve {' '.join(argv)}")
     parser = argparse.ArgumentParser(prog="pagedserve")
@@ -462,7 +466,7 @@ def run_pagedserve(args, samples, roof, out_dir: str, rows: list, skipped: dict)
     port = free_port()
     blocks = math.ceil(cmax * args.max_model_len / 16)
     name = "pagedserve-" + os.path.basename(os.path.normpath(args.model))
-    cmd = pagedserve_cmd("serve", args.model, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+    cmd = pagedserve_cmd("serve", args.model, "--host", "127.0.0.1", "--port", str(port), "--device", args.device, "--dtype", args.dtype,
                          "--num-threads", str(args.threads), "--max-model-len", str(args.max_model_len),
                          "--max-num-seqs", str(cmax), "--num-kv-blocks", str(blocks), "--served-model-name", name,
                          "--disable-log-stats", "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning",
@@ -527,7 +531,7 @@ def hf_rows(args, samples, roof, rows: list, batch1: dict, skipped: dict | None 
 
     torch.set_num_threads(args.threads)
     log(f"[HF] loading {args.model} (torch threads {args.threads})")
-    model = load_hf_model(args.model, "float32")
+    model = load_hf_model(args.model, args.dtype)
     runs = []
     if "hf-naive" in args.engine_list:
         runs.append(("hf-naive", 1, None))

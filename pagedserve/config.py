@@ -37,6 +37,7 @@ class EngineArgs:
     trust_remote_code: bool = False
     revision: str | None = None
     num_threads: int | None = None  # torch intra-op threads per rank; None: all cores (split between the ranks)
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (docs/GPU.md); the CPU path never uses them
     # ---- parallelism (docs/PARALLEL.md)
     tensor_parallel_size: int = 1  # -tp: heads, MLP channels and vocabulary split over this many ranks
     pipeline_parallel_size: int = 1  # -pp: layers split over this many stages

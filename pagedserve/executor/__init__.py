@@ -23,7 +23,7 @@ def create_executor(args: EngineArgs, model_config: ModelConfig, device: torch.d
     backend = args.resolved_executor_backend
     cpus = rank_cpus(args.cpu_bind, layout.world_size) if device.type == "cpu" else None
     runner_args = RunnerArgs(model_config, device, dtype, args.block_size, args.seed, args.linear_backend,
-                             args.quantization, kv_dtype, args.speculative)
+                             args.quantization, kv_dtype, args.speculative, args.enforce_eager)
     if backend == "uni":
         from pagedserve.executor.uniproc import UniProcExecutor
 

@@ -31,11 +31,12 @@ class RunnerArgs:
     quantization: str | None
     kv_dtype: torch.dtype
     speculative: SpeculativeConfig | None = None  # drafts are proposed on the driver only
+    enforce_eager: bool = False  # no CUDA graphs
 
     def build(self, parallel: ParallelState, runner_cls: type[ModelRunner] = ModelRunner) -> ModelRunner:
         return runner_cls(self.model_config, self.device, self.dtype, self.block_size, self.seed,
                           self.linear_backend, self.quantization, self.kv_dtype,
-                          self.speculative if parallel.is_driver else None, parallel)
+                          self.speculative if parallel.is_driver else None, parallel, self.enforce_eager)
 
 
 @dataclass(frozen=True)

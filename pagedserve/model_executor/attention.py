@@ -17,11 +17,15 @@ position - causal, since every K/V of the step is written first.
     with an offset; kernels/paged_attention.cpp); elsewhere one SDPA per chunk: a chunk with no earlier
     context attends to its own new K/V (causal), a later chunk gathers its context through its block
     table (causal with an offset).
+On CUDA, when Triton imports, all of this is Triton kernels reading the cache in place instead
+(triton_attention.py); PAGEDSERVE_ATTENTION_BACKEND=torch keeps the path above, =triton forces Triton (on a CPU
+only useful under TRITON_INTERPRET=1, for tests).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 
 import torch
 import torch.nn.functional as F
@@ -76,9 +80,30 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+@cache
+def uses_triton(device_type: str) -> bool:
+    """Whether attention on this device type runs the Triton kernels (see the module docstring)."""
+    choice = os.environ.get("PAGEDSERVE_ATTENTION_BACKEND", "auto")
+    if choice not in ("auto", "triton", "torch"):
+        raise ValueError(f"PAGEDSERVE_ATTENTION_BACKEND must be auto, triton or torch, got {choice!r}.")
+    if choice == "torch" or (choice == "auto" and device_type != "cuda"):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        if choice == "triton":
+            raise
+        return False
+    return True
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, KVH, D] (this step's new tokens). Returns [T, H, D]."""
+    if uses_triton(q.device.type):
+        from pagedserve.model_executor import triton_attention
+
+        return triton_attention.paged_attention(q, k, v, k_cache, v_cache, meta, scale)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]

@@ -17,6 +17,7 @@ import torch
 from pagedserve.config import SpeculativeConfig
 from pagedserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedserve.model_executor.attention import AttentionMetadata
+from pagedserve.model_executor.cuda_graphs import DecodeGraphs, wants_cuda_graphs
 from pagedserve.model_executor.input_batch import TokenSpan, prepare_batch, runs_as_decode
 from pagedserve.model_executor.model_config import ModelConfig
 from pagedserve.model_executor.models.llama import LlamaForCausalLM
@@ -85,7 +86,7 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype, block_size: int,
                  seed: int = 0, linear_backend: str = "auto", quantization: str | None = None,
                  kv_dtype: torch.dtype | None = None, speculative: SpeculativeConfig | None = None,
-                 parallel: ParallelState = SINGLE) -> None:
+                 parallel: ParallelState = SINGLE, enforce_eager: bool = False) -> None:
         self.config = model_config
         self.device = device
         self.dtype = dtype
@@ -99,6 +100,9 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # speculative decoding: proposes each sampling request's next drafts
         self.drafter = make_drafter(speculative, self) if speculative is not None else None
+        # CUDA graphs for decode-only steps (cuda_graphs.py)
+        self.use_cuda_graphs = wants_cuda_graphs(device.type, enforce_eager, parallel.layout.world_size)
+        self.decode_graphs: DecodeGraphs | None = None  # built with the KV cache (graphs record its addresses)
 
     def _pick_linear_backend(self, requested: str, quantization: str | None) -> str:
         if quantization == "int8":
@@ -127,6 +131,8 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_cache(self.model, num_blocks, self.block_size, self.kv_dtype, self.device)
+        if self.use_cuda_graphs:
+            self.decode_graphs = DecodeGraphs(self.run_model, self.block_size, self.device)
         if self.drafter is not None:  # same block ids, its own layers: the block tables serve both
             self.drafter.allocate_kv_cache(num_blocks)
 
@@ -169,7 +175,10 @@ class ModelRunner:
         masks = token_masks.start_masks([i.request.request_id for i in sampling_items]) \
             if token_masks is not None and sampling_items else None
         t0 = time.perf_counter()
-        logits = self.run_model(batch.input_ids, batch.positions, batch.attn_metadata, batch.logits_indices)
+        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
+            logits = self.decode_graphs.run(batch)
+        else:
+            logits = self.run_model(batch.input_ids, batch.positions, batch.attn_metadata, batch.logits_indices)
         result = ModelRunnerOutput(forward_time=time.perf_counter() - t0)
         if sampling_items:
             self._sample(logits, sampling_items, result, masks.result() if masks is not None else None)
