@@ -264,6 +264,12 @@ def result_name(engine: str, precision: str, conc: int) -> str:
     return f"{engine}-{precision}-c{conc}.json"
 
 
+def precision_order(label: str) -> tuple[int, str]:
+    """Sort key of a row's precision label ("bf16", or "bf16+json_schema" for a constrained rerun)."""
+    base, _, structured = label.partition("+")
+    return PRECISIONS.index(base), structured
+
+
 def serve_each_concurrency(engine: str, label: str, precision: str, base_url: str, name: str, args, out_dir: str,
                            workloads, rows: list, skipped: dict, notes: str) -> None:
     """`bench serve` against one running server at every --concurrency; a row each, or a skip note. With
@@ -492,7 +498,9 @@ RUNNERS = {"pagedserve": run_pagedserve, "vllm": run_vllm, "openvino": run_openv
 
 def collect_results(args, workloads: dict, out_dir: str, rows: list, skipped: dict) -> None:
     """--report-only: the rows of the result JSONs already in out_dir (notes are not kept in them)."""
-    for prec in args.precision_list:
+    labels = [p for base in args.precision_list
+              for p in (base, f"{base}+{args.structured_output}" if args.structured_output else None) if p]
+    for prec in labels:
         for engine in ENGINES:
             for c in args.concurrencies:
                 path = os.path.join(out_dir, result_name(engine, prec, c))
@@ -513,7 +521,7 @@ def ratios(rows: list[dict]) -> list[dict]:
 
     out = []
     ps = {(r["precision"], r["concurrency"]): r for r in rows if r["engine"] == "pagedserve"}
-    for (prec, c), p in sorted(ps.items(), key=lambda kv: (PRECISIONS.index(kv[0][0]), kv[0][1])):
+    for (prec, c), p in sorted(ps.items(), key=lambda kv: (precision_order(kv[0][0]), kv[0][1])):
         for o in rows:
             if o["engine"] == "pagedserve" or o["precision"] != prec or o["concurrency"] != c:
                 continue
@@ -527,7 +535,7 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 
 def sort_rows(rows: list[dict]) -> list[dict]:
-    return sorted(rows, key=lambda r: (PRECISIONS.index(r["precision"]), r["concurrency"], ENGINES.index(r["engine"])))
+    return sorted(rows, key=lambda r: (precision_order(r["precision"]), r["concurrency"], ENGINES.index(r["engine"])))
 
 
 def format_report(meta: dict, rows: list[dict], rats: list[dict], skipped: dict) -> str:
