@@ -7,7 +7,8 @@ re-sends the whole conversation), in a KV pool that holds a third of it, so that
 evicted. Two engines in one process, the same pool: `recompute` (no connector) and `tier` (--kv-offloading-size);
 requests alternate between them, one at a time, max_tokens=1, so a request's wall time is its TTFT. Medians.
 Then the per-block costs: payload bytes, the runner's read (save) and write (load) per block, zlib on real KV,
-and Redis MSET/MGET on loopback when redis-server is installed.
+the directory store's file write/read (under /dev/shm and the temp directory), and Redis MSET/MGET on loopback
+when redis-server is installed. `--costs-only` skips the TTFT comparison and adds the prefill time per block.
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--costs-only", action="store_true",
+                    help="skip the TTFT comparison: only the per-block costs (and the prefill time per block)")
     args = ap.parse_args()
     model_dir = Path(tempfile.gettempdir()) / f"pagedserve-bench-{args.shape}"
     if not (model_dir / "config.json").exists():
@@ -58,10 +61,16 @@ def main() -> None:
     pool_blocks = args.num_prompts * (args.prompt_len // block + 1) // 3
     common = dict(num_kv_blocks=pool_blocks, block_size=block, dtype=args.dtype, num_threads=1,
                   max_model_len=args.prompt_len + 16, max_num_batched_tokens=args.prompt_len + 16)
-    engines = {"recompute": LLM(str(model_dir), **common),
-               "tier": LLM(str(model_dir), kv_offloading_size=4.0, **common)}
+    engines = {"tier": LLM(str(model_dir), kv_offloading_size=4.0, **common)}
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (args.prompt_len,), generator=g).tolist() for _ in range(args.num_prompts)]
+    if args.costs_only:
+        prefill = statistics.median(ttft(engines["tier"], p) for p in prompts[:3])
+        print(f"# load average {os.getloadavg()[0]:.2f}; prefill of {args.prompt_len} tokens {prefill * 1e3:.0f} ms: "
+              f"{prefill / (args.prompt_len / block) * 1e3:.1f} ms per block of {block} tokens computed")
+        block_costs(engines["tier"].llm_engine.runner, pool_blocks, block)
+        return
+    engines = {"recompute": LLM(str(model_dir), **common), **engines}
     times: dict[str, list[float]] = {name: [] for name in engines}
     for name, llm in engines.items():  # first visits fill the tier; not measured
         for p in prompts:
@@ -81,7 +90,10 @@ def main() -> None:
         print(f"| {name} | {statistics.median(ts) * 1e3:.1f} | {q[-1] * 1e3:.1f} | {hits} |")
     print(f"TTFT p50 recompute / tier: {statistics.median(times['recompute']) / statistics.median(times['tier']):.2f}x")
 
-    runner = engines["tier"].llm_engine.runner
+    block_costs(engines["tier"].llm_engine.runner, pool_blocks, block)
+
+
+def block_costs(runner, pool_blocks: int, block: int) -> None:
     ids = list(range(min(64, pool_blocks)))
     payloads = runner.read_kv_blocks(ids)
     nbytes = len(payloads[0])
@@ -92,8 +104,26 @@ def main() -> None:
     t = per_block(lambda: [zlib.compress(p, 1) for p in payloads], len(ids))
     ratio = sum(len(zlib.compress(p, 1)) for p in payloads) / (nbytes * len(ids))
     print(f"  zlib level 1: {ratio:.3f} of the size, {t * 1e6:.0f} us per block")
+    directory_costs(payloads)
     if shutil.which("redis-server"):
         redis_costs(payloads)
+
+
+def directory_costs(payloads: list[bytes]) -> None:
+    from pagedserve.kv_transfer.stores import DirectoryStore
+
+    for where in ("/dev/shm", tempfile.gettempdir()):
+        if not os.path.isdir(where):
+            continue
+        root = tempfile.mkdtemp(dir=where, prefix="pagedserve-kv-cost-")
+        try:
+            store = DirectoryStore(root)
+            keys = [f"k{i}" for i in range(len(payloads))]
+            put = per_block(lambda: store.put(list(zip(keys, payloads))), len(keys))
+            get = per_block(lambda: store.get_prefix(keys), len(keys))
+            print(f"  directory store under {where}: write {put * 1e6:.0f} us, read {get * 1e6:.0f} us per block")
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def redis_costs(payloads: list[bytes]) -> None:

@@ -6,7 +6,8 @@ Setups with the same total cores (two):
   colocated         one `pagedserve serve --num-threads 2` (default --max-num-batched-tokens: a whole burst in a step)
   colocated-chunked the same with --max-num-batched-tokens `--chunk` (chunked prefill: colocated's own ITL remedy)
   P/D               `pagedserve proxy` in front of a prefill server (kv_producer, 1 thread) and a decode server
-                    (kv_consumer, 1 thread) sharing a real redis-server (or a directory, --store directory)
+                    (kv_consumer, 1 thread) sharing a real redis-server on loopback (or, --store directory, a
+                    directory under /dev/shm: files in memory)
 Workload, identical for each: `--num-decoders` clients stream steadily (a short prompt, `--decode-tokens` tokens,
 then the next request), and once they are decoding, `--num-bursts` bursts of `--burst-size` long prompts
 (distinct random token ids, `--prompt-len` tokens, 8 tokens each) arrive `--burst-gap` seconds apart. Measured:
@@ -95,7 +96,7 @@ def one_round(url: str, model: str, args: argparse.Namespace, seed: int) -> dict
 
 
 def start_store(kind: str, workdir: Path) -> tuple[dict, subprocess.Popen | None]:
-    if kind == "directory":
+    if kind == "directory":  # one file per block, in memory when /dev/shm is there (tmpfs: same-host transfer)
         return {"kv_connector": "directory", "path": str(workdir / "kv")}, None
     port = free_port()
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
@@ -125,7 +126,7 @@ def main() -> None:
         make_model(get_shape(args.shape), str(model_dir), dtype="bfloat16")
     if args.store == "redis" and shutil.which("redis-server") is None:
         sys.exit("redis-server is not installed; use --store directory")
-    workdir = Path(tempfile.mkdtemp(prefix="pagedserve-pd-"))
+    workdir = Path(tempfile.mkdtemp(prefix="pagedserve-pd-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     store, redis_proc = start_store(args.store, workdir)
     max_len = args.prompt_len + 64
     blocks = (args.num_decoders + args.burst_size) * (max_len // 16 + 2) * 2
