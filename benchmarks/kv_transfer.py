@@ -4,8 +4,9 @@
 
 A working set of `num_prompts` distinct prompts, revisited round-robin (multi-turn chat's shape: every turn
 re-sends the whole conversation), in a KV pool that holds a third of it, so that every revisit finds its prefix
-evicted. Two engines in one process, the same pool: `recompute` (no connector) and `tier` (--kv-offloading-size);
-requests alternate between them, one at a time, max_tokens=1, so a request's wall time is its TTFT. Medians.
+evicted. Engines in one process, the same pool: `recompute` (no connector), `tier` (--kv-offloading-size) and
+`disk tier` (a 1 MiB memory tier spilling to a directory under the temp directory); requests alternate between
+them, one at a time, max_tokens=1, so a request's wall time is its TTFT. Medians.
 Then the per-block costs: payload bytes, the runner's read (save) and write (load) per block, zlib on real KV,
 the directory store's file write/read (under /dev/shm and the temp directory), and Redis MSET/MGET on loopback
 when redis-server is installed. `--costs-only` skips the TTFT comparison and adds the prefill time per block.
@@ -70,7 +71,11 @@ def main() -> None:
               f"{prefill / (args.prompt_len / block) * 1e3:.1f} ms per block of {block} tokens computed")
         block_costs(engines["tier"].llm_engine.runner, pool_blocks, block)
         return
-    engines = {"recompute": LLM(str(model_dir), **common), **engines}
+    # the disk tier: a 1 MiB memory tier (about one block) spilling to a directory on the temp file system
+    spill = tempfile.mkdtemp(prefix="pagedserve-kv-spill-")
+    disk = {"kv_connector": "cpu", "kv_buffer_size": 1 << 20, "path": spill, "disk_size": 4 << 30}
+    engines = {"recompute": LLM(str(model_dir), **common), **engines,
+               "disk tier": LLM(str(model_dir), kv_transfer_config=disk, **common)}
     times: dict[str, list[float]] = {name: [] for name in engines}
     for name, llm in engines.items():  # first visits fill the tier; not measured
         for p in prompts:
@@ -88,7 +93,9 @@ def main() -> None:
         hits = engine.get_stats().scheduler.external_prefix_cache_hits // block if engine.kv_connector else "-"
         q = statistics.quantiles(ts, n=10)
         print(f"| {name} | {statistics.median(ts) * 1e3:.1f} | {q[-1] * 1e3:.1f} | {hits} |")
-    print(f"TTFT p50 recompute / tier: {statistics.median(times['recompute']) / statistics.median(times['tier']):.2f}x")
+    for name in ("tier", "disk tier"):
+        print(f"TTFT p50 recompute / {name}: {statistics.median(times['recompute']) / statistics.median(times[name]):.2f}x")
+    shutil.rmtree(spill, ignore_errors=True)
 
     block_costs(engines["tier"].llm_engine.runner, pool_blocks, block)
 
