@@ -24,10 +24,13 @@ import time
 import zlib
 from pathlib import Path
 
+import sys
+
 import torch
 
-from pagedserve import LLM, SamplingParams
-from pagedserve.benchmarks.shapes import get_shape, make_model
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pagedserve import LLM, SamplingParams  # noqa: E402
+from pagedserve.benchmarks.shapes import get_shape, make_model  # noqa: E402
 
 
 def ttft(llm: LLM, prompt: list[int]) -> float:
