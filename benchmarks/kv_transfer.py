@@ -127,10 +127,9 @@ def directory_costs(payloads: list[bytes]) -> None:
             continue
         root = tempfile.mkdtemp(dir=where, prefix="pagedserve-kv-cost-")
         try:
-            store = DirectoryStore(root)
-            keys = [f"k{i}" for i in range(len(payloads))]
-            put = per_block(lambda: store.put(list(zip(keys, payloads))), len(keys))
-            get = per_block(lambda: store.get_prefix(keys), len(keys))
+            store, items = DirectoryStore(root), [(f"k{i}", p) for i, p in enumerate(payloads)]
+            put = per_block(lambda s=store, i=items: s.put(i), len(items))
+            get = per_block(lambda s=store, i=items: s.get_prefix([k for k, _ in i]), len(items))
             print(f"  directory store under {where}: write {put * 1e6:.0f} us, read {get * 1e6:.0f} us per block")
         finally:
             shutil.rmtree(root, ignore_errors=True)

@@ -47,9 +47,8 @@ def stream(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[fl
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                if json.loads(line[6:])["choices"]:
-                    arrivals.append(time.perf_counter())
+            if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"]:
+                arrivals.append(time.perf_counter())
     return arrivals[0] - t0, arrivals
 
 
