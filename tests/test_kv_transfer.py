@@ -66,6 +66,69 @@ def test_second_tier_serves_evicted_prefix(model_dir):
     assert_drained(tiered)
 
 
+def block_nbytes(model_dir) -> int:
+    """Bytes of one KV block of `model_dir` in float32 (layers x K,V x tokens x KV heads x head dim x 4)."""
+    c = json.loads((model_dir / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return c["num_hidden_layers"] * 2 * BLOCK * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * 4
+
+
+def test_cpu_tier_spills_to_disk_and_loads_back(model_dir, tmp_path):
+    """A host tier of 3 blocks over a spill directory: the evicted prompt comes back mostly from disk, with the
+    same greedy output; blocks read from disk are not written again when the pool evicts them once more."""
+    nbytes = block_nbytes(model_dir)
+    prompt, other = tokens(160, 1), tokens(376, 2)  # 10 full blocks; the other needs all 24 blocks of the pool
+    expected = [generate(make_llm(model_dir), [p])[0][0] for p in (prompt, other)]
+    spill = tmp_path / "spill"
+    tiered = make_llm(model_dir, kv_transfer_config={"kv_connector": "cpu", "kv_buffer_size": 3 * nbytes,
+                                                     "path": str(spill), "disk_size": 64 * nbytes})
+    store = tiered.llm_engine.kv_connector.store
+    assert generate(tiered, [prompt])[0] == expected[:1]
+    assert generate(tiered, [other])[0] == expected[1:]  # evicts the prompt's blocks: 3 stay in memory
+    assert len(store.memory) == 3 and store.memory.num_evictions >= 7
+    files = list(spill.iterdir())
+    assert len(files) == store.memory.num_evictions and all(f.stat().st_size == nbytes for f in files)
+    again, computed = generate(tiered, [prompt])
+    assert again == expected[:1] and computed == 160 - 9 * BLOCK  # 9 blocks loaded, most of them from disk
+    saved = tiered.llm_engine.kv_connector.stats.num_saved_blocks
+    assert generate(tiered, [other])[0] == expected[1:]  # evicts the prompt again: nothing new to write for it
+    assert tiered.llm_engine.kv_connector.stats.num_saved_blocks - saved <= 24 - 9
+    assert store.num_failures == 0
+    assert_drained(tiered)
+
+
+def test_directory_store_bounded_lru(tmp_path):
+    """Past disk_size the least recently used files go (a read counts as a use), down to the low watermark.
+    A second instance writing into the same directory trims the other's files too; between scans each writer
+    only counts its own bytes, so together they may pass the bound by about a tenth of it per extra writer."""
+    import time
+
+    from pagedserve.kv_transfer.stores import DirectoryStore
+
+    a = DirectoryStore(str(tmp_path), capacity_bytes=1000)
+
+    def total() -> int:
+        return sum(f.stat().st_size for f in tmp_path.iterdir())
+
+    def put(store: DirectoryStore, i: int, bound: int) -> None:
+        store.put([(f"k{i}", bytes([i]) * 100)])
+        assert a.get_prefix(["k0"]) == [bytes([0]) * 100]  # k0 kept in use
+        assert total() <= bound
+        time.sleep(0.01)  # distinct mtimes (the file system's clock is coarse)
+
+    for i in range(15):
+        put(a, i, 1000)
+    assert a.missing(["k0", "k1", "k2", "k14"]) == ["k1", "k2"] and a.num_evictions >= 5
+    b = DirectoryStore(str(tmp_path), capacity_bytes=1000)
+    for i in range(15, 35):
+        put(b if i % 2 else a, i, 1200)
+    assert a.get_prefix(["k0"]) and a.missing([f"k{i}" for i in range(15)]) == [f"k{i}" for i in range(1, 15)]
+    assert b.num_evictions > 0
+    assert not [f for f in tmp_path.iterdir() if f.name.startswith(".tmp-")]
+    a.put([("huge", b"x" * 1001)])  # larger than the whole bound: not stored
+    assert a.missing(["huge"]) == ["huge"]
+
+
 # ------------------------------------------------------------------ stores shared by instances
 @pytest.fixture
 def redis_url(tmp_path):
@@ -155,6 +218,8 @@ def test_kv_transfer_config_errors(model_dir):
     for bad, match in [({"kv_connector": "nfs"}, "kv_connector"), ({"kv_connector": "redis"}, "url"),
                        ({"kv_connector": "cpu", "kv_role": "prefill"}, "kv_role"),
                        ({"kv_connector": "cpu", "kv_buffer_size": 0}, "kv_buffer_size"),
+                       ({"kv_connector": "cpu", "path": "x", "disk_size": -1}, "disk_size"),
+                       ({"kv_connector": "cpu", "disk_size": 1 << 20}, "path"),
                        ({"kv_connector": "cpu", "extra": 1}, "unknown"), ("{", "JSON")]:
         with pytest.raises(ValueError, match=match):
             EngineArgs(kv_transfer_config=bad)

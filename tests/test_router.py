@@ -1,12 +1,14 @@
 """`pagedserve router`: cache-aware routing over data-parallel replicas (real server processes on loopback)."""
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from test_server_helpers import MAIN_ARGS, ServerProcess, auth_headers, get_server, start_cli_process
 
+from pagedserve.entrypoints.data_parallel import replica_argv
 from pagedserve.entrypoints.router import Router, prefix_keys
 
 
@@ -60,3 +62,49 @@ def test_router_routes_by_prefix_streams_and_survives_a_dead_replica(tiny_model_
         router.terminate()
         router.wait(10)
         b.stop()
+
+
+def test_serve_data_parallel_launches_replicas_behind_the_router(tiny_model_dir):
+    """`pagedserve serve --data-parallel-size 2`: two replica processes, healthy before the router binds; the
+    official openai client sees one server; a prefix stays on one replica; SIGTERM stops the replicas too."""
+    openai = pytest.importorskip("openai")
+    model_dir = tiny_model_dir("llama")
+    server = ServerProcess(model_dir, MAIN_ARGS + ("--data-parallel-size", "2"))
+    try:
+        workers = httpx.get(server.url + "/workers").json()
+        assert len(workers) == 2 and all(w["healthy"] for w in workers)
+        assert server.url not in {w["url"] for w in workers}
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="test-key-123")
+        model = client.models.list().data[0].id
+        prompt = "the pirate ship sailed " * 8
+        placed = set()
+        for i in range(3):
+            raw = client.completions.with_raw_response.create(model=model, prompt=prompt + str(i), max_tokens=4,
+                                                              temperature=0)
+            assert raw.parse().choices[0].text
+            placed.add(raw.headers["x-pagedserve-worker"])
+        assert len(placed) == 1
+        want = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0).choices[0].text
+        stream = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == want
+        with pytest.raises(openai.AuthenticationError):  # the replicas keep the API key
+            openai.OpenAI(base_url=server.url + "/v1", api_key="wrong").models.list()
+    finally:
+        assert server.stop() == 0
+    for w in workers:  # the replicas went with the router
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(w["url"] + "/health", timeout=2.0)
+
+
+def test_replica_argv_strips_the_data_parallel_flag_and_splits_resources():
+    import argparse
+
+    args = argparse.Namespace(data_parallel_size=2, num_threads=None, num_kv_blocks=None, kv_cache_memory_bytes=None,
+                              kv_cache_memory_fraction=0.3)
+    argv = ["serve", "M", "--data-parallel-size", "2", "--port", "8000", "-dp=2", "--api-key", "k"]
+    out = replica_argv(argv, args, 9001)
+    assert out[:6] == ["serve", "M", "--port", "8000", "--api-key", "k"]
+    assert out[6:10] == ["--num-threads", str(max(1, (os.cpu_count() or 1) // 2)), "--kv-cache-memory-fraction", "0.15"]
+    assert out[-4:] == ["--host", "127.0.0.1", "--port", "9001"]
+    args.num_threads, args.num_kv_blocks = 1, 64
+    assert replica_argv(["serve", "-dp", "2"], args, 1) == ["serve", "--host", "127.0.0.1", "--port", "1"]

@@ -47,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     from pagedserve.entrypoints.router import add_router_parser
     from pagedserve.entrypoints.dashboard.replay import add_replay_parser
     from pagedserve.entrypoints.diagnose import add_diagnose_parser
+    from pagedserve.entrypoints.data_parallel import add_data_parallel_arg, run_data_parallel
 
-    add_serve_parser(subparsers)
+    add_data_parallel_arg(add_serve_parser(subparsers))
     add_proxy_parser(subparsers)
     add_router_parser(subparsers)
     add_bench_parser(subparsers)
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     add_diagnose_parser(subparsers)
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "data_parallel_size", 1) != 1:  # serve -dp N: N replicas of this command behind a router
+            return run_data_parallel(args, sys.argv[1:] if argv is None else argv)
         return args.func(args) or 0
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

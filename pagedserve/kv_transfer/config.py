@@ -8,14 +8,16 @@ from pagedserve.json_args import parse_json_object
 CONNECTORS = ("cpu", "redis", "directory")
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
 SAVE_POLICIES = ("evict", "write_through")
+DEFAULT_SPILL_SIZE = 10 << 30  # the cpu tier's spill directory, unless disk_size says otherwise
 
 
 @dataclass(frozen=True)
 class KVTransferConfig:
     """Where KV blocks go beyond the pool.
 
-    kv_connector: `cpu` (a second tier in this process: an LRU of host-memory bytes, kv_buffer_size bytes),
-    `redis` (a Redis/Valkey server at `url`, shared by instances), `directory` (files under `path`, shared).
+    kv_connector: `cpu` (a second tier in this process: an LRU of host-memory bytes, kv_buffer_size bytes; with
+    `path`, what it evicts spills to that directory, disk_size bytes, LRU: a third tier), `redis` (a Redis/Valkey
+    server at `url`, shared by instances), `directory` (files under `path`, shared; disk_size bounds them, LRU).
     kv_role: kv_producer only saves, kv_consumer only loads, kv_both does both.
     save_policy: `evict` saves a block when the pool's LRU evicts it (the cheap default of a private tier);
     `write_through` saves every block once written (the default of a shared store: a neighbour may need it now).
@@ -26,6 +28,7 @@ class KVTransferConfig:
     url: str | None = None
     path: str | None = None
     save_policy: str = "evict"
+    disk_size: int | None = None
 
     @property
     def loads(self) -> bool:
@@ -50,7 +53,8 @@ class KVTransferConfig:
                 return None
             value = {"kv_connector": "cpu"}
         value = parse_json_object(value, "kv_transfer_config",
-                                  {"kv_connector", "kv_role", "kv_buffer_size", "url", "path", "save_policy"})
+                                  {"kv_connector", "kv_role", "kv_buffer_size", "url", "path", "save_policy",
+                                   "disk_size"})
         connector = value.get("kv_connector")
         if connector not in CONNECTORS:
             raise ValueError(f"kv_transfer_config.kv_connector must be one of {list(CONNECTORS)}, got {connector!r}.")
@@ -62,13 +66,24 @@ class KVTransferConfig:
             if connector != "cpu":
                 raise ValueError("kv_offloading_size sizes the cpu tier; the kv_connector is " + repr(connector))
             size = int(offloading_size_gib * (1 << 30))
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"kv_transfer_config.kv_buffer_size (bytes) must be an integer >= 1, got {size!r}.")
+        _check_bytes("kv_buffer_size", size)
         if connector == "redis" and not value.get("url"):
             raise ValueError("kv_transfer_config.url (e.g. redis://127.0.0.1:6379) is required for redis.")
         if connector == "directory" and not value.get("path"):
             raise ValueError("kv_transfer_config.path is required for directory.")
+        disk_size = value.get("disk_size")
+        if connector == "cpu" and value.get("path") and disk_size is None:
+            disk_size = DEFAULT_SPILL_SIZE
+        if disk_size is not None:
+            _check_bytes("disk_size", disk_size)
+            if not value.get("path"):
+                raise ValueError("kv_transfer_config.disk_size bounds the files under `path`; path is not set.")
         policy = value.get("save_policy", "evict" if connector == "cpu" else "write_through")
         if policy not in SAVE_POLICIES:
             raise ValueError(f"kv_transfer_config.save_policy must be one of {list(SAVE_POLICIES)}, got {policy!r}.")
-        return cls(connector, role, size, value.get("url"), value.get("path"), policy)
+        return cls(connector, role, size, value.get("url"), value.get("path"), policy, disk_size)
+
+
+def _check_bytes(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"kv_transfer_config.{name} (bytes) must be an integer >= 1, got {value!r}.")

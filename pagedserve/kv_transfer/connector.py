@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pagedserve.core.block_pool import BlockHash
 from pagedserve.kv_transfer.config import KVTransferConfig
-from pagedserve.kv_transfer.stores import DirectoryStore, KVStore, LRUMemoryStore, RedisStore
+from pagedserve.kv_transfer.stores import DirectoryStore, KVStore, LRUMemoryStore, RedisStore, TieredStore
 
 # Bumped whenever the payload layout changes, so that stores written by another version are never read.
 PAYLOAD_LAYOUT = "pagedserve-kv-v1:layers,kv,block,heads,dim"
@@ -38,10 +38,12 @@ def model_fingerprint(model_dir: str | Path) -> str:
 
 def make_store(config: KVTransferConfig) -> KVStore:
     if config.kv_connector == "cpu":
+        if config.path:
+            return TieredStore(config.kv_buffer_size, DirectoryStore(config.path, config.disk_size))
         return LRUMemoryStore(config.kv_buffer_size)
     if config.kv_connector == "redis":
         return RedisStore(config.url)
-    return DirectoryStore(config.path)
+    return DirectoryStore(config.path, config.disk_size)
 
 
 class KVConnector:

@@ -7,6 +7,7 @@ import os
 import tempfile
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger("pagedserve")
@@ -38,10 +39,12 @@ class KVStore:
 
 
 class LRUMemoryStore(KVStore):
-    """The second tier of one instance: payloads in host memory, least recently used dropped past capacity."""
+    """The second tier of one instance: payloads in host memory, least recently used dropped past capacity
+    (handed to `on_evict` first, when given: a disk tier below)."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, on_evict: Callable[[list[tuple[str, bytes]]], None] | None = None) -> None:
         self.capacity_bytes = capacity_bytes
+        self.on_evict = on_evict
         self.num_bytes = 0
         self.num_evictions = 0
         self._items: OrderedDict[str, bytes] = OrderedDict()
@@ -60,16 +63,21 @@ class LRUMemoryStore(KVStore):
         return [k for k in keys if k not in self._items]
 
     def put(self, items: list[tuple[str, bytes]]) -> None:
+        evicted = []
         for key, payload in items:
             if len(payload) > self.capacity_bytes:
+                evicted.append((key, payload))
                 continue
             old = self._items.pop(key, None)
             self.num_bytes += len(payload) - (len(old) if old is not None else 0)
             self._items[key] = payload
             while self.num_bytes > self.capacity_bytes:
-                _, dropped = self._items.popitem(last=False)
-                self.num_bytes -= len(dropped)
+                dropped = self._items.popitem(last=False)
+                self.num_bytes -= len(dropped[1])
                 self.num_evictions += 1
+                evicted.append(dropped)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -136,11 +144,23 @@ class RedisStore(KVStore):
 
 class DirectoryStore(KVStore):
     """One file per block under a directory several instances share (a local disk or a network file system).
-    Writes go to a temporary file renamed into place, so a reader never sees half a block."""
+    Writes go to a temporary file renamed into place, so a reader never sees half a block.
 
-    def __init__(self, path: str) -> None:
+    capacity_bytes (None: unbounded) bounds the files, least recently used deleted first. Recency is the file's
+    mtime, which a read refreshes: every instance sharing the directory sees the same order. Writers only count
+    their own bytes between scans; once the count passes the capacity, the directory is scanned (every writer's
+    files) and trimmed to LOW_WATERMARK of it, so a scan happens once per tenth of the capacity written. With
+    several writers the directory may pass the bound by about that tenth per extra writer, until the next scan."""
+
+    LOW_WATERMARK = 0.9
+    _TMP_PREFIX = ".tmp-"
+
+    def __init__(self, path: str, capacity_bytes: int | None = None) -> None:
         self.root = Path(path)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.capacity_bytes = capacity_bytes
+        self.num_evictions = 0
+        self._num_bytes = self._scan_total() if capacity_bytes is not None else 0
 
     def _file(self, key: str) -> Path:
         return self.root / key.replace("/", "-")
@@ -148,8 +168,11 @@ class DirectoryStore(KVStore):
     def get_prefix(self, keys: list[str]) -> list[bytes]:
         found = []
         for key in keys:
+            path = self._file(key)
             try:
-                found.append(self._file(key).read_bytes())
+                found.append(path.read_bytes())
+                if self.capacity_bytes is not None:
+                    os.utime(path)  # recently used: trimmed last
             except FileNotFoundError:
                 break
             except OSError as exc:
@@ -162,11 +185,87 @@ class DirectoryStore(KVStore):
 
     def put(self, items: list[tuple[str, bytes]]) -> None:
         for key, payload in items:
+            if self.capacity_bytes is not None and len(payload) > self.capacity_bytes:
+                continue
             try:
-                fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-")
+                fd, tmp = tempfile.mkstemp(dir=self.root, prefix=self._TMP_PREFIX)
                 with os.fdopen(fd, "wb") as f:
                     f.write(payload)
                 os.replace(tmp, self._file(key))
             except OSError as exc:
                 self._failed("write", exc)
                 return
+            self._num_bytes += len(payload)
+        if self.capacity_bytes is not None and self._num_bytes > self.capacity_bytes:
+            self._trim()
+
+    def _files(self) -> list[tuple[float, int, str]]:
+        """(mtime, size, path) of the stored blocks; files deleted meanwhile by another instance are skipped."""
+        files = []
+        with os.scandir(self.root) as entries:
+            for entry in entries:
+                if entry.name.startswith(self._TMP_PREFIX):
+                    continue
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:
+                    continue
+                files.append((st.st_mtime, st.st_size, entry.path))
+        return files
+
+    def _scan_total(self) -> int:
+        return sum(size for _, size, _ in self._files())
+
+    def _trim(self) -> None:
+        try:
+            files = sorted(self._files())
+        except OSError as exc:
+            self._failed("scan", exc)
+            return
+        total = sum(size for _, size, _ in files)
+        target = self.LOW_WATERMARK * self.capacity_bytes
+        for _, size, path in files:
+            if total <= target:
+                break
+            try:
+                os.unlink(path)
+                self.num_evictions += 1
+            except FileNotFoundError:  # another instance trimmed it first
+                pass
+            except OSError as exc:
+                self._failed("delete", exc)
+                break
+            total -= size
+        self._num_bytes = total
+
+
+class TieredStore(KVStore):
+    """A host-memory LRU over a bounded directory: what memory evicts is written to disk, and each block of a
+    lookup is looked for in memory, then on disk. A block read back from disk stays there (not promoted): it
+    is in the pool again, and when the pool evicts it once more `missing` finds it on disk, so it is not rewritten."""
+
+    def __init__(self, memory_bytes: int, disk: DirectoryStore) -> None:
+        self.disk = disk
+        self.memory = LRUMemoryStore(memory_bytes, on_evict=disk.put)
+
+    @property
+    def num_failures(self) -> int:  # type: ignore[override]
+        return self.disk.num_failures
+
+    def get_prefix(self, keys: list[str]) -> list[bytes]:
+        found = []
+        for key in keys:  # a run of leading blocks may alternate between the tiers
+            payload = self.memory.get_prefix([key]) or self.disk.get_prefix([key])
+            if not payload:
+                break
+            found += payload
+        return found
+
+    def missing(self, keys: list[str]) -> list[str]:
+        return self.disk.missing(self.memory.missing(keys))
+
+    def put(self, items: list[tuple[str, bytes]]) -> None:
+        self.memory.put(items)
+
+    def __len__(self) -> int:
+        return len(self.memory)
