@@ -234,3 +234,28 @@ def test_abort_of_a_request_in_flight(tiny_model_dir, tiny_tokenizer):
             {str(i): expected[i] for i in range(len(prompts)) if str(i) != victim}
         assert not eng.scheduler.in_flight
         assert_drained(llm)
+
+
+def test_killed_stage_fails_every_batch_in_flight_clearly(tiny_model_dir, tiny_tokenizer):
+    """Stage 1 dies while two batches are in flight: both fail with the error naming it (no hang), the engine is
+    dead, and every block is back."""
+    import os
+    import signal
+
+    prompts = mixed_prompts(tiny_tokenizer, n=8, lengths=(5, 40))
+    with engine(tiny_model_dir("llama"), pipeline_parallel_size=2) as llm:
+        eng = llm.llm_engine
+        for i, prompt in enumerate(prompts):
+            eng.add_request(str(i), prompt, GREEDY)
+        while eng.max_batches_in_flight_seen < 2 or not eng._in_flight:
+            eng.step()
+        pid = eng.executor.worker_pids[1]
+        os.kill(pid, signal.SIGKILL)
+        outputs = []
+        while eng.has_unfinished_requests():
+            outputs += [o for o in eng.step() if o.finished]
+        reason = f"rank 1 (pid {pid}) exited with code -9"
+        assert {o.request_id for o in outputs} == {str(i) for i in range(len(prompts))}
+        assert all(o.outputs[0].finish_reason == "error" and reason in o.error for o in outputs)
+        assert reason in eng.dead_reason and not eng.scheduler.in_flight
+        assert_drained(llm)
