@@ -23,6 +23,7 @@ from test_core_properties import EOS, VOCAB, Scenario, SimulatedKV, check_schedu
 from test_parallel import GREEDY, MAX_TOKENS, assert_drained, engine, generate
 from test_scheduler import make_request, make_scheduler
 
+from pagedserve import SamplingParams
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler, SchedulerOutput
@@ -188,13 +189,17 @@ def test_two_batches_in_flight_match_transformers(arch, tiny_model_dir, tiny_tok
 
 
 def test_abort_of_a_request_in_flight(tiny_model_dir, tiny_tokenizer):
+    """Seeded sampling (per-request generators on the driver): the others get one process's tokens, and the aborted
+    request's generator, recreated by its batch's sampling after the abort, is dropped too."""
     model_dir = tiny_model_dir("llama")
     prompts = mixed_prompts(tiny_tokenizer, n=6, lengths=(5, 40))
-    expected = [list(r.token_ids) for r in hf_greedy(model_dir, prompts, MAX_TOKENS)]
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with engine(model_dir) as llm:
+        expected = [list(o.token_ids) for o in generate(llm, prompts, params)]
     with engine(model_dir, pipeline_parallel_size=2) as llm:
         eng = llm.llm_engine
         for i, prompt in enumerate(prompts):
-            eng.add_request(str(i), prompt, GREEDY)
+            eng.add_request(str(i), prompt, params)
         victim = None
         finished = {}
         while eng.has_unfinished_requests():
@@ -212,7 +217,7 @@ def test_abort_of_a_request_in_flight(tiny_model_dir, tiny_tokenizer):
         assert victim not in finished or finished[victim].outputs[0].finish_reason == "abort"
         assert {rid: list(o.outputs[0].token_ids) for rid, o in finished.items() if rid != victim} == \
             {str(i): expected[i] for i in range(len(prompts)) if str(i) != victim}
-        assert not eng.scheduler.in_flight
+        assert not eng.scheduler.in_flight and not eng._in_flight and not eng.runner.generators
         assert_drained(llm)
 
 

@@ -219,7 +219,8 @@ class LLMEngine:
         self.structured_output.retain(self.scheduler.requests)
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests()
+        """(A batch in flight whose requests were all aborted still has to come back: steps finish it.)"""
+        return self.output_processor.has_unfinished_requests() or bool(self._in_flight)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:

@@ -75,7 +75,11 @@ class DriverModelRunner(ModelRunner):
         if step.logits is None and step.sampling_items:
             step.logits = self._receive_logits()
         self.mid_collective = False
-        return super().finish_step(step)
+        result = super().finish_step(step)
+        for item in step.sampling_items:  # aborted in flight: its "finished" id went by before this sampling
+            if item.request.is_finished:
+                self.generators.pop(item.request.request_id, None)
+        return result
 
     def drain(self) -> None:
         """Receive the logits of every step still in flight (before the shutdown message: the last stage must not
