@@ -122,22 +122,25 @@ def test_greedy_matches_transformers(arch, tp, pp, tiny_model_dir, tiny_tokenize
 
 def test_engine_features_same_tokens_as_one_process(tiny_model_dir, tiny_tokenizer):
     """A 32-token budget (chunked prefill), a pool that fits only the longest request (preemption), every prompt
-    twice (prefix cache hits) and n=2 seeded sampling: TP=2 gives exactly what one process gives."""
+    twice (prefix cache hits) and n=2 seeded sampling: TP=2, and PP=2 with two batches in flight
+    (tests/test_pipeline_inflight.py), give exactly what one process gives."""
     model_dir = tiny_model_dir("qwen3")
     prompts = mixed_prompts(tiny_tokenizer, n=6, lengths=(5, 120))
     prompts = prompts + prompts
     config = dict(max_num_batched_tokens=32, num_kv_blocks=cdiv(max(map(len, prompts)) + MAX_TOKENS, 16))
     sampled = SamplingParams(n=2, temperature=0.8, top_p=0.95, seed=7, max_tokens=8, ignore_eos=True)
     results = {}
-    for tp in (1, 2):
-        with engine(model_dir, tensor_parallel_size=tp, **config) as llm:
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        with engine(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, **config) as llm:
             greedy = [o.token_ids for o in generate(llm, prompts)]
             outs = llm.generate(prompt_token_ids=prompts[:2], sampling_params=sampled, use_tqdm=False)
             stats = llm.llm_engine.get_stats().scheduler
             assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+            assert llm.llm_engine.max_batches_in_flight_seen == (2 if pp == 2 else 0)  # 0: the synchronous path
             assert_drained(llm)
-            results[tp] = greedy, [[c.token_ids for c in o.outputs] for o in outs]
-    assert results[2] == results[1]
+            results[tp, pp] = greedy, [[c.token_ids for c in o.outputs] for o in outs]
+    assert results[2, 1] == results[1, 1]
+    assert results[1, 2] == results[1, 1]
 
 
 # ------------------------------------------------------------------------------------------- failures

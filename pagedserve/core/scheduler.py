@@ -5,6 +5,12 @@ unfinished prefill), then waiting requests in policy order while budget, seats a
 running request cannot get a block, the last request of the running list is preempted (KV freed, tokens
 recomputed later). The running list is kept in policy order, so "last" is the most recently admitted
 (FCFS) or the lowest priority (priority policy), and it has not been scheduled yet this step.
+
+Batches in flight (pipeline parallelism): the engine may schedule the next batch before an earlier one's tokens
+are back (`hold_in_flight`). A request of a batch in flight is neither scheduled nor preempted until
+update_from_output has applied that batch; one that needs a block only requests in flight could give waits.
+With P batches to keep in flight, a batch takes at most 1/P of the unfinished requests, so that the next
+batches have requests left to run (else a decode batch would take them all and the other stages would idle).
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pagedserve.core.block_pool import BlockHash
-from pagedserve.core.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit
+from pagedserve.core.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit, cdiv
 from pagedserve.core.request import Request, RequestStatus
 
 
@@ -146,6 +152,8 @@ class Scheduler:
         # admitted requests' prompt tokens looked up outside the pool (past the pool's hit), of which loaded
         self.external_queried_tokens = 0
         self.external_hit_tokens = 0
+        # ids of requests in a batch whose output is not applied yet (empty unless batches are pipelined)
+        self.in_flight: set[str] = set()
 
     # ----------------------------------------------------------------- queue management
     def add_request(self, request: Request) -> None:
@@ -162,6 +170,7 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+                self.in_flight.discard(request.request_id)  # its batch's output will skip it (finished)
             else:
                 self.waiting.remove(request)
             self._free(request, status)
@@ -180,19 +189,29 @@ class Scheduler:
         return len(self.waiting)
 
     # ----------------------------------------------------------------- the step
-    def schedule(self) -> SchedulerOutput:
+    def hold_in_flight(self, out: SchedulerOutput) -> None:
+        """The batch runs while the next ones are scheduled: its requests sit out until its output is applied."""
+        self.in_flight.update(item.request.request_id for item in out.scheduled)
+
+    def schedule(self, max_batches_in_flight: int = 1) -> SchedulerOutput:
         cfg = self.config
         out = SchedulerOutput(finished_request_ids=self._finished_since_last_step)
         self._finished_since_last_step = []
         budget = cfg.max_num_batched_tokens
+        # (with one batch at a time no request is left out: each is scheduled at most once)
+        seats = cdiv(len(self.running) + len(self.waiting), max_batches_in_flight)
         if cfg.policy == "priority":
             self._preempt_for_higher_priority(out)
 
         # 1. Running requests, in order; a request that cannot get a block preempts the tail of the list.
         num_preempted_before = len(out.preempted_request_ids)
         index = 0
-        while index < len(self.running) and budget > 0:
+        in_flight = self.in_flight
+        while index < len(self.running) and budget > 0 and len(out.scheduled) < seats:
             request = self.running[index]
+            if in_flight and request.request_id in in_flight:  # its previous tokens are not back yet
+                index += 1
+                continue
             num_new = self._chunk_size(self._num_unscheduled(request), budget)
             if num_new <= 0 and request.spec_token_ids:  # (unchunked) its drafts do not fit: decode without them
                 request.spec_token_ids = []
@@ -205,7 +224,10 @@ class Scheduler:
                     request.spec_token_ids = []
                     num_new = self._chunk_size(self._num_unscheduled(request), budget)
                     continue
-                victim = self.running[-1]
+                victim = self._preemption_victim(index)
+                if victim is None:  # only requests in flight hold blocks it could take: wait until they are back
+                    index += 1
+                    break
                 self._preempt(victim, out)
                 if victim is request:
                     break
@@ -221,7 +243,8 @@ class Scheduler:
         #    requests had to preempt: the pool is short, and admitting would only cause more preemption.
         running_preempted = len(out.preempted_request_ids) > num_preempted_before
         preempted_now = set(out.preempted_request_ids)
-        while len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs and not running_preempted:
+        while len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs and not running_preempted \
+                and len(out.scheduled) < seats:
             request = self.waiting.peek()
             if request.request_id in preempted_now:  # it just gave its KV away; all behind it rank lower
                 break
@@ -305,6 +328,17 @@ class Scheduler:
         else:
             self.running.append(request)
 
+    def _preemption_victim(self, index: int) -> Request | None:
+        """The last running request from `index` on (those before it are scheduled already) that is not in flight:
+        the request at `index` itself when there is no other; None rather than itself while batches are in
+        flight, whose requests become preemptable (or finish) when their output is back."""
+        if not self.in_flight:
+            return self.running[-1]
+        for victim in reversed(self.running[index + 1:]):
+            if victim.request_id not in self.in_flight:
+                return victim
+        return None
+
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         self.kv.free(request)
@@ -320,7 +354,10 @@ class Scheduler:
         """Under the priority policy a waiting request that outranks the lowest running one and cannot get
         its blocks takes them from it (before anything is scheduled this step)."""
         while len(self.waiting) and self.running:
-            head, lowest = self.waiting.peek(), self.running[-1]
+            head = self.waiting.peek()
+            lowest = next((r for r in reversed(self.running) if r.request_id not in self.in_flight), None)
+            if lowest is None:  # requests in flight are not preempted
+                return
             if (head.priority, head.arrival_time) >= (lowest.priority, lowest.arrival_time):
                 return
             first_chunk = self._chunk_size(head.num_tokens, self.config.max_num_batched_tokens)
@@ -343,6 +380,8 @@ class Scheduler:
             request = item.request
             if request.is_finished:  # aborted while the step ran
                 continue
+            if self.in_flight:
+                self.in_flight.discard(request.request_id)
             tokens = sampled.get(request.request_id, ())
             # K/V of rejected drafts was written, but past num_computed_tokens nothing reads it: the next step
             # overwrites those slots, and no block holding one is registered in the prefix cache.

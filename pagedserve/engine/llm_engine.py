@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from pathlib import Path
 
 from pagedserve.config import (CacheConfig, EngineArgs, EngineConfig, ModelInfo, ParallelConfig, RequestLimits)
@@ -20,7 +21,8 @@ from pagedserve.kv_transfer.connector import KVConnector
 from pagedserve.metrics.loggers import StepStats
 from pagedserve.metrics.stats import EngineStats, IterationStats, SchedulerStats
 from pagedserve.model_executor.model_config import ModelConfig, resolve_model_dir
-from pagedserve.model_executor.model_runner import configure_threads, kv_bytes_per_block, resolve_device, resolve_dtype
+from pagedserve.model_executor.model_runner import (ModelRunnerOutput, StartedStep, configure_threads, kv_bytes_per_block,
+                                                    resolve_device, resolve_dtype)
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -84,6 +86,10 @@ class LLMEngine:
         self.num_step_failures = 0
         self.last_iteration = IterationStats()
         self.events = EngineEventRecorder(self.config, self.scheduler, self.kv_cache_manager)
+        # pipeline parallelism: batches started and not finished yet, oldest first (see _pipelined_step)
+        self.max_batches_in_flight = self.executor.max_batches_in_flight
+        self._in_flight: deque[tuple[SchedulerOutput, StartedStep]] = deque()
+        self.max_batches_in_flight_seen = 0  # most batches ever in flight at once (a statistic)
         if warm_up:
             self.warm_up()
         self.kv_connector = self._connect_kv_store(args, model_dir) if args.kv_transfer is not None else None
@@ -164,6 +170,7 @@ class LLMEngine:
         kv.block_pool.reset_prefix_cache()
         kv.prefix_cache_queries = kv.prefix_cache_hits = kv.block_pool.num_evictions = 0
         self.scheduler.num_preemptions = 0
+        self.max_batches_in_flight_seen = 0
         self.output_processor.take_stats()
         self.last_iteration = IterationStats()
         logger.info("Warm-up (kernels, prefill, cached-prefix prefill, decode, sampler) took %.2f s",
@@ -212,28 +219,76 @@ class LLMEngine:
         self.structured_output.retain(self.scheduler.requests)
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests()
+        """(A batch in flight whose requests were all aborted still has to come back: steps finish it.)"""
+        return self.output_processor.has_unfinished_requests() or bool(self._in_flight)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        if self.max_batches_in_flight > 1:
+            return self._pipelined_step()
         t0 = time.perf_counter()
         self.events.begin_step()
         sched_out = self.scheduler.schedule()
-        grammars = self.structured_output
         if sched_out.is_empty:
             self.last_iteration = IterationStats()
             return []
         if self.events.active:
             self.events.on_scheduled(sched_out)
-        num_decode_tokens = sum(s.num_new_tokens for s in sched_out.scheduled
-                                if s.request.num_computed_tokens >= s.request.num_prompt_tokens)
         try:
-            self._save_kv(sched_out.kv_saves)  # evicted blocks, before this forward overwrites them
-            if self.fault_injector is not None:
-                self.fault_injector.arm(sched_out)
-            runner_out = self.executor.execute_model(sched_out, grammars if grammars.matchers else None)
+            self._before_forward(sched_out)
+            runner_out = self.executor.execute_model(sched_out, self._token_masks())
         except Exception as exc:
             return self._fail_step(sched_out, exc)
+        return self._apply_output(sched_out, runner_out, t0)
+
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """Pipeline parallelism (vLLM's batch queue): start a new batch while fewer than max_batches_in_flight run,
+        so every stage has one to work on; once they are all started (or nothing else can be scheduled), finish the
+        oldest. The scheduler leaves the requests of batches in flight out of the next ones. Structured-output
+        requests run one batch at a time: their grammars advance only with the tokens that came back."""
+        t0 = time.perf_counter()
+        self.events.begin_step()
+        depth = 1 if self.structured_output.matchers else self.max_batches_in_flight
+        if len(self._in_flight) < depth:
+            sched_out = self.scheduler.schedule(depth)
+            if not sched_out.is_empty:
+                self.scheduler.hold_in_flight(sched_out)
+                try:
+                    self._before_forward(sched_out)
+                    started = self.executor.start_step(sched_out, self._token_masks())
+                except Exception as exc:
+                    return self._fail_step(sched_out, exc)
+                self._in_flight.append((sched_out, started))
+                self.max_batches_in_flight_seen = max(self.max_batches_in_flight_seen, len(self._in_flight))
+                if len(self._in_flight) < depth:
+                    self.last_iteration = IterationStats()
+                    return []
+        if not self._in_flight:
+            self.last_iteration = IterationStats()
+            return []
+        sched_out, started = self._in_flight.popleft()
+        if self.events.active:  # the batch's requests have not advanced since it was scheduled
+            self.events.on_scheduled(sched_out)
+        try:
+            runner_out = self.executor.finish_step(started)
+        except Exception as exc:
+            return self._fail_step(sched_out, exc)
+        return self._apply_output(sched_out, runner_out, t0)
+
+    def _token_masks(self) -> StructuredOutputManager | None:
+        return self.structured_output if self.structured_output.matchers else None
+
+    def _before_forward(self, sched_out: SchedulerOutput) -> None:
+        self._save_kv(sched_out.kv_saves)  # evicted blocks, before this forward overwrites them
+        if self.fault_injector is not None:
+            self.fault_injector.arm(sched_out)
+
+    def _apply_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput,
+                      t0: float) -> list[RequestOutput]:
+        """The step's tokens to the scheduler, the requests and the caller."""
+        grammars = self.structured_output
+        num_decode_tokens = sum(s.num_new_tokens for s in sched_out.scheduled
+                                if s.request.num_computed_tokens >= s.request.num_prompt_tokens)
         progressed = self.scheduler.update_from_output(sched_out, runner_out.sampled, runner_out.spec_token_ids)
         self._save_kv(self.kv_cache_manager.take_blocks_to_save())  # write-through: the blocks written just now
         now = time.time()

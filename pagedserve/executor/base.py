@@ -4,7 +4,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from pagedserve.core.scheduler import SchedulerOutput
-from pagedserve.model_executor.model_runner import ModelRunner, ModelRunnerOutput, TokenMaskSource
+from pagedserve.model_executor.model_runner import ModelRunner, ModelRunnerOutput, StartedStep, TokenMaskSource
 
 
 class ExecutorDeadError(RuntimeError):
@@ -16,9 +16,20 @@ class Executor(ABC):
 
     driver: ModelRunner
 
+    # How many scheduled batches the engine may keep in flight (pipeline parallelism: one per stage). With more
+    # than one, the engine calls start_step and finish_step, in the same order, instead of execute_model.
+    max_batches_in_flight = 1
+
     @abstractmethod
     def execute_model(self, out: SchedulerOutput, token_masks: TokenMaskSource | None = None) -> ModelRunnerOutput:
         ...
+
+    def start_step(self, out: SchedulerOutput, token_masks: TokenMaskSource | None = None) -> StartedStep:
+        """Inputs and the forward; with batches in flight it returns before the later stages are done."""
+        return self.driver.start_step(out, token_masks)
+
+    def finish_step(self, step: StartedStep) -> ModelRunnerOutput:
+        return self.driver.finish_step(step)
 
     @property
     @abstractmethod

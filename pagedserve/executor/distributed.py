@@ -14,8 +14,10 @@ import os
 import threading
 import time
 from abc import abstractmethod
+from collections import deque
 
 import torch
+import torch.distributed as dist
 
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.executor.base import Executor, ExecutorDeadError
@@ -23,7 +25,7 @@ from pagedserve.executor.cpu_binding import bind_threads
 from pagedserve.executor.step_broadcast import Command, ControlChannel, pack_step
 from pagedserve.executor.worker import RunnerArgs, WorkerSpec
 from pagedserve.model_executor.attention import AttentionMetadata
-from pagedserve.model_executor.model_runner import ModelRunner, ModelRunnerOutput, TokenMaskSource
+from pagedserve.model_executor.model_runner import ModelRunner, ModelRunnerOutput, StartedStep, TokenMaskSource
 from pagedserve.model_executor.parallel_state import ParallelLayout, ParallelState, create_store, init_parallel_state
 
 logger = logging.getLogger("pagedserve")
@@ -37,22 +39,66 @@ DEATH_GRACE_S = 2.0  # after a failed collective, how long to look for the worke
 
 class DriverModelRunner(ModelRunner):
     """Rank 0's runner: broadcasts each forward's inputs before running its own shard, and receives the logits from
-    the last pipeline stage when it is not that stage."""
+    the last pipeline stage when it is not that stage.
+
+    start_step returns once this rank's stage has run, without waiting for the broadcast to be received or for the
+    logits, so that with pipeline parallelism the engine can start the next batch while the later stages work on
+    this one; finish_step takes the logits (execute_model does both at once). Steps finish in the order they
+    started and the last stage sends their logits in that order: one receive is posted at a time (the oldest
+    step's), and the next one as soon as it has arrived."""
 
     channel: ControlChannel
     mid_collective = False  # True from the broadcast until the step's last collective returned
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._broadcasts: deque[list[dist.Work]] = deque()  # per started step, oldest first
+        self._logits_rows: deque[int] = deque()  # rows of the started steps that produce logits, oldest first
+        self._posted: tuple[dist.Work, torch.Tensor] | None = None  # the receive of the oldest one's logits
+
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                   logits_indices: torch.Tensor) -> torch.Tensor | None:
         self.mid_collective = True
-        self.channel.send(Command.STEP, pack_step(input_ids, positions, meta, logits_indices))
+        self._broadcasts.append(self.channel.send(Command.STEP, pack_step(input_ids, positions, meta, logits_indices),
+                                                  wait=False))
         logits = super().run_model(input_ids, positions, meta, logits_indices)
-        parallel: ParallelState = self.model.parallel
         if logits is None and logits_indices.numel():
-            logits = parallel.recv_logits_from_last_stage(logits_indices.numel(), self.config.vocab_size)
-            logits = logits.to(self.device)
+            self._logits_rows.append(logits_indices.numel())
+            self._post_logits_recv()
         self.mid_collective = False
         return logits
+
+    def finish_step(self, step: StartedStep) -> ModelRunnerOutput:
+        self.mid_collective = True
+        for work in self._broadcasts.popleft():
+            work.wait()
+        if step.logits is None and step.sampling_items:
+            step.logits = self._receive_logits()
+        self.mid_collective = False
+        result = super().finish_step(step)
+        for item in step.sampling_items:  # aborted in flight: its "finished" id went by before this sampling
+            if item.request.is_finished:
+                self.generators.pop(item.request.request_id, None)
+        return result
+
+    def drain(self) -> None:
+        """Receive the logits of every step still in flight (before the shutdown message: the last stage must not
+        be left waiting to send them)."""
+        while self._posted is not None:
+            self._receive_logits()
+        self._broadcasts.clear()
+
+    def _post_logits_recv(self) -> None:
+        if self._posted is None and self._logits_rows:
+            parallel: ParallelState = self.model.parallel
+            self._posted = parallel.recv_logits_from_last_stage(self._logits_rows.popleft(), self.config.vocab_size)
+
+    def _receive_logits(self) -> torch.Tensor:
+        work, logits = self._posted
+        work.wait()
+        self._posted = None
+        self._post_logits_recv()  # the next batch's: the last stage may be ready to send it already
+        return logits.to(self.device)
 
 
 class DistributedExecutor(Executor):
@@ -127,8 +173,20 @@ class DistributedExecutor(Executor):
         return result["state"]
 
     # ------------------------------------------------------------------ the engine's calls
+    @property
+    def max_batches_in_flight(self) -> int:
+        """One batch per pipeline stage keeps every stage busy (vLLM's virtual engines). Speculative decoding
+        stays synchronous: the drafter proposes from the tokens just sampled."""
+        return self.layout.pp_size if self.runner_args.speculative is None else 1
+
     def execute_model(self, out: SchedulerOutput, token_masks: TokenMaskSource | None = None) -> ModelRunnerOutput:
         return self._guarded(self.driver.execute_model, out, token_masks)
+
+    def start_step(self, out: SchedulerOutput, token_masks: TokenMaskSource | None = None) -> StartedStep:
+        return self._guarded(self.driver.start_step, out, token_masks)
+
+    def finish_step(self, step: StartedStep) -> ModelRunnerOutput:
+        return self._guarded(self.driver.finish_step, step)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         def allocate() -> None:
@@ -193,6 +251,7 @@ class DistributedExecutor(Executor):
         self._stopped = True
         if self._dead_reason is None:
             try:
+                self.driver.drain()
                 self.driver.channel.send(Command.SHUTDOWN)
             except Exception:  # a worker is already gone: stopping the rest below is all that is left
                 logger.warning("%s executor: shutdown message failed", self.backend, exc_info=True)

@@ -76,11 +76,17 @@ class ControlChannel:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
 
-    def send(self, command: Command, payload: torch.Tensor | None = None) -> None:
+    def send(self, command: Command, payload: torch.Tensor | None = None, wait: bool = True) -> list[dist.Work]:
+        """wait=False returns the broadcasts' works at once (they complete when every rank has received): the
+        driver of a pipeline does not wait for stages still busy with an earlier batch."""
         payload = torch.empty(0, dtype=torch.long) if payload is None else payload
-        self.group.broadcast(torch.tensor([int(command), payload.numel()]), 0).wait()
+        works = [self.group.broadcast(torch.tensor([int(command), payload.numel()]), 0)]
         if payload.numel():
-            self.group.broadcast(payload, 0).wait()
+            works.append(self.group.broadcast(payload, 0))
+        if wait:
+            for work in works:
+                work.wait()
+        return works
 
     def recv(self) -> tuple[Command, torch.Tensor]:
         header = torch.empty(2, dtype=torch.long)

@@ -82,6 +82,18 @@ class ModelRunnerOutput:
     forward_time: float = 0.0  # the model forward alone (no input prep, no sampling)
 
 
+@dataclass
+class StartedStep:
+    """A step whose forward ran on this rank (later pipeline stages may still be running it): what sampling needs.
+    `logits` is None on a pipeline driver until the last stage's logits arrive (executor/distributed.py)."""
+    num_scheduled: int
+    sampling_items: list[ScheduledRequest]
+    masks: "Future[torch.Tensor] | None"
+    constrained: dict  # sequence id -> grammar matcher: such requests get no drafts
+    logits: torch.Tensor | None
+    forward_time: float  # this rank's forward alone (no input prep, no sampling)
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype, block_size: int,
                  seed: int = 0, linear_backend: str = "auto", quantization: str | None = None,
@@ -158,10 +170,13 @@ class ModelRunner:
             v.index_copy_(0, ids, blocks[:, layer, 1])
 
     # ------------------------------------------------------------------ the step
-    @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput, token_masks: TokenMaskSource | None = None) -> ModelRunnerOutput:
-        """token_masks (structured output): asked for the sampling rows' token masks (a logit bias) before the
-        forward, so that it is computed while the forward runs."""
+        return self.finish_step(self.start_step(out, token_masks))
+
+    @torch.inference_mode()
+    def start_step(self, out: SchedulerOutput, token_masks: TokenMaskSource | None = None) -> StartedStep:
+        """Inputs and the forward. token_masks (structured output): asked for the sampling rows' token masks (a
+        logit bias) before the forward, so that they are computed while the forward runs."""
         for request_id in out.finished_request_ids:
             self.generators.pop(request_id, None)
         if self.drafter is not None:
@@ -179,13 +194,20 @@ class ModelRunner:
             logits = self.decode_graphs.run(batch)
         else:
             logits = self.run_model(batch.input_ids, batch.positions, batch.attn_metadata, batch.logits_indices)
-        result = ModelRunnerOutput(forward_time=time.perf_counter() - t0)
-        if sampling_items:
-            self._sample(logits, sampling_items, result, masks.result() if masks is not None else None)
+        return StartedStep(len(out.scheduled), sampling_items, masks,
+                           token_masks.matchers if token_masks is not None else {}, logits,
+                           time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def finish_step(self, step: StartedStep) -> ModelRunnerOutput:
+        """Sampling (and the next drafts) from the step's logits."""
+        result = ModelRunnerOutput(forward_time=step.forward_time)
+        if step.sampling_items:
+            self._sample(step.logits, step.sampling_items, result,
+                         step.masks.result() if step.masks is not None else None)
             if self.drafter is not None:
-                constrained = token_masks.matchers if token_masks is not None else {}
-                result.spec_token_ids = self.drafter.propose(sampling_items, result.sampled, len(out.scheduled),
-                                                             constrained)
+                result.spec_token_ids = self.drafter.propose(step.sampling_items, result.sampled,
+                                                             step.num_scheduled, step.constrained)
         return result
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -150,10 +150,11 @@ class ParallelState:
     def send_logits_to_driver(self, logits: torch.Tensor) -> None:
         self.world_group.send([logits.cpu()], 0, TAG_LOGITS).wait()
 
-    def recv_logits_from_last_stage(self, num_rows: int, vocab_size: int) -> torch.Tensor:
+    def recv_logits_from_last_stage(self, num_rows: int, vocab_size: int) -> tuple[dist.Work, torch.Tensor]:
+        """Posts the receive and returns at once (the last stage can send while this rank works on another batch):
+        the buffer holds the logits once the work's wait() returns."""
         buf = torch.empty((num_rows, vocab_size), dtype=torch.float32)
-        self.world_group.recv([buf], self.logits_rank, TAG_LOGITS).wait()
-        return buf
+        return self.world_group.recv([buf], self.logits_rank, TAG_LOGITS), buf
 
     def shutdown(self) -> None:
         for group in (self.tp_group, self.world_group):
