@@ -6,7 +6,8 @@
 
 On a shared machine whole-run timings drift by more than these kernels change, so each decode call runs both the
 baseline build's decode kernel (`--baseline-kernels`: the sources of an earlier commit) and the current one, and each
-prefill chunk both PyTorch's SDPA (what attention.py used before) and the native prefill kernel, on the same inputs,
+prefill chunk both a baseline (`--prefill-baseline`: PyTorch's SDPA, what attention.py used before the native prefill
+kernel, or `kernels`, the baseline build's prefill kernel) and the current native prefill kernel, on the same inputs,
 alternating which goes first; the engine continues with the current kernels' output. The mixed workload (`bench
 --dataset mixed`, exact output lengths, greedy, all requests submitted at once, 2048-token budget, prefix caching
 off) runs for `--max-steps` steps. Prints each side's summed time.
@@ -43,8 +44,8 @@ def sdpa_prefill(q, k_cache, v_cache, block_ids, first, scale):
 class BothKernels:
     """What attention.py sees as `cpu_kernels()`: runs each attention call with both sides and times them."""
 
-    def __init__(self, current, baseline) -> None:
-        self.current, self.baseline = current, baseline
+    def __init__(self, current, baseline, prefill_baseline: str) -> None:
+        self.current, self.baseline, self.prefill_baseline = current, baseline, prefill_baseline
         self.seconds: dict[str, float] = collections.defaultdict(float)
         self.calls = 0
 
@@ -68,7 +69,15 @@ class BothKernels:
         return self.current.native_prefill(head_dim)
 
     def paged_prefill_attention(self, q, k_cache, v_cache, block_ids, first, scale, out):
-        self._both(("prefill SDPA", lambda: sdpa_prefill(q, k_cache, v_cache, block_ids, first, scale)),
+        if self.prefill_baseline == "sdpa":
+            def before():
+                sdpa_prefill(q, k_cache, v_cache, block_ids, first, scale)
+        else:
+            scratch = torch.empty_like(out)
+
+            def before():
+                self.baseline.paged_prefill_attention(q, k_cache, v_cache, block_ids, first, scale, scratch)
+        self._both(("prefill before", before),
                    ("prefill native", lambda: self.current.paged_prefill_attention(q, k_cache, v_cache, block_ids,
                                                                                    first, scale, out)))
 
@@ -81,6 +90,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--baseline-kernels", required=True, help="a directory with the earlier kernel sources")
+    p.add_argument("--prefill-baseline", choices=("sdpa", "kernels"), default="sdpa",
+                   help="what the native prefill kernel is compared with: SDPA or the baseline build's kernel")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-steps", type=int, default=150)
     p.add_argument("--threads", type=int, default=1)
@@ -93,7 +104,7 @@ def main(argv=None) -> int:
     baseline = K.build_extension(K.extension_name(isa, sources), list(sources[:len(K.SOURCES)]), K.build_flags(isa))
     llm = LLM(args.model, num_threads=args.threads, dtype=args.dtype, max_num_batched_tokens=2048,
               max_num_seqs=args.num_prompts, enable_prefix_caching=False)
-    both = BothKernels(current, baseline)
+    both = BothKernels(current, baseline, args.prefill_baseline)
     attention.cpu_kernels = lambda: both
     engine = llm.llm_engine
     for i, r in enumerate(sample_mixed(TokenSpace(engine.model_config.vocab_size), args.num_prompts, seed=0)):
@@ -106,8 +117,9 @@ def main(argv=None) -> int:
     s = both.seconds
     print(f"{Path(args.model).name} {args.dtype}, {isa}, {args.threads} thread(s), {args.num_prompts} mixed requests, "
           f"{steps} steps: decode {s['decode before']:.2f} s -> {s['decode after']:.2f} s "
-          f"({s['decode before'] / max(s['decode after'], 1e-9):.2f}x); prefill {s['prefill SDPA']:.2f} s -> "
-          f"{s['prefill native']:.2f} s ({s['prefill SDPA'] / max(s['prefill native'], 1e-9):.2f}x)")
+          f"({s['decode before'] / max(s['decode after'], 1e-9):.2f}x); prefill ({args.prefill_baseline}) "
+          f"{s['prefill before']:.2f} s -> "
+          f"{s['prefill native']:.2f} s ({s['prefill before'] / max(s['prefill native'], 1e-9):.2f}x)")
     return 0
 
 

@@ -113,10 +113,13 @@ def test_write_kv(ops, src_dtype, cache_dtype):
 @pytest.mark.parametrize("q_dtype", DTYPES)
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_seqs, threads", [(1, 2), (4, 2), (3, 1)])
-@pytest.mark.parametrize("heads, kvh, d, bs", [(9, 3, 64, 16), (4, 2, 128, 8), (6, 6, 48, 16), (4, 1, 40, 4)])
+@pytest.mark.parametrize("heads, kvh, d, bs", [(9, 3, 64, 16), (4, 2, 128, 8), (6, 6, 48, 16), (4, 1, 40, 4),
+                                              (16, 2, 32, 16), (9, 1, 32, 8)])
 def test_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, heads, kvh, d, bs):
-    """Head sizes: SmolLM2's and Qwen3's (the AVX-512 path, VDPBF16PS for d % 32 == 0), 48 (16-wide tail of
-    the value sums), 40 (not a multiple of 16: the portable path); block sizes that split the 16-token chunks."""
+    """Head sizes: SmolLM2's and Qwen3's (the AVX-512 path, VDPBF16PS for d % 32 == 0; in bfloat16 with a bfloat16
+    cache the grouped path that sums values in bfloat16 pairs), 48 (16-wide tail of the value sums), 40 (not a
+    multiple of 16: the portable path); query heads per KV head up to 8 (the grouped path's largest) and 9 (past
+    it); block sizes that split the 16-token chunks."""
     g = torch.Generator().manual_seed(num_seqs)
     blocks = 40
     k_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
@@ -143,10 +146,12 @@ def test_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, heads, k
 @pytest.mark.parametrize("q_dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                    (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)])
 @pytest.mark.parametrize("n, first, threads", [(37, 0, 1), (20, 45, 2), (1, 16, 1), (70, 3, 2)])
-@pytest.mark.parametrize("heads, kvh, d, bs", [(9, 3, 64, 16), (4, 2, 128, 8), (6, 6, 48, 4)])
+@pytest.mark.parametrize("heads, kvh, d, bs", [(9, 3, 64, 16), (4, 2, 128, 8), (6, 6, 48, 4), (5, 1, 32, 16)])
 def test_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, heads, kvh, d, bs):
     """A prefill chunk of n tokens after `first` cached ones, causal over the paged cache (tiles of 16 query tokens
-    and chunks of 16 keys cut at odd places); built on AVX-512 for head_dim % 16 == 0 only."""
+    and chunks of 16 keys cut at odd places); built on AVX-512 for head_dim % 16 == 0 only. In bfloat16 with a
+    bfloat16 cache and head_dim % 32 == 0 the rows go four at a time (5 heads per KV head: a tile's rows end in
+    blocks of 1-3)."""
     assert ops.native_prefill(d) == (ops.isa().startswith("avx512") and d % 16 == 0)
     assert not ops.native_prefill(40)
     if not ops.native_prefill(d):

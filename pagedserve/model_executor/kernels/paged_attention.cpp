@@ -172,9 +172,21 @@ class ChunkWalker {
   const T* rows_[2][2][kChunk];  // [current/next chunk][K/V][token]
 };
 
+// One online-softmax step with a chunk's raw scores sc (lanes outside `valid` ignored): m (running max of the
+// scaled scores) and l (running sum of exp(score - m)) move to the new max; alpha = exp(m_old - m_new), by which
+// the caller rescales its value sums. Returns exp(score - m_new) (0 in ignored lanes).
+inline __m512 softmax_update(__m512 sc, __mmask16 valid, float scale, float& m, float& l, float& alpha) {
+  sc = _mm512_mask_mov_ps(_mm512_set1_ps(kNoScore), valid, _mm512_mul_ps(sc, _mm512_set1_ps(scale)));
+  const float m_new = std::max(m, _mm512_reduce_max_ps(sc));
+  alpha = std::exp(m - m_new);
+  const __m512 pv = _mm512_maskz_mov_ps(valid, ps::exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
+  l = l * alpha + _mm512_reduce_add_ps(pv);
+  m = m_new;
+  return pv;
+}
+
 // One query head (q: its d values in the model dtype, qf: the same in float32) over the first n keys of a chunk,
-// online softmax: m (running max score), l (running sum of exp(score - m)) and acc (d floats, the running sum of
-// exp(score - m) * value) are rescaled once and updated.
+// online softmax: m, l and acc (d floats, the running sum of exp(score - m) * value) are rescaled once and updated.
 template <typename TQ, typename T, typename TV>
 inline void attend_chunk(const TQ* q, const float* qf, const T* const* k_rows, int64_t k_offset,
                          const TV* const* v_rows, int64_t v_offset, int64_t d, int64_t n, float scale, float* acc,
@@ -187,13 +199,8 @@ inline void attend_chunk(const TQ* q, const float* qf, const T* const* k_rows, i
   } else
 #endif
     sc = score_chunk(qf, k_rows, offset, d);
-  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-  sc = _mm512_mask_mov_ps(_mm512_set1_ps(kNoScore), valid, _mm512_mul_ps(sc, _mm512_set1_ps(scale)));
-  const float m_new = std::max(m, _mm512_reduce_max_ps(sc));
-  const float alpha = std::exp(m - m_new);
-  const __m512 pv = _mm512_maskz_mov_ps(valid, ps::exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
-  l = l * alpha + _mm512_reduce_add_ps(pv);
-  m = m_new;
+  float alpha;
+  const __m512 pv = softmax_update(sc, static_cast<__mmask16>((1u << n) - 1), scale, m, l, alpha);
   alignas(64) float p[kChunk];
   _mm512_store_ps(p, pv);
   const __m512 av = _mm512_set1_ps(alpha);
@@ -227,7 +234,136 @@ void attend_avx512(const TQ* q, float scale, const T* k_cache, const T* v_cache,
   }
 }
 
+#if defined(__AVX512BF16__)
+// The bfloat16 path (a bfloat16 model with a bfloat16 cache, head_dim % 32 == 0, at most kMaxDim): every product
+// on VDPBF16PS, which multiplies *pairs* of bfloat16 and accumulates in float32.
+//
+// Value sums: two tokens' value rows interleaved by a 16-bit unpack (vpunpck{l,h}wd), times the pair of their softmax
+// weights rounded to bfloat16 (as PyTorch's own CPU flash attention rounds them for its bfloat16 P.V product). The
+// unpack works per 128-bit lane, so the 32 dims of block b land permuted: lane 4c+i of the "lo" accumulator (a[32b
+// .. 32b+16)) is dim 32b+8c+i, of the "hi" one (a[32b+16 .. 32b+32)) dim 32b+8c+4+i (c < 4, i < 4);
+// `unpermute_values` restores the order once at the end.
+constexpr int64_t kMaxDim = 256;
+constexpr int64_t kPairs = kChunk / 2;
+
+// A chunk's value rows (at `offset`), interleaved in token pairs: vp[(j * d/32 + b) * 2 + {0, 1}] = the lo and hi
+// unpack of tokens 2j and 2j+1 over dims 32b .. 32b+32.
+inline void interleave_value_pairs(const bf16* const* v_rows, int64_t offset, int64_t d, int64_t pairs, __m512i* vp) {
+  const int64_t blocks = d / 32;
+  for (int64_t j = 0; j < pairs; ++j)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m512i x = _mm512_loadu_si512(v_rows[2 * j] + offset + 32 * b);
+      const __m512i y = _mm512_loadu_si512(v_rows[2 * j + 1] + offset + 32 * b);
+      vp[(j * blocks + b) * 2] = _mm512_unpacklo_epi16(x, y);
+      vp[(j * blocks + b) * 2 + 1] = _mm512_unpackhi_epi16(x, y);
+    }
+}
+
+// For NR rows r: acc[r] = alpha[r] acc[r] + sum over token pairs j of p_r[2j] v[2j] + p_r[2j+1] v[2j+1] (pp[r][j]:
+// that pair in bfloat16), in the permuted lane order. Each interleaved value vector serves all NR rows.
+template <int NR>
+inline void accumulate_pairs(float* const* acc, const float* alpha, const uint32_t (*pp)[kPairs], const __m512i* vp,
+                             int64_t d, int64_t pairs) {
+  const int64_t blocks = d / 32;
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 lo[NR], hi[NR];
+    for (int r = 0; r < NR; ++r) {
+      const __m512 al = _mm512_set1_ps(alpha[r]);
+      lo[r] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 32 * b), al);
+      hi[r] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 32 * b + 16), al);
+    }
+    for (int64_t j = 0; j < pairs; ++j) {
+      const __m512bh vlo = (__m512bh)vp[(j * blocks + b) * 2], vhi = (__m512bh)vp[(j * blocks + b) * 2 + 1];
+      for (int r = 0; r < NR; ++r) {
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r][j]));
+        lo[r] = _mm512_dpbf16_ps(lo[r], vlo, p);
+        hi[r] = _mm512_dpbf16_ps(hi[r], vhi, p);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      _mm512_storeu_ps(acc[r] + 32 * b, lo[r]);
+      _mm512_storeu_ps(acc[r] + 32 * b + 16, hi[r]);
+    }
+  }
+}
+
+// Puts the d values of a (in accumulate_pairs' lane order) back in dim order.
+inline void unpermute_values(float* a, int64_t d) {
+  for (int64_t b = 0; b < d; b += 32) {
+    float t[32];
+    std::memcpy(t, a + b, sizeof t);
+    for (int c = 0; c < 4; ++c)
+      for (int i = 0; i < 4; ++i) a[b + 8 * c + i] = t[4 * c + i], a[b + 8 * c + 4 + i] = t[16 + 4 * c + i];
+  }
+}
+
+// `attend` on the bfloat16 path with G query heads per KV head: chunks of 16 tokens with an online softmax, as
+// attend_avx512, but per KV head: its G query heads are scored (one reduction tree each), then its values are
+// interleaved once per chunk and summed for all G heads together - no value widened to float32 or read twice.
+template <int G>
+void attend_bf16_grouped(const bf16* q, float scale, const bf16* k_cache, const bf16* v_cache, const int64_t* table,
+                         int64_t t0, int64_t t1, const Shape& s, float* acc, float* m, float* l) {
+  const int64_t heads = s.num_heads, d = s.head_dim, row = s.num_kv_heads * d;
+  std::fill(acc, acc + heads * d, 0.f);
+  std::fill(l, l + heads, 0.f);
+  std::fill(m, m + heads, kNoScore);
+  __m512i vp[kPairs * 2 * (kMaxDim / 32)];
+  alignas(64) uint32_t pp[G][kPairs];
+  float alpha[G];
+  float* rows[G];
+  for (ChunkWalker<bf16> w(k_cache, v_cache, table, s.block_size, row, t0, t1, 0, row); !w.done(); w.advance()) {
+    w.prefetch_next();
+    const int64_t n = w.size(), pairs = (n + 1) / 2;  // an odd n pairs the last token with a masked (p = 0) lane
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t kv = 0; kv < s.num_kv_heads; ++kv) {
+      for (int g = 0; g < G; ++g) {
+        const int64_t h = kv * G + g;
+        const __m512 pv = softmax_update(score_chunk_bf16(q + h * d, w.keys(), kv * d, d), valid, scale, m[h], l[h],
+                                         alpha[g]);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g]), (__m256i)_mm512_cvtneps_pbh(pv));
+        rows[g] = acc + h * d;
+      }
+      interleave_value_pairs(w.values(), kv * d, d, pairs, vp);
+      accumulate_pairs<G>(rows, alpha, pp, vp, d, pairs);
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) unpermute_values(acc + h * d, d);
+}
+
+inline bool bf16_path(int64_t head_dim) { return head_dim % 32 == 0 && head_dim <= kMaxDim; }
+
+// attend_bf16_grouped for this shape's group size; false when it does not apply (the caller takes another path).
+inline bool attend_bf16(const bf16* q, float scale, const bf16* k_cache, const bf16* v_cache, const int64_t* table,
+                        int64_t t0, int64_t t1, const Shape& s, float* acc, float* m, float* l) {
+  if (!bf16_path(s.head_dim)) return false;
+  switch (s.num_heads / s.num_kv_heads) {
+#define PS_GROUP(G) \
+  case G: attend_bf16_grouped<G>(q, scale, k_cache, v_cache, table, t0, t1, s, acc, m, l); return true;
+    PS_GROUP(1) PS_GROUP(2) PS_GROUP(3) PS_GROUP(4) PS_GROUP(5) PS_GROUP(6) PS_GROUP(7) PS_GROUP(8)
+#undef PS_GROUP
+    default: return false;
+  }
+}
+#endif
+
 constexpr int64_t kPrefillTile = 16;  // query tokens per task: they share each key chunk while it is in L1
+
+// Calls tile(kvh, a, b) for every (KV head, tile [a, b) of kPrefillTile query tokens) of an n-token prefill chunk,
+// in parallel; make() builds each thread's tile worker (with its scratch buffers) once. Later tiles see more keys,
+// so tasks go short, long, short, ...: each thread's range gets a fair share.
+template <typename Make>
+void for_each_prefill_tile(int64_t n, int64_t num_kv_heads, Make make) {
+  const int64_t tiles = (n + kPrefillTile - 1) / kPrefillTile;
+  at::parallel_for(0, num_kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    auto tile_worker = make();
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kvh = task % num_kv_heads, j = task / num_kv_heads;
+      const int64_t tile = j % 2 == 0 ? j / 2 : tiles - 1 - j / 2;
+      const int64_t a = tile * kPrefillTile;
+      tile_worker(kvh, a, std::min(n, a + kPrefillTile));
+    }
+  });
+}
 
 // Attention of a prefill chunk (head_dim % 16 == 0): its token i, at position first + i, over the sequence's keys
 // [0, first + i] (the chunk's own K/V are already in the cache). One task per (KV head, tile of query tokens) with
@@ -236,19 +372,15 @@ template <typename TQ, typename T>
 void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* table,
                     int64_t n, int64_t first, TQ* out, int64_t out_stride, const Shape& s, float scale) {
   const int64_t d = s.head_dim, group = s.num_heads / s.num_kv_heads, row = s.num_kv_heads * d;
-  const int64_t tiles = (n + kPrefillTile - 1) / kPrefillTile;
-  at::parallel_for(0, s.num_kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
-    const int64_t max_rows = kPrefillTile * group;
-    std::vector<float> qf(max_rows * d), acc(max_rows * d), m(max_rows), l(max_rows), vf(kChunk * d);
-    std::vector<T> kb(kChunk * d);
-    const float* vf_rows[kChunk];
-    const T* kb_rows[kChunk];
-    for (int64_t i = 0; i < kChunk; ++i) vf_rows[i] = vf.data() + i * d, kb_rows[i] = kb.data() + i * d;
-    for (int64_t task = begin; task < end; ++task) {
-      // later tiles see more keys: order them short, long, short, ... so each thread's range has a fair share
-      const int64_t kvh = task % s.num_kv_heads, j = task / s.num_kv_heads;
-      const int64_t tile = j % 2 == 0 ? j / 2 : tiles - 1 - j / 2;
-      const int64_t a = tile * kPrefillTile, b = std::min(n, a + kPrefillTile), rows = (b - a) * group;
+  const int64_t max_rows = kPrefillTile * group;
+  for_each_prefill_tile(n, s.num_kv_heads, [&] {
+    return [&, qf = std::vector<float>(max_rows * d), acc = std::vector<float>(max_rows * d),
+            m = std::vector<float>(max_rows), l = std::vector<float>(max_rows), vf = std::vector<float>(kChunk * d),
+            kb = std::vector<T>(kChunk * d)](int64_t kvh, int64_t a, int64_t b) mutable {
+      const float* vf_rows[kChunk];
+      const T* kb_rows[kChunk];
+      for (int64_t i = 0; i < kChunk; ++i) vf_rows[i] = vf.data() + i * d, kb_rows[i] = kb.data() + i * d;
+      const int64_t rows = (b - a) * group;
       for (int64_t r = 0; r < rows; ++r) {
         const TQ* src = q + (a + r / group) * q_stride + (kvh * group + r % group) * d;
         for (int64_t i = 0; i < d; ++i) qf[r * d + i] = to_float(src[i]);
@@ -281,10 +413,105 @@ void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_
         TQ* o = out + (a + r / group) * out_stride + (kvh * group + r % group) * d;
         for (int64_t i = 0; i < d; ++i) o[i] = from_float<TQ>(acc[r * d + i] * inv);
       }
+    };
+  });
+}
+
+#if defined(__AVX512BF16__)
+// NR rows (query pairs q[r], each row's `visible` keys of the chunk) of a prefill tile against a chunk whose keys are
+// transposed into pairs (kp[j] lane i: dims 2j, 2j+1 of key i) and values interleaved (vp): each row's 16 scores come
+// straight out of VDPBF16PS with its query pairs broadcast (lane i = key i, no reduction tree), each kp vector
+// serving all NR rows; then one online-softmax step per row and the value sums of all NR rows together.
+template <int NR>
+inline void prefill_rows_bf16(const uint32_t* const* q, const int64_t* visible, const __m512i* kp, const __m512i* vp,
+                              int64_t d, float scale, float* const* acc, float* m, float* l) {
+  __m512 s0[NR], s1[NR];  // two chains per row: VDPBF16PS's latency
+  for (int r = 0; r < NR; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < d / 2; j += 2) {
+    const __m512bh k0 = (__m512bh)kp[j], k1 = (__m512bh)kp[j + 1];
+    for (int r = 0; r < NR; ++r) {
+      s0[r] = _mm512_dpbf16_ps(s0[r], k0, (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r][j])));
+      s1[r] = _mm512_dpbf16_ps(s1[r], k1, (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r][j + 1])));
     }
+  }
+  alignas(64) uint32_t pp[NR][kPairs];
+  float alpha[NR];
+  int64_t most = 0;
+  for (int r = 0; r < NR; ++r) {
+    const __m512 pv = softmax_update(_mm512_add_ps(s0[r], s1[r]), static_cast<__mmask16>((1u << visible[r]) - 1),
+                                     scale, m[r], l[r], alpha[r]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]), (__m256i)_mm512_cvtneps_pbh(pv));
+    most = std::max(most, visible[r]);
+  }
+  accumulate_pairs<NR>(acc, alpha, pp, vp, d, (most + 1) / 2);
+}
+
+// prefill_kernel on the bfloat16 path: per key chunk and tile, the keys transposed into pairs and the values
+// interleaved once, then the tile's (token, head) rows four at a time (prefill_rows_bf16).
+void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, const bf16* v_cache,
+                         const int64_t* table, int64_t n, int64_t first, bf16* out, int64_t out_stride, const Shape& s,
+                         float scale) {
+  const int64_t d = s.head_dim, group = s.num_heads / s.num_kv_heads, row = s.num_kv_heads * d;
+  const int64_t max_rows = kPrefillTile * group;
+  for_each_prefill_tile(n, s.num_kv_heads, [&] {
+    return [&, acc = std::vector<float>(max_rows * d), m = std::vector<float>(max_rows),
+            l = std::vector<float>(max_rows), kp = std::vector<__m512i>(d / 2),
+            vp = std::vector<__m512i>(kPairs * 2 * d / 32)](int64_t kvh, int64_t a, int64_t b) mutable {
+      const int64_t rows = (b - a) * group;
+      std::fill(acc.begin(), acc.begin() + rows * d, 0.f);
+      std::fill(m.begin(), m.begin() + rows, kNoScore);
+      std::fill(l.begin(), l.begin() + rows, 0.f);
+      uint32_t* kt = reinterpret_cast<uint32_t*>(kp.data());
+      for (ChunkWalker<bf16> w(k_cache, v_cache, table, s.block_size, row, 0, first + b, kvh * d, d); !w.done();
+           w.advance()) {
+        w.prefetch_next();
+        const int64_t c0 = w.start(), size = w.size();
+        for (int64_t i = 0; i < kChunk; ++i) {
+          const uint32_t* k = reinterpret_cast<const uint32_t*>(w.keys()[i] + kvh * d);
+          for (int64_t j = 0; j < d / 2; ++j) kt[j * kChunk + i] = k[j];
+        }
+        interleave_value_pairs(w.values(), kvh * d, d, (size + 1) / 2, vp.data());
+        // the tile's rows that see this chunk: r = (t - a) * group + g for its tokens t from max(a, c0 - first)
+        for (int64_t r = (std::max(a, c0 - first) - a) * group; r < rows; r += 4) {
+          const int nr = static_cast<int>(std::min<int64_t>(4, rows - r));
+          const uint32_t* qr[4];
+          int64_t visible[4];
+          float* ar[4];
+          for (int i = 0; i < nr; ++i) {
+            const int64_t t = a + (r + i) / group, h = kvh * group + (r + i) % group;
+            qr[i] = reinterpret_cast<const uint32_t*>(q + t * q_stride + h * d);
+            visible[i] = std::min(size, first + t - c0 + 1);
+            ar[i] = acc.data() + (r + i) * d;
+          }
+          float* mr = m.data() + r;
+          float* lr = l.data() + r;
+          switch (nr) {
+            case 4: prefill_rows_bf16<4>(qr, visible, kp.data(), vp.data(), d, scale, ar, mr, lr); break;
+            case 3: prefill_rows_bf16<3>(qr, visible, kp.data(), vp.data(), d, scale, ar, mr, lr); break;
+            case 2: prefill_rows_bf16<2>(qr, visible, kp.data(), vp.data(), d, scale, ar, mr, lr); break;
+            default: prefill_rows_bf16<1>(qr, visible, kp.data(), vp.data(), d, scale, ar, mr, lr); break;
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* ar = acc.data() + r * d;
+        unpermute_values(ar, d);
+        const float inv = 1.f / l[r];
+        bf16* o = out + (a + r / group) * out_stride + (kvh * group + r % group) * d;
+        for (int64_t i = 0; i < d; ++i) o[i] = from_float<bf16>(ar[i] * inv);
+      }
+    };
   });
 }
 #endif
+#endif
+
+// Any other dtype pair or instruction set: the bfloat16 grouped path does not apply.
+template <typename TQ, typename T>
+inline bool attend_bf16(const TQ*, float, const T*, const T*, const int64_t*, int64_t, int64_t, const Shape&, float*,
+                        float*, float*) {
+  return false;
+}
 
 template <typename TQ, typename T>
 void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
@@ -295,8 +522,9 @@ void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_
   const int64_t threads = at::get_num_threads();
   const int64_t parts = s.num_seqs >= threads ? 1 : (threads + s.num_seqs - 1) / s.num_seqs;
   const int64_t num_tasks = s.num_seqs * parts;
-  // Measured (BENCHMARKS.md section 6): the chunked kernel wins on rows under 2 KiB (SmolLM2: 3 KV heads x 64) and
-  // loses on wider ones (Qwen3 in bf16: 8 x 128), where the token-at-a-time pass below streams each row whole.
+  // Measured (BENCHMARKS.md section 6): the chunked kernels (float32 and bfloat16 alike) win on rows under 2 KiB
+  // (SmolLM2: 3 KV heads x 64) and lose on wider ones (Qwen3 in bf16: 8 x 128), where the token-at-a-time pass below
+  // streams each row whole.
   const bool narrow_rows = s.num_kv_heads * d * static_cast<int64_t>(sizeof(T)) < 2048;
   std::vector<float> part_acc(parts > 1 ? num_tasks * heads * d : 0), part_m(parts > 1 ? num_tasks * heads : 0),
       part_l(parts > 1 ? num_tasks * heads : 0);
@@ -310,14 +538,16 @@ void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_
       float* ll = parts > 1 ? part_l.data() + task * heads : l.data();
       const int64_t* table = block_tables + seq * s.max_blocks;
       const int64_t t0 = len * part / parts, t1 = len * (part + 1) / parts;
+      if (!(narrow_rows && attend_bf16(qs, scale, k_cache, v_cache, table, t0, t1, s, a, mm, ll))) {
 #if defined(__AVX512F__)
-      if (d % 16 == 0 && narrow_rows) {
-        attend_avx512(qs, scale, k_cache, v_cache, table, t0, t1, s, qf.data(), a, mm, ll);
-      } else
+        if (d % 16 == 0 && narrow_rows) {
+          attend_avx512(qs, scale, k_cache, v_cache, table, t0, t1, s, qf.data(), a, mm, ll);
+        } else
 #endif
-      {
-        for (int64_t i = 0; i < heads * d; ++i) qf[i] = to_float(qs[i]) * scale;
-        attend(qf.data(), k_cache, v_cache, table, t0, t1, s, scores, a, mm, ll);
+        {
+          for (int64_t i = 0; i < heads * d; ++i) qf[i] = to_float(qs[i]) * scale;
+          attend(qf.data(), k_cache, v_cache, table, t0, t1, s, scores, a, mm, ll);
+        }
       }
       if (parts == 1) {
         for (int64_t h = 0; h < heads; ++h) {
@@ -417,6 +647,16 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
     using TQ = std::remove_pointer_t<decltype(qtag)>;
     ps::with_cache_type(k_cache.scalar_type(), [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<TQ, bf16> && std::is_same_v<T, bf16>) {
+        if (bf16_path(s.head_dim)) {
+          prefill_kernel_bf16(ps::ptr<bf16>(q), q.stride(0), ps::ptr<bf16>(k_cache), ps::ptr<bf16>(v_cache),
+                              table.data_ptr<int64_t>(), q.size(0), first, ps::ptr<bf16>(out), out.stride(0), s,
+                              static_cast<float>(scale));
+          return;
+        }
+      }
+#endif
       prefill_kernel<TQ, T>(ps::ptr<TQ>(q), q.stride(0), ps::ptr<T>(k_cache), ps::ptr<T>(v_cache),
                             table.data_ptr<int64_t>(), q.size(0), first, ps::ptr<TQ>(out), out.stride(0), s,
                             static_cast<float>(scale));
