@@ -174,9 +174,10 @@ class SpeculativeConfig:
     Policy (never much worse than no speculation): a request is given no drafts while it is constrained by a
     grammar, uses penalties or still has min_tokens to reach; none at all while `disable_by_batch_size` or more
     requests run (the step is compute-bound there, and verifying k tokens costs about k decode tokens); and each
-    request's draft length follows its own acceptance: after a verification it is accepted + 1 (at most
-    num_speculative_tokens), so a request whose drafts keep failing proposes one token, and only when a proposer
-    finds a match (ngram) or every step (draft model)."""
+    request's draft length follows its own acceptance rate alpha: the largest k (at most num_speculative_tokens)
+    with alpha^k above the relative cost of a verified row (spec_decode/policy.py), so a request whose drafts
+    keep failing stops drafting, and proposes only when a proposer finds a match (ngram) or every step (draft
+    model)."""
     method: str  # ngram | draft_model
     num_speculative_tokens: int
     prompt_lookup_min: int = 5  # one given: the other takes its value

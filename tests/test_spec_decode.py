@@ -125,6 +125,27 @@ def test_policy_gives_no_drafts_to_large_batches_penalties_and_grammars(tiny_mod
     assert drafts_with_8 < 4 * MAX_TOKENS
 
 
+def test_draft_length_follows_the_requests_acceptance_rate():
+    """Full length until a request has been verified; then the longest k with alpha^k > DRAFT_ROW_COST; a request
+    whose drafts always fail stops drafting, and one that proposes nothing drifts back and tries again."""
+    from pagedserve.spec_decode.policy import DRAFT_ROW_COST, DraftBudget
+
+    budget = DraftBudget(SpeculativeConfig(method="ngram", num_speculative_tokens=5), max_model_len=1024)
+    assert budget.draft_length("copying") == budget.draft_length("failing") == 5
+    for _ in range(30):
+        budget.observe("copying", 5, 5)  # every draft accepted
+        budget.observe("failing", 5, 0)  # the first draft rejected every time
+        budget.observe("half", 4, 1)  # one accepted, then a rejection: alpha ~ 1/2
+    assert budget.draft_length("copying") == 5
+    assert budget.draft_length("failing") == 0
+    assert budget.draft_length("half") == math.floor(math.log(DRAFT_ROW_COST) / math.log(0.5)) == 3
+    for _ in range(30):  # no drafts: the old evidence fades
+        budget.observe("failing", 0, 0)
+    assert budget.draft_length("failing") > 0
+    budget.forget("copying")
+    assert budget.draft_length("copying") == 5
+
+
 def _ngram_reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     """The definition, one n and one position at a time."""
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
