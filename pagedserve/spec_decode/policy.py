@@ -9,7 +9,8 @@ from pagedserve.core.request import Request
 
 # What one more verified row costs, as a fraction of a batch-1 decode step: verifying 4 drafts took ~1.3 steps
 # (BENCHMARKS.md section 12), the weights being read once for all rows. Draft j (1-based) is worth proposing
-# while its chance of being accepted, alpha^j, exceeds this.
+# while its chance of being accepted, alpha^j, exceeds this times the batch size: a row costs about the same in
+# a step of B requests, but that step already yields B tokens, so a draft must beat what its cost would give there.
 DRAFT_ROW_COST = 0.1
 # Older verifications weigh less (by this factor per step), so a request that starts copying after free text,
 # or stops, is judged on what it does now; a request proposing nothing drifts back to the prior and tries again.
@@ -29,8 +30,8 @@ class _Acceptance:
 
 class DraftBudget:
     """Per-request draft lengths from each request's own acceptance rate alpha: the largest k (at most
-    num_speculative_tokens) with alpha^k > DRAFT_ROW_COST, so drafts stop where they stop paying; zero for
-    requests it cannot serve exactly or cheaply."""
+    num_speculative_tokens) with alpha^k > DRAFT_ROW_COST x batch size, so drafts stop where they stop paying;
+    zero for requests it cannot serve exactly or cheaply."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
@@ -49,13 +50,16 @@ class DraftBudget:
     def forget(self, request_id: str) -> None:
         self._acceptance.pop(request_id, None)
 
-    def draft_length(self, request_id: str) -> int:
+    def draft_length(self, request_id: str, batch_size: int = 1) -> int:
         k = self.config.num_speculative_tokens
+        threshold = DRAFT_ROW_COST * batch_size
+        if threshold >= 1.0:
+            return 0
         stats = self._acceptance.get(request_id)
-        if stats is None:
+        alpha = stats.rate() if stats is not None else 1.0  # not verified yet: full length
+        if alpha >= 1.0:
             return k
-        alpha = stats.rate()
-        return min(k, math.floor(math.log(DRAFT_ROW_COST) / math.log(alpha)))
+        return min(k, math.floor(math.log(threshold) / math.log(alpha)))
 
     def num_drafts(self, request: Request, num_new_tokens: int, batch_size: int, constrained: bool) -> int:
         """Drafts for `request` after it received `num_new_tokens` this step (not yet appended to it)."""
@@ -68,4 +72,4 @@ class DraftBudget:
             return 0
         remaining = min(request.max_tokens - num_output, self.max_model_len - request.num_tokens - num_new_tokens)
         # the last remaining token is the bonus token of the verification
-        return max(0, min(self.draft_length(request.request_id), remaining - 1))
+        return max(0, min(self.draft_length(request.request_id, batch_size), remaining - 1))
