@@ -139,9 +139,11 @@ def test_draft_length_follows_the_requests_acceptance_rate():
     assert budget.draft_length("copying") == 5
     assert budget.draft_length("failing") == 0
     assert budget.draft_length("half") == math.floor(math.log(DRAFT_ROW_COST) / math.log(0.5)) == 3
-    # in a step of 4 requests a row must beat 4x the cost: fewer drafts for the same rate, full ones still pay
-    assert budget.draft_length("half", batch_size=4) == math.floor(math.log(4 * DRAFT_ROW_COST) / math.log(0.5)) == 1
-    assert budget.draft_length("copying", batch_size=4) == 5 and budget.draft_length("copying", batch_size=10) == 0
+    # a row costs more in a bigger batch (up to a whole token at disable_by_batch_size, 8 here): fewer drafts for
+    # the same rate, full ones still pay
+    assert budget.row_cost(1) == DRAFT_ROW_COST and budget.row_cost(8) == 1.0
+    assert budget.draft_length("half", batch_size=4) == math.floor(math.log(budget.row_cost(4)) / math.log(0.5)) == 1
+    assert budget.draft_length("copying", batch_size=4) == 5 and budget.draft_length("copying", batch_size=8) == 0
     for _ in range(30):  # no drafts: the old evidence fades
         budget.observe("failing", 0, 0)
     assert budget.draft_length("failing") > 0

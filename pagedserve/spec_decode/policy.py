@@ -9,8 +9,8 @@ from pagedserve.core.request import Request
 
 # What one more verified row costs, as a fraction of a batch-1 decode step: verifying 4 drafts took ~1.3 steps
 # (BENCHMARKS.md section 12), the weights being read once for all rows. Draft j (1-based) is worth proposing
-# while its chance of being accepted, alpha^j, exceeds this times the batch size: a row costs about the same in
-# a step of B requests, but that step already yields B tokens, so a draft must beat what its cost would give there.
+# while its chance of being accepted, alpha^j, exceeds the row's cost. That cost grows with the batch: from this at
+# batch 1 to a whole token's worth at disable_by_batch_size, where the step is compute-bound and drafts stop.
 DRAFT_ROW_COST = 0.1
 # Older verifications weigh less (by this factor per step), so a request that starts copying after free text,
 # or stops, is judged on what it does now; a request proposing nothing drifts back to the prior and tries again.
@@ -30,8 +30,8 @@ class _Acceptance:
 
 class DraftBudget:
     """Per-request draft lengths from each request's own acceptance rate alpha: the largest k (at most
-    num_speculative_tokens) with alpha^k > DRAFT_ROW_COST x batch size, so drafts stop where they stop paying;
-    zero for requests it cannot serve exactly or cheaply."""
+    num_speculative_tokens) with alpha^k > the cost of a verified row at this batch size, so drafts stop where they
+    stop paying; zero for requests it cannot serve exactly or cheaply."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
@@ -50,9 +50,14 @@ class DraftBudget:
     def forget(self, request_id: str) -> None:
         self._acceptance.pop(request_id, None)
 
+    def row_cost(self, batch_size: int) -> float:
+        """A verified row's cost relative to what the step yields per row, at this batch size."""
+        saturation = max(self.config.disable_by_batch_size - 1, 1)
+        return DRAFT_ROW_COST + (1.0 - DRAFT_ROW_COST) * (batch_size - 1) / saturation
+
     def draft_length(self, request_id: str, batch_size: int = 1) -> int:
         k = self.config.num_speculative_tokens
-        threshold = DRAFT_ROW_COST * batch_size
+        threshold = self.row_cost(batch_size)
         if threshold >= 1.0:
             return 0
         stats = self._acceptance.get(request_id)
