@@ -262,6 +262,11 @@ def test_tool_calls_named_and_required_streamed_equal_full(server):
     assert info.value.body["param"] == "tool_choice"
 
 
+def test_server_builds_the_grammar_tokenizer_at_start_up(server):
+    """Built before the server is ready, so the first constrained request's step does not pay for it."""
+    assert "Structured output (llguidance) ready in" in server.log()
+
+
 def test_auto_tool_choice_hermes_over_http_streams_content_then_the_call(model_dir):
     """--enable-auto-tool-choice --tool-call-parser hermes on a real server: the model's text is forced into the
     Hermes format by a regex constraint (a random-weight model would not write it); the server turns it into
