@@ -280,11 +280,7 @@ class _MarkedCallsParser(ToolCallParser):
 
     def _calls_complete(self, out: ToolCallDeltas, body: str, items: Any) -> None:
         """Emit whole calls from a parsed body, or the marker and body as content if they are not calls."""
-        try:
-            calls = [(item["name"], _arguments_text(item.get("arguments", item.get("parameters", {}))))
-                     for item in items]
-        except (TypeError, KeyError, AttributeError):
-            calls = None
+        calls = _named_calls(items, ("arguments", "parameters"))
         if calls is None:
             self._content(out, self.marker + body)
             return
@@ -312,6 +308,16 @@ def _partial_marker_length(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
+
+
+def _named_calls(items: Any, argument_keys: tuple[str, str]) -> list[tuple[str, str]] | None:
+    """(name, arguments as JSON text) of each parsed call object, the first of argument_keys present holding its
+    arguments; None if any item is not such an object (then the text is content, not calls)."""
+    try:
+        return [(item["name"], _arguments_text(next((item[k] for k in argument_keys if k in item), {})))
+                for item in items]
+    except (TypeError, KeyError):
+        return None
 
 
 def _arguments_text(arguments: Any) -> str:
@@ -376,10 +382,7 @@ class Llama3JsonParser(ToolCallParser):
             return super()._scan()
         out = ToolCallDeltas()
         parts = [_json_or_none(part) for part in self.buffer.strip().removeprefix(self.python_tag).split(";")]
-        try:
-            calls = [(obj["name"], _arguments_text(obj.get("parameters", obj.get("arguments", {})))) for obj in parts]
-        except (TypeError, KeyError):
-            calls = None
+        calls = _named_calls(parts, ("parameters", "arguments"))
         if calls is None:
             out.content = self.buffer
         for name, arguments in calls or []:
