@@ -32,7 +32,7 @@ class EngineArgs:
     prefix_caching_hash_algo: str = "sha256"  # sha256 | builtin
     scheduling_policy: str = "fcfs"  # fcfs | priority
     quantization: str | None = None  # None | int8 (weight-only int8 linears, CPU)
-    linear_backend: str = "auto"  # auto | torch | onednn: the GEMM path of the linears (CPU)
+    linear_backend: str = "auto"  # auto | torch | onednn | native: the GEMM path of the linears (CPU)
     served_model_name: str | None = None
     trust_remote_code: bool = False
     revision: str | None = None
@@ -80,8 +80,8 @@ class EngineArgs:
             raise ValueError("prefix_caching_hash_algo must be 'sha256' or 'builtin'.")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}.")
-        if self.linear_backend not in ("auto", "torch", "onednn"):
-            raise ValueError(f"linear_backend must be auto, torch or onednn, got {self.linear_backend!r}.")
+        if self.linear_backend not in ("auto", "torch", "onednn", "native"):
+            raise ValueError(f"linear_backend must be auto, torch, onednn or native, got {self.linear_backend!r}.")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}.")
         for name in ("max_logprobs", "max_sequences_per_request", "max_stop_strings", "max_stop_chars"):

@@ -178,18 +178,37 @@ def test_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, heads, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n, k", [(163, 100), (1536, 576), (5, 31), (4, 64), (64, 33)])
+@pytest.mark.parametrize("rows, n, k", [(1, 163, 100), (1, 1536, 576), (3, 5, 32), (8, 64, 34), (9, 49, 2),
+                                        (13, 200, 64), (40, 33, 96)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemv(ops, dtype, n, k, bias):
-    g = torch.Generator().manual_seed(n * k)
-    x = torch.randn(1, k, generator=g).to(dtype)
+def test_small_gemm(ops, dtype, rows, n, k, bias):
+    """Every row tile (1-8 rows, 8-row tiles then a tail), 1-3 column blocks per task and a partial last block."""
+    if not ops.native_small_gemm(dtype):
+        # the "native" Linear falls back to oneDNN here (test_layers); only AVX2 / AVX-512 without BF16 land here
+        assert ops.isa() in ("avx2", "generic") or (ops.isa() == "avx512" and dtype == torch.bfloat16)
+        return
+    g = torch.Generator().manual_seed(rows * n * k)
+    x = torch.randn(rows, k, generator=g).to(dtype)
     w = torch.randn(n, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     expected = F.linear(x.float(), w.float(), None if b is None else b.float())
-    y = ops.gemv(x, w, b)
-    assert y.dtype == dtype and y.shape == (1, n)
+    y = ops.small_gemm(x, ops.pack_small_gemm_weight(w), n, b)
+    assert y.dtype == dtype and y.shape == (rows, n)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=1.6e-2)
     torch.testing.assert_close(y.float(), expected, **tol)
+
+
+def test_small_gemm_rejects_mismatched_shapes(ops):
+    if not ops.native_small_gemm(torch.float32):
+        pytest.skip(f"no native small GEMM in the {ops.isa()} build")
+    packed = ops.pack_small_gemm_weight(torch.randn(40, 64))
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.small_gemm(torch.randn(2, 63), packed, 40)
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.small_gemm(torch.randn(2, 64), packed, 17)
+    if ops.native_small_gemm(torch.bfloat16):
+        with pytest.raises(RuntimeError, match="even K"):
+            ops.pack_small_gemm_weight(torch.randn(8, 33).bfloat16())
 
 
 def test_forced_isa_is_the_one_loaded():

@@ -1,19 +1,21 @@
-"""The GEMM backends of Linear agree with F.linear at every row count, on both sides of the MKL/oneDNN switch."""
+"""The GEMM backends of Linear agree with F.linear at every row count, on both sides of the MKL/oneDNN switch and
+of the native small GEMM / oneDNN switch."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.model_executor.layers import ONEDNN_MIN_ROWS, Linear
+from pagedserve.model_executor.layers import NATIVE_GEMM_MAX_ROWS, ONEDNN_MIN_ROWS, Linear
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("backend", ["torch", "onednn"])
-@pytest.mark.parametrize("rows", [1, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, 37])
+@pytest.mark.parametrize("backend", ["torch", "onednn", "native"])
+@pytest.mark.parametrize("rows", [1, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, 37, NATIVE_GEMM_MAX_ROWS,
+                                  NATIVE_GEMM_MAX_ROWS + 1])
 def test_linear_backends_match_f_linear(backend, rows, dtype):
-    if backend == "onednn" and not torch.backends.mkldnn.is_available():
+    if backend != "torch" and not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
     g = torch.Generator().manual_seed(rows)
-    layer = Linear(100, 163, bias=True)  # K not a multiple of 16, N not of 4: the GEMV tails
+    layer = Linear(100, 163, bias=True)  # K not a multiple of 16, N not of 16: the kernels' tails
     with torch.no_grad():
         layer.weight.copy_(torch.randn(163, 100, generator=g))
         layer.bias.copy_(torch.randn(163, generator=g))
@@ -23,6 +25,26 @@ def test_linear_backends_match_f_linear(backend, rows, dtype):
     expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(layer(x).float(), expected, atol=tol * 10, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_backend_packs_where_the_kernel_runs(dtype):
+    """The "native" backend takes the small GEMM exactly where the build runs the dtype (else it is oneDNN), and
+    hands products above NATIVE_GEMM_MAX_ROWS to oneDNN."""
+    from pagedserve.model_executor.kernels import cpu_kernels
+
+    ops = cpu_kernels()
+    if ops is None or not torch.backends.mkldnn.is_available():
+        pytest.fail("the native CPU kernels (and oneDNN) are needed here")
+    layer = Linear(64, 40).to(dtype)
+    layer.set_backend("native")
+    assert (layer._small_packed is not None) == ops.native_small_gemm(dtype)
+    odd = Linear(33, 8).to(dtype)
+    odd.set_backend("native")
+    assert (odd._small_packed is not None) == (ops.native_small_gemm(dtype) and dtype == torch.float32)
+    onednn = Linear(64, 40).to(dtype)
+    onednn.set_backend("onednn")
+    assert onednn._small_packed is None
 
 
 def _native_vs_torch(fn, monkeypatch):

@@ -156,6 +156,34 @@ def test_generate_and_engine_runs_on_its_own_thread(fake):
     assert engine.thread_ids == {llm._thread.ident} and threading.get_ident() not in engine.thread_ids
 
 
+def test_from_engine_args_steps_the_engine_on_the_thread_that_built_it(monkeypatch):
+    """One thread runs every parallel region (OpenMP keeps a thread pool per such thread: two pools on two cores
+    made libgomp stop spinning and wake its workers by futex in nearly every region, see EngineThread)."""
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    built_on: list[int] = []
+    engines: list[FakeEngine] = []
+
+    def build(args):
+        if args == "bad":
+            raise ValueError("bad engine args")
+        built_on.append(threading.get_ident())
+        engines.append(FakeEngine())
+        return engines[-1]
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", staticmethod(build))
+    with pytest.raises(ValueError, match="bad engine args"):
+        AsyncLLM.from_engine_args("bad", log_stats=False)
+    llm = AsyncLLM.from_engine_args("good", log_stats=False)
+    try:
+        assert asyncio.run(collect(llm, "a", max_tokens=3)) == {0: [5, 6, 7]}
+        assert engines[0].thread_ids == set(built_on) == {llm._thread.ident}
+        assert threading.get_ident() not in built_on
+    finally:
+        llm.shutdown()
+    assert not llm._thread.is_alive()  # the thread ends with the loop
+
+
 def test_add_request_value_error_surfaces(fake):
     _, llm = fake
 

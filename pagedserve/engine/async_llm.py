@@ -53,10 +53,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import time
 import uuid
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable
 
@@ -80,6 +82,38 @@ __all__ = ["AsyncLLM", "RequestStream", "merge_delta", "EngineDeadError", "Engin
            "EngineShuttingDown", "QueueFullError", "RequestAborted"]
 
 
+class EngineThread(threading.Thread):
+    """The one thread that builds the engine and then steps it (jobs run in order; `close` ends it after them).
+
+    OpenMP (libgomp, which torch's CPU wheel uses) keeps a thread pool per thread that runs parallel regions.
+    Built on the main thread (weight packing, warm-up) and stepped on another, the engine had two pools; libgomp
+    then counts more threads than cores and cuts its spin-wait to 1000 iterations, so nearly every parallel region
+    of a step woke its worker with a futex: on the 2-core VM of BENCHMARKS.md section 7, ~30% of the server's CPU
+    time went to those wake-ups. One thread, one pool."""
+
+    def __init__(self) -> None:
+        super().__init__(name="pagedserve-engine", daemon=True)
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = queue.SimpleQueue()
+        self.start()
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        future: Future = Future()
+        self._jobs.put((fn, future))
+        return future
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+    def run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, future = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+
 # ------------------------------------------------------------------------------------------- the loop
 @dataclass
 class _PendingAdd:
@@ -92,7 +126,8 @@ class AsyncLLM:
 
     def __init__(self, engine: "LLMEngine", *, log_stats: bool = True, log_interval_s: float = 10.0,
                  stat_loggers: Iterable[StatLoggerBase] = (), start: bool = True,
-                 max_queued_requests: int | None = None, max_consecutive_step_failures: int = 5) -> None:
+                 max_queued_requests: int | None = None, max_consecutive_step_failures: int = 5,
+                 engine_thread: EngineThread | None = None) -> None:
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.max_consecutive_step_failures = max_consecutive_step_failures
@@ -113,16 +148,24 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}  # event-loop thread only
         self._outbox: list[tuple[asyncio.AbstractEventLoop, Callable[..., None], tuple]] = []
         self._thread: threading.Thread | None = None
+        self._engine_thread = engine_thread  # the thread the engine was built on, if any: it steps there too
         self.consecutive_step_failures = 0
         if start:
             self.start()
 
     @classmethod
     def from_engine_args(cls, engine_args: Any, **kwargs: Any) -> "AsyncLLM":
-        """Builds the engine (model, KV cache, native kernels, warm-up) before returning: ready means ready."""
+        """Builds the engine (model, KV cache, native kernels, warm-up) before returning: ready means ready. It is
+        built on the thread that will step it (EngineThread)."""
         from pagedserve.engine.llm_engine import LLMEngine
 
-        return cls(LLMEngine.from_engine_args(engine_args), **kwargs)
+        thread = EngineThread()
+        try:
+            engine = thread.submit(lambda: LLMEngine.from_engine_args(engine_args)).result()
+        except BaseException:
+            thread.close()
+            raise
+        return cls(engine, engine_thread=thread, **kwargs)
 
     # ---------------------------------------------------------------------------------- properties
     @property
@@ -174,6 +217,11 @@ class AsyncLLM:
 
     def start(self) -> None:
         if self._thread is not None:
+            return
+        if self._engine_thread is not None:
+            self._thread = self._engine_thread
+            self._engine_thread.submit(self._run)
+            self._engine_thread.close()  # the thread ends when the loop does
             return
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
         self._thread.start()

@@ -56,8 +56,13 @@ class RMSNorm(nn.Module):
 # rows in float32 on the Intel machine of that section, losing from 4 rows on; on the AMD Zen 4 machine of section
 # 10, MKL's 2-row product with the demo model's LM head (8192x256) took 3.8 ms against oneDNN's 0.53 ms (1 thread),
 # and speculative decoding verifies 2-5 rows per request: from 2 rows on, oneDNN. In bfloat16 pre-packed oneDNN is
-# faster at every row count.
+# faster at every row count. (The "onednn" backend; "native" replaces these small products, below.)
 ONEDNN_MIN_ROWS = 2
+
+# Up to this many rows the "native" backend runs the packed small GEMM (kernels/small_gemm.cpp), above it oneDNN.
+# Measured on AMD Zen 4 (BENCHMARKS.md section 6, "small-M GEMM"): the native kernel 1.2-1.9x faster than oneDNN
+# from 1 to 32 rows in float32 and bfloat16, level with it (within 5%) from 64 to 2048 rows.
+NATIVE_GEMM_MAX_ROWS = 128
 
 
 class Linear(nn.Module):
@@ -65,12 +70,14 @@ class Linear(nn.Module):
 
     Backends (CPU):
       * "torch": F.linear (MKL on x86);
-      * "onednn" (what "auto" picks on CPU): the weight pre-packed once for oneDNN (`mkldnn._linear_pointwise`),
-        which picks much better kernels than MKL for the small-M products of decode on some CPUs; below
-        ONEDNN_MIN_ROWS rows (float32) it hands over to the unpacked weight (kept too): one row to the native
-        AVX-512 GEMV (kernels/layer_ops.cpp) where it is built, otherwise F.linear. bfloat16 stays on oneDNN at
-        every row count: the native bfloat16 GEMV (VDPBF16PS) measured equal at batch 1 on SmolLM2 and 10% slower
-        on Qwen3-0.6B (BENCHMARKS.md section 6, "bfloat16 end to end"), the weights streaming from memory;
+      * "onednn": the weight pre-packed once for oneDNN (`mkldnn._linear_pointwise`), which picks much better
+        kernels than MKL for the small-M products of decode on some CPUs; below ONEDNN_MIN_ROWS rows (float32) it
+        hands over to F.linear on the unpacked weight (kept too);
+      * "native" (what "auto" picks on CPU when the native kernels are built): the weight also packed for the
+        native small GEMM (AVX-512 float32, AVX512-BF16 bfloat16), which streams each weight byte once per call
+        for all the step's rows; it runs products of up to NATIVE_GEMM_MAX_ROWS rows (decode, spec-decode
+        verification, short prefill chunks), oneDNN the larger ones. Where the kernel does not run this dtype
+        (AVX2-only CPUs, bfloat16 without AVX512-BF16, an odd K in bfloat16) it is "onednn";
       * "int8": weight-only int8, per-output-channel scales, activations quantized per call (fbgemm
         dynamic quantization) - a quarter of the weight bytes, for memory-bound decode.
     """
@@ -81,11 +88,16 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.backend = "torch"
         self._packed = None
+        self._small_packed = None  # the "native" backend's packed weight, where the kernel runs this dtype
 
     def set_backend(self, backend: str) -> None:
         w = self.weight.detach()
-        if backend == "onednn":
+        self._small_packed = None
+        if backend in ("onednn", "native"):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+            ops = native_ops(w) if backend == "native" else None
+            if ops is not None and ops.native_small_gemm(w.dtype) and (w.dtype == torch.float32 or w.shape[1] % 2 == 0):
+                self._small_packed = ops.pack_small_gemm_weight(w)
         elif backend == "int8":
             scales = w.abs().amax(dim=1).clamp(min=1e-8).double() / 127.0
             with warnings.catch_warnings():  # torch flags quantized dtypes as deprecated; fbgemm still runs them
@@ -101,12 +113,12 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.backend == "onednn":
-            if x.shape[0] >= ONEDNN_MIN_ROWS or x.dtype != torch.float32:  # bf16: oneDNN at every M (see below)
+        rows = x.shape[0]
+        if self._small_packed is not None and rows <= NATIVE_GEMM_MAX_ROWS and x.dtype == self._small_packed.dtype:
+            return cpu_kernels().small_gemm(x, self._small_packed, self.weight.shape[0], self.bias)
+        if self.backend in ("onednn", "native"):
+            if rows >= ONEDNN_MIN_ROWS or x.dtype != torch.float32:  # bf16: oneDNN at every M (see above)
                 return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
-            ops = native_ops(x) if x.shape[0] == 1 else None
-            if ops is not None and ops.native_gemv():  # batch-1 decode: a GEMV that streams the weight at the
-                return ops.gemv(x, self.weight, self.bias)  # memory bandwidth
             return F.linear(x, self.weight, self.bias)
         if self.backend == "int8":
             return torch.ops.quantized.linear_dynamic(x.float(), self._packed, True).to(x.dtype)

@@ -29,9 +29,9 @@ from pagedserve.spec_decode.drafter import make_drafter
 
 logger = logging.getLogger("pagedserve")
 
-# Measured in BENCHMARKS.md ("GEMM path"): pre-packed oneDNN beats F.linear (MKL) at every decode batch size
-# >= 4 and in prefill on these machines (MKL's small-M kernels reach half the weight bandwidth).
-AUTO_CPU_LINEAR_BACKEND = "onednn"
+# Measured in BENCHMARKS.md ("GEMM path", "small-M GEMM"): pre-packed oneDNN beats F.linear (MKL) at every decode
+# batch size >= 4 and in prefill; the native packed small GEMM beats oneDNN up to 32 rows and ties it above.
+AUTO_CPU_LINEAR_BACKEND = "native"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

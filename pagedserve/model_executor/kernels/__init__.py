@@ -1,4 +1,4 @@
-"""Native CPU kernels (paged decode attention, KV writes, fused per-layer small ops, batch-1 GEMV), compiled
+"""Native CPU kernels (paged decode attention, KV writes, fused per-layer small ops, small-M GEMM), compiled
 with the local C++ compiler (torch.utils.cpp_extension) the first time they are needed on a CPU, then cached.
 
 Instruction sets. The sources are compiled for one instruction-set level, picked at run time from what this
@@ -36,7 +36,7 @@ from pathlib import Path
 logger = logging.getLogger("pagedserve")
 
 KERNEL_DIR = Path(__file__).resolve().parent
-SOURCES = ("paged_attention.cpp", "layer_ops.cpp")
+SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "small_gemm.cpp")
 HEADERS = ("vec.h",)
 
 # Instruction-set levels, best first: (name, /proc/cpuinfo flags it needs, compiler flags).

@@ -714,9 +714,11 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, t
                        c10::optional<torch::Tensor> out);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
-bool native_gemv();
 const char* kernel_isa();
+// small_gemm.cpp
+bool native_small_gemm(at::ScalarType dtype);
+torch::Tensor pack_small_gemm_weight(torch::Tensor weight);
+torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)",
@@ -732,8 +734,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("out") = py::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] projection (float32 or bfloat16)");
   m.def("rotary_inplace", &rotary_inplace, "Neox-style rotary embedding in place (float32 or bfloat16)");
-  m.def("gemv", &gemv, "x W^T (+ b) for one row x (float32 or bfloat16)", py::arg("x"), py::arg("weight"),
-        py::arg("bias") = py::none());
-  m.def("native_gemv", &native_gemv, "whether gemv is the native kernel in this build (else at::linear)");
+  m.def("native_small_gemm", &native_small_gemm, "whether small_gemm runs this dtype natively in this build");
+  m.def("pack_small_gemm_weight", &pack_small_gemm_weight, "a [N, K] weight packed for small_gemm");
+  m.def("small_gemm", &small_gemm, "x W^T (+ b) for a few rows x on a weight packed by pack_small_gemm_weight",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
   m.def("isa", &kernel_isa, "the instruction-set level this build targets");
 }
