@@ -12,7 +12,8 @@ the table reports the median over rounds. Variants (each adds one change to the 
   +mkl-small-m  F.linear (MKL) below ONEDNN_MIN_ROWS rows (layers.py)
   +fused-ops    the compiled small ops (kernels/layer_ops.cpp): RMSNorm with the residual add, rotary in place,
                 silu*mul (batch-1 products still through MKL)
-  +native-gemv  batch-1 products through the compiled AVX-512 GEMV (layer_ops.cpp) - the engine's default
+  +native-gemm  products of up to NATIVE_GEMM_MAX_ROWS rows through the native packed small GEMM (small_gemm.cpp;
+                it replaced the batch-1 GEMV of the first measurements) - the engine's default
   +bf16-kv      the same on a second engine with --kv-cache-dtype bfloat16 (half the KV bytes)
 (all float32 models.)
 
@@ -22,10 +23,9 @@ the table reports the median over rounds. Variants (each adds one change to the 
   bf16-before   --dtype bfloat16 as it ran before the native ops took bfloat16: PyTorch small ops (with float32
                 round trips), oneDNN for batch-1 products, K/V written by index_copy_, decode attention on a
                 float32 copy of q
-  bf16          --dtype bfloat16 end to end (the default path): native RMSNorm/rotary/silu*mul/KV write/decode
-                attention reading and writing bfloat16; GEMMs on oneDNN at every row count
-  bf16-gemv1    bf16, with batch-1 products through the native bf16 GEMV (VDPBF16PS where present; off by
-                default: not faster here)
+  bf16-onednn   --dtype bfloat16 end to end: native RMSNorm/rotary/silu*mul/KV write/decode attention reading
+                and writing bfloat16; GEMMs on oneDNN at every row count
+  bf16          the same with the native packed small GEMM (VDPBF16PS) up to NATIVE_GEMM_MAX_ROWS rows (default)
 """
 from __future__ import annotations
 
@@ -33,8 +33,6 @@ import argparse
 import time
 
 import numpy as np
-import torch.nn.functional as F
-
 import torch
 
 import pagedserve.model_executor.attention as attention
@@ -43,31 +41,15 @@ from pagedserve.entrypoints.llm import LLM
 from pagedserve.model_executor.kernels import cpu_kernels
 from pagedserve.sampling_params import SamplingParams
 
-VARIANTS = {  # name -> (ONEDNN_MIN_ROWS, native small ops, native batch-1 GEMV, KV cache dtype)
-    "baseline": (1, False, False, "auto"),
-    "+mkl-small-m": (layers.ONEDNN_MIN_ROWS, False, False, "auto"),
-    "+fused-ops": (layers.ONEDNN_MIN_ROWS, True, False, "auto"),
-    "+native-gemv": (layers.ONEDNN_MIN_ROWS, True, True, "auto"),
-    "+bf16-kv": (layers.ONEDNN_MIN_ROWS, True, True, "bfloat16"),
+VARIANTS = {  # name -> (ONEDNN_MIN_ROWS, native small ops, NATIVE_GEMM_MAX_ROWS, KV cache dtype)
+    "baseline": (1, False, 0, "auto"),
+    "+mkl-small-m": (layers.ONEDNN_MIN_ROWS, False, 0, "auto"),
+    "+fused-ops": (layers.ONEDNN_MIN_ROWS, True, 0, "auto"),
+    "+native-gemm": (layers.ONEDNN_MIN_ROWS, True, layers.NATIVE_GEMM_MAX_ROWS, "auto"),
+    "+bf16-kv": (layers.ONEDNN_MIN_ROWS, True, layers.NATIVE_GEMM_MAX_ROWS, "bfloat16"),
 }
-DEFAULT = "+native-gemv"
-LINEAR_FORWARD = layers.Linear.forward
-
-
-def linear_without_native_gemv(self, x):
-    """Linear.forward with batch-1 products sent to F.linear (MKL) instead of the native GEMV."""
-    if x.shape[0] == 1 and self.backend == "onednn":
-        return F.linear(x, self.weight, self.bias)
-    return LINEAR_FORWARD(self, x)
-
-
-def linear_bf16_native_gemv_at_m1(self, x):
-    """Linear.forward with bfloat16 batch-1 products sent to the native bf16 GEMV instead of oneDNN."""
-    if x.shape[0] == 1 and self.backend == "onednn" and x.dtype == torch.bfloat16:
-        ops = layers.native_ops(x)
-        if ops is not None and ops.native_gemv():
-            return ops.gemv(x, self.weight, self.bias)
-    return LINEAR_FORWARD(self, x)
+DEFAULT = "+native-gemm"
+DEFAULT_GEMM_ROWS = layers.NATIVE_GEMM_MAX_ROWS
 
 
 class LegacyBf16Attention:
@@ -76,6 +58,9 @@ class LegacyBf16Attention:
 
     def __init__(self, real) -> None:
         self.real = real
+
+    def __getattr__(self, name):  # every other kernel as it is
+        return getattr(self.real, name)
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
         if k.dtype == torch.float32:
@@ -92,11 +77,11 @@ class LegacyBf16Attention:
         return out
 
 
-BF16_VARIANTS = {  # name -> (model dtype, small ops in bf16 native, attention glue, bf16 batch-1 GEMV native)
-    "fp32": ("float32", True, "new", False),
-    "bf16-before": ("bfloat16", False, "legacy", False),
-    "bf16": ("bfloat16", True, "new", False),
-    "bf16-gemv1": ("bfloat16", True, "new", True),
+BF16_VARIANTS = {  # name -> (model dtype, small ops in bf16 native, attention glue, NATIVE_GEMM_MAX_ROWS)
+    "fp32": ("float32", True, "new", layers.NATIVE_GEMM_MAX_ROWS),
+    "bf16-before": ("bfloat16", False, "legacy", 0),
+    "bf16-onednn": ("bfloat16", True, "new", 0),
+    "bf16": ("bfloat16", True, "new", layers.NATIVE_GEMM_MAX_ROWS),
 }
 
 
@@ -147,10 +132,10 @@ def main(argv=None) -> int:
                    for dtype in {v[3] for v in VARIANTS.values()}}
         results: dict[str, list[float]] = {name: [] for name in VARIANTS}
         for _ in range(args.rounds):
-            for name, (min_rows, native, gemv, kv_dtype) in VARIANTS.items():
+            for name, (min_rows, native, gemm_rows, kv_dtype) in VARIANTS.items():
                 layers.ONEDNN_MIN_ROWS = min_rows
-                layers.cpu_kernels = cpu_kernels if native else (lambda: None)
-                layers.Linear.forward = LINEAR_FORWARD if gemv else linear_without_native_gemv
+                layers.NATIVE_DTYPES = (torch.float32, torch.bfloat16) if native else ()
+                layers.NATIVE_GEMM_MAX_ROWS = gemm_rows
                 engines[kv_dtype].step()  # the first step after a switch warms caches for the new path
                 results[name].append(step_ms(engines[kv_dtype], args.steps))
         med = {name: float(np.median(v)) for name, v in results.items()}
@@ -164,28 +149,28 @@ def bf16_suite(args) -> int:
     kernels = cpu_kernels()
     print(f"native kernels: {kernels.isa()}; threads {args.threads}; context {args.context}; decode step ms "
           f"(median over {args.rounds} rounds of per-round medians of {args.steps} steps)")
-    print(f"| B | {' | '.join(BF16_VARIANTS)} | bf16 vs fp32 | bf16 vs bf16-before |")
-    print(f"|---:|{'---:|' * (len(BF16_VARIANTS) + 2)}")
+    print(f"| B | {' | '.join(BF16_VARIANTS)} | bf16 vs fp32 | bf16 vs bf16-before | bf16 vs bf16-onednn |")
+    print(f"|---:|{'---:|' * (len(BF16_VARIANTS) + 3)}")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         engines = {dtype: decoding_engine(args.model, batch, args.context, args.threads, "auto", dtype)
                    for dtype in ("float32", "bfloat16")}
         results: dict[str, list[float]] = {name: [] for name in BF16_VARIANTS}
         try:
             for _ in range(args.rounds):
-                for name, (dtype, native_small, glue, gemv) in BF16_VARIANTS.items():
+                for name, (dtype, native_small, glue, gemm_rows) in BF16_VARIANTS.items():
                     layers.NATIVE_DTYPES = (torch.float32, torch.bfloat16) if native_small else (torch.float32,)
                     attention.cpu_kernels = cpu_kernels if glue == "new" else (lambda: LegacyBf16Attention(kernels))
-                    layers.Linear.forward = linear_bf16_native_gemv_at_m1 if gemv else LINEAR_FORWARD
+                    layers.NATIVE_GEMM_MAX_ROWS = gemm_rows
                     engines[dtype].step()  # the first step after a switch warms caches for the new path
                     results[name].append(step_ms(engines[dtype], args.steps))
         finally:
             layers.NATIVE_DTYPES = (torch.float32, torch.bfloat16)
             attention.cpu_kernels = cpu_kernels
-            layers.Linear.forward = LINEAR_FORWARD
+            layers.NATIVE_GEMM_MAX_ROWS = DEFAULT_GEMM_ROWS
         med = {name: float(np.median(v)) for name, v in results.items()}
         cells = " | ".join(f"{med[n]:.1f}" for n in BF16_VARIANTS)
-        print(f"| {batch} | {cells} | {med['fp32'] / med['bf16']:.2f}x | {med['bf16-before'] / med['bf16']:.2f}x |",
-              flush=True)
+        print(f"| {batch} | {cells} | {med['fp32'] / med['bf16']:.2f}x | {med['bf16-before'] / med['bf16']:.2f}x | "
+              f"{med['bf16-onednn'] / med['bf16']:.2f}x |", flush=True)
         del engines
     return 0
 
