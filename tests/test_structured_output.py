@@ -4,7 +4,10 @@ constraints refused naming the field; the OpenAI / vLLM request fields over HTTP
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import jsonschema
 import openai
@@ -364,3 +367,30 @@ def test_mask_bias_allows_exactly_the_grammars_tokens(llm):
         assert bool(torch.isneginf(logits[:, bias.shape[1]:]).all())
     finally:
         manager.retain(set())
+
+
+def test_mask_worker_opens_no_openmp_pool(tiny_tokenizer_dir):
+    """The grammar thread runs no parallel torch op: OpenMP would give it a thread pool of its own, and with more
+    pool threads than cores libgomp stops spin-waiting, so the engine's every parallel region wakes its worker by
+    futex (StructuredOutputManager._fill). A new pool shows as a new OS thread of the process."""
+    code = f"""
+import os, torch
+from transformers import AutoTokenizer
+from pagedserve.engine.structured_output import StructuredOutputManager
+from pagedserve.sampling_params import StructuredOutputsParams
+torch.set_num_threads(2)
+torch.full((4096, 64), 1.0).sum()  # the main thread's pool exists
+manager = StructuredOutputManager(AutoTokenizer.from_pretrained({str(tiny_tokenizer_dir)!r}), 65536)
+grammar = manager.grammar(StructuredOutputsParams(json={{"type": "object"}}))
+for i in range(64):
+    manager.add(str(i), grammar)
+manager.start_masks(["0"]).result()  # the grammar thread and llguidance's executor exist
+before = len(os.listdir("/proc/self/task"))
+bias = manager.start_masks([str(i) for i in range(64)]).result()  # 64 x 2048 mask words: a parallel-sized fill
+assert bias.shape[0] == 64 and bool((bias[:, :65536] == 0).any(dim=1).all())
+print("new threads:", len(os.listdir("/proc/self/task")) - before)
+"""
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "new threads: 0"

@@ -141,10 +141,13 @@ class StructuredOutputManager:
         return self._executor.submit(self._fill, len(sequence_ids), rows)
 
     def _fill(self, num_rows: int, rows: list[tuple[int, Any]]) -> torch.Tensor:
-        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
+        from llguidance.torch import fill_next_token_bitmask_par
 
         t0 = time.perf_counter()
-        bitmask = allocate_token_bitmask(num_rows, self.vocab_size)  # all ones: free rows allow every token
+        # All ones: free rows allow every token. Allocated by numpy, not torch.full: no torch op may run a parallel
+        # region on this thread. OpenMP would give it a second thread pool, and with more pool threads than cores
+        # libgomp stops spin-waiting: the engine's parallel regions would then each wake their worker by futex.
+        bitmask = torch.from_numpy(np.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=np.int32))
         fill_next_token_bitmask_par(self.ll_executor, [(matcher, row) for row, matcher in rows], bitmask)
         # Bit t%32 of word t//32 is bit t%8 of byte t//8 (x86 and ARM are little-endian).
         bias = np.take(_BYTE_TO_BIAS, bitmask.numpy().view(np.uint8), axis=0).reshape(num_rows, -1)

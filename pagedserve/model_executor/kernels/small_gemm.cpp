@@ -20,6 +20,9 @@ namespace {
 
 #if defined(__AVX512F__)
 constexpr int64_t kBlock = 16;  // output columns per packed block (one zmm of float32)
+// k steps of each block stream prefetched ahead (512 bytes): +5-9% at 8-32 rows on Zen 4, none at 1 row (measured
+// side by side over 30 SmolLM2-shaped layers; the hardware prefetcher alone left the streams short of bandwidth).
+constexpr int64_t kPrefetchSteps = 8;
 
 // Element type -> what one k step of the packed layout holds per column: 1 float or a pair of bf16.
 template <typename T>
@@ -61,6 +64,9 @@ inline void tile(const T* x, int64_t m0, const T* w, const T* bias, T* y, int64_
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t s = 0; s < steps; ++s) {
+    for (int j = 0; j < NB; ++j)  // a hint only: past the block's end it touches the next one, never faults
+      _mm_prefetch(reinterpret_cast<const char*>(wb + j * block_elems + (s + kPrefetchSteps) * kBlock * kStep<T>),
+                   _MM_HINT_T0);
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j)
       wv[j] = _mm512_loadu_si512(wb + j * block_elems + s * kBlock * kStep<T>);
