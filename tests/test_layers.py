@@ -20,9 +20,9 @@ def test_linear_backends_match_f_linear(backend, rows, dtype):
         layer.weight.copy_(torch.randn(163, 100, generator=g))
         layer.bias.copy_(torch.randn(163, generator=g))
     layer = layer.to(dtype)
-    layer.set_backend(backend)
     x = torch.randn(rows, 100, generator=g).to(dtype)
     expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    layer.set_backend(backend)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(layer(x).float(), expected, atol=tol * 10, rtol=tol)
 
@@ -39,6 +39,7 @@ def test_native_backend_packs_where_the_kernel_runs(dtype):
     layer = Linear(64, 40).to(dtype)
     layer.set_backend("native")
     assert (layer._small_packed is not None) == ops.native_small_gemm(dtype)
+    assert layer.weight.numel() == (0 if ops.native_small_gemm(dtype) else 64 * 40)  # one float copy, not two
     odd = Linear(33, 8).to(dtype)
     odd.set_backend("native")
     assert (odd._small_packed is not None) == (ops.native_small_gemm(dtype) and dtype == torch.float32)

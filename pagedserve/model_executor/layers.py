@@ -72,12 +72,13 @@ class Linear(nn.Module):
       * "torch": F.linear (MKL on x86);
       * "onednn": the weight pre-packed once for oneDNN (`mkldnn._linear_pointwise`), which picks much better
         kernels than MKL for the small-M products of decode on some CPUs; below ONEDNN_MIN_ROWS rows (float32) it
-        hands over to F.linear on the unpacked weight (kept too);
+        hands over to F.linear on the unpacked weight (kept too: the model holds two copies of its weights);
       * "native" (what "auto" picks on CPU when the native kernels are built): the weight also packed for the
         native small GEMM (AVX-512 float32, AVX512-BF16 bfloat16), which streams each weight byte once per call
         for all the step's rows; it runs products of up to NATIVE_GEMM_MAX_ROWS rows (decode, spec-decode
-        verification, short prefill chunks), oneDNN the larger ones. Where the kernel does not run this dtype
-        (AVX2-only CPUs, bfloat16 without AVX512-BF16, an odd K in bfloat16) it is "onednn";
+        verification, short prefill chunks), oneDNN the larger ones; the unpacked weight is dropped (two copies, as
+        "onednn"). Where the kernel does not run this dtype (AVX2-only CPUs, bfloat16 without AVX512-BF16, an odd
+        K in bfloat16) it is "onednn";
       * "int8": weight-only int8, per-output-channel scales, activations quantized per call (fbgemm
         dynamic quantization) - a quarter of the weight bytes, for memory-bound decode.
     """
@@ -86,6 +87,7 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.out_features = out_features
         self.backend = "torch"
         self._packed = None
         self._small_packed = None  # the "native" backend's packed weight, where the kernel runs this dtype
@@ -109,13 +111,16 @@ class Linear(nn.Module):
         elif backend != "torch":
             raise ValueError(f"unknown linear backend {backend!r}")
         self.backend = backend
-        if backend == "int8":  # the float weight is no longer needed: keep only the packed int8 copy
-            self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        if backend == "int8" or self._small_packed is not None:
+            # Every product now reads a packed copy (int8; or the small GEMM's up to NATIVE_GEMM_MAX_ROWS rows and
+            # oneDNN's above): the float weight would only double the model's memory. (A tied LM head lets go of
+            # its reference only; the embedding keeps the tensor.)
+            self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self._small_packed is not None and rows <= NATIVE_GEMM_MAX_ROWS and x.dtype == self._small_packed.dtype:
-            return cpu_kernels().small_gemm(x, self._small_packed, self.weight.shape[0], self.bias)
+            return cpu_kernels().small_gemm(x, self._small_packed, self.out_features, self.bias)
         if self.backend in ("onednn", "native"):
             if rows >= ONEDNN_MIN_ROWS or x.dtype != torch.float32:  # bf16: oneDNN at every M (see above)
                 return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
