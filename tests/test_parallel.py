@@ -201,9 +201,15 @@ def test_server_tp2_serves_hf_tokens_and_reports_dead_worker(tiny_model_dir, tin
 
 
 def _descendants(pid: int) -> list[int]:
-    """The worker is a child of multiprocessing's fork server, itself a child of the server."""
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        children = [int(p) for p in f.read().split()]
+    """The worker is a child of multiprocessing's fork server, itself a child of the server (of its engine thread:
+    /proc lists children per thread)."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(p) for p in f.read().split()]
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
     return children + [d for child in children for d in _descendants(child)]
 
 
