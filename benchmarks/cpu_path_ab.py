@@ -4,8 +4,8 @@
     python benchmarks/cpu_path_ab.py --suite bf16 --model /tmp/smollm2 --batch-sizes 1,32 --context 128 --rounds 5
 
 This machine's timings drift by 20% and more between processes and minutes, so a before/after pair is only
-meaningful when both are measured side by side: the variants below run round-robin on the same engine (same
-weights in memory, same KV contents), `--rounds` times, each round a median over `--steps` greedy decode steps;
+meaningful when both are measured side by side: the variants below run round-robin on engines built once (one
+per linear backend and KV dtype, the same requests and KV contents), `--rounds` times, each round a median over `--steps` greedy decode steps;
 the table reports the median over rounds. Variants (each adds one change to the one before):
 
   baseline      pre-packed oneDNN linears at every row count, PyTorch small ops (norm, rotary, silu*mul)
@@ -41,12 +41,12 @@ from pagedserve.entrypoints.llm import LLM
 from pagedserve.model_executor.kernels import cpu_kernels
 from pagedserve.sampling_params import SamplingParams
 
-VARIANTS = {  # name -> (ONEDNN_MIN_ROWS, native small ops, NATIVE_GEMM_MAX_ROWS, KV cache dtype)
-    "baseline": (1, False, 0, "auto"),
-    "+mkl-small-m": (layers.ONEDNN_MIN_ROWS, False, 0, "auto"),
-    "+fused-ops": (layers.ONEDNN_MIN_ROWS, True, 0, "auto"),
-    "+native-gemm": (layers.ONEDNN_MIN_ROWS, True, layers.NATIVE_GEMM_MAX_ROWS, "auto"),
-    "+bf16-kv": (layers.ONEDNN_MIN_ROWS, True, layers.NATIVE_GEMM_MAX_ROWS, "bfloat16"),
+VARIANTS = {  # name -> (linear backend, ONEDNN_MIN_ROWS, native small ops, KV cache dtype)
+    "baseline": ("onednn", 1, False, "auto"),
+    "+mkl-small-m": ("onednn", layers.ONEDNN_MIN_ROWS, False, "auto"),
+    "+fused-ops": ("onednn", layers.ONEDNN_MIN_ROWS, True, "auto"),
+    "+native-gemm": ("native", layers.ONEDNN_MIN_ROWS, True, "auto"),
+    "+bf16-kv": ("native", layers.ONEDNN_MIN_ROWS, True, "bfloat16"),
 }
 DEFAULT = "+native-gemm"
 DEFAULT_GEMM_ROWS = layers.NATIVE_GEMM_MAX_ROWS
@@ -86,11 +86,12 @@ BF16_VARIANTS = {  # name -> (model dtype, small ops in bf16 native, attention g
 
 
 def decoding_engine(model: str, batch: int, context: int, threads: int, kv_cache_dtype: str,
-                    dtype: str = "float32"):
+                    dtype: str = "float32", linear_backend: str = "auto"):
     """An engine with `batch` requests past their prefill, each with `context` tokens in the cache."""
     decode_budget = 512  # more decode steps than the rounds take: no request finishes mid-measurement
     llm = LLM(model, num_threads=threads, max_model_len=context + decode_budget, kv_cache_dtype=kv_cache_dtype,
-              num_kv_blocks=batch * -(-(context + decode_budget) // 16), dtype=dtype)
+              num_kv_blocks=batch * -(-(context + decode_budget) // 16), dtype=dtype,
+              linear_backend=linear_backend)
     engine = llm.llm_engine
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=decode_budget, ignore_eos=True, temperature=0.0)
@@ -128,16 +129,18 @@ def main(argv=None) -> int:
     print(f"| B | {' | '.join(VARIANTS)} | default vs baseline |")
     print(f"|---:|{'---:|' * (len(VARIANTS) + 1)}")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        engines = {dtype: decoding_engine(args.model, batch, args.context, args.threads, dtype)
-                   for dtype in {v[3] for v in VARIANTS.values()}}
+        # the "onednn" engine keeps the float weights its 1-row F.linear (MKL) needs; "native" drops them
+        engines = {(backend, kv_dtype): decoding_engine(args.model, batch, args.context, args.threads, kv_dtype,
+                                                        linear_backend=backend)
+                   for backend, _, _, kv_dtype in VARIANTS.values()}
         results: dict[str, list[float]] = {name: [] for name in VARIANTS}
         for _ in range(args.rounds):
-            for name, (min_rows, native, gemm_rows, kv_dtype) in VARIANTS.items():
+            for name, (backend, min_rows, native, kv_dtype) in VARIANTS.items():
                 layers.ONEDNN_MIN_ROWS = min_rows
                 layers.NATIVE_DTYPES = (torch.float32, torch.bfloat16) if native else ()
-                layers.NATIVE_GEMM_MAX_ROWS = gemm_rows
-                engines[kv_dtype].step()  # the first step after a switch warms caches for the new path
-                results[name].append(step_ms(engines[kv_dtype], args.steps))
+                engine = engines[backend, kv_dtype]
+                engine.step()  # the first step after a switch warms caches for the new path
+                results[name].append(step_ms(engine, args.steps))
         med = {name: float(np.median(v)) for name, v in results.items()}
         cells = " | ".join(f"{med[n]:.1f}" for n in VARIANTS)
         print(f"| {batch} | {cells} | {med['baseline'] / med[DEFAULT]:.2f}x |", flush=True)
