@@ -52,17 +52,27 @@ def _configs(prompts):
         "chunk-threshold-48": dict(num_kv_blocks=512, long_prefill_token_threshold=48),
         "linear-onednn": dict(num_kv_blocks=512, linear_backend="onednn"),
         "no-native-kernels": dict(num_kv_blocks=512),  # run with the C++ kernels disabled, below
+        "avx2-kernels": dict(num_kv_blocks=512),  # run on the AVX2 build of the kernels (no small GEMM), below
     }
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("config", ["prefix-caching-off", "budget-32-chunked", "pool-fits-longest-only",
                                     "block-size-8", "block-size-32", "chunk-threshold-48", "linear-onednn",
-                                    "no-native-kernels"])
+                                    "no-native-kernels", "avx2-kernels"])
 def test_greedy_same_in_every_config(arch, config, tiny_model_dir, tiny_tokenizer, monkeypatch):
     if config == "no-native-kernels":  # the pure PyTorch path: attention, norms, rotary, silu
         monkeypatch.setattr("pagedserve.model_executor.attention.cpu_kernels", lambda: None)
         monkeypatch.setattr("pagedserve.model_executor.layers.cpu_kernels", lambda: None)
+    if config == "avx2-kernels":  # what an AVX2-only CPU (AMD Zen 1) runs: its attention, oneDNN GEMMs
+        from pagedserve.model_executor import kernels
+
+        if "avx2" not in kernels.supported_isas():
+            pytest.skip("this CPU has no AVX2")
+        avx2 = kernels.load_cpu_kernels("avx2")
+        assert avx2 is not None and not avx2.native_small_gemm(torch.float32)
+        monkeypatch.setattr("pagedserve.model_executor.attention.cpu_kernels", lambda: avx2)
+        monkeypatch.setattr("pagedserve.model_executor.layers.cpu_kernels", lambda: avx2)
     model_dir = tiny_model_dir(arch)
     prompts = mixed_prompts(tiny_tokenizer, n=8)
     llm, ours = run(model_dir, prompts, **_configs(prompts)[config])
