@@ -517,27 +517,48 @@ template <typename TQ, typename T>
 void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                    const int64_t* context_lens, TQ* out, Shape s, float scale) {
   const int64_t heads = s.num_heads, d = s.head_dim;
-  // Fewer sequences than threads (batch 1): split each context into `parts` ranges, one task each, and merge
-  // the partial softmaxes after (as flash-decoding does); otherwise one task per sequence.
+  // The work split: every context in parts of at most `span` tokens (a multiple of 16, the chunked kernels' step),
+  // the tasks in sequence order, each thread a contiguous run of them holding ~1/threads of all the keys; a split
+  // sequence's partial softmaxes are merged after (as flash-decoding does). One task per sequence, split evenly by
+  // count, left one thread with most of the keys whenever the lengths were mixed (a 1400-token context next to
+  // 100-token ones) while the other waited at the barrier.
   const int64_t threads = at::get_num_threads();
-  const int64_t parts = s.num_seqs >= threads ? 1 : (threads + s.num_seqs - 1) / s.num_seqs;
-  const int64_t num_tasks = s.num_seqs * parts;
+  constexpr int64_t kAlign = 16;
+  int64_t total = 0;
+  for (int64_t i = 0; i < s.num_seqs; ++i) total += context_lens[i];
+  const int64_t span = std::max<int64_t>(4 * kAlign, (total / (4 * threads) + kAlign - 1) / kAlign * kAlign);
+  std::vector<int64_t> first_task(s.num_seqs + 1, 0);
+  for (int64_t i = 0; i < s.num_seqs; ++i)
+    first_task[i + 1] = first_task[i] + std::max<int64_t>(1, (context_lens[i] + span - 1) / span);
+  const int64_t num_tasks = first_task[s.num_seqs];
+  const bool any_split = num_tasks > s.num_seqs;
+  std::vector<int64_t> task_seq(num_tasks), task_t0(num_tasks), task_t1(num_tasks);
+  for (int64_t i = 0; i < s.num_seqs; ++i)
+    for (int64_t t = first_task[i]; t < first_task[i + 1]; ++t) {
+      task_seq[t] = i;
+      task_t0[t] = (t - first_task[i]) * span;
+      task_t1[t] = std::min(context_lens[i], task_t0[t] + span);
+    }
+  std::vector<int64_t> bounds(threads + 1, num_tasks);  // thread th runs tasks [bounds[th], bounds[th + 1])
+  bounds[0] = 0;
+  for (int64_t t = 0, th = 1, prefix = 0; t < num_tasks; prefix += task_t1[t] - task_t0[t], ++t)
+    while (th < threads && prefix * threads >= th * total) bounds[th++] = t;
   // Measured (BENCHMARKS.md section 6): the chunked kernels (float32 and bfloat16 alike) win on rows under 2 KiB
   // (SmolLM2: 3 KV heads x 64) and lose on wider ones (Qwen3 in bf16: 8 x 128), where the token-at-a-time pass below
   // streams each row whole.
   const bool narrow_rows = s.num_kv_heads * d * static_cast<int64_t>(sizeof(T)) < 2048;
-  std::vector<float> part_acc(parts > 1 ? num_tasks * heads * d : 0), part_m(parts > 1 ? num_tasks * heads : 0),
-      part_l(parts > 1 ? num_tasks * heads : 0);
-  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+  std::vector<float> part_acc(any_split ? num_tasks * heads * d : 0), part_m(any_split ? num_tasks * heads : 0),
+      part_l(any_split ? num_tasks * heads : 0);
+  at::parallel_for(0, threads, 1, [&](int64_t th_begin, int64_t th_end) {
     std::vector<float> qf(heads * d), acc(heads * d), m(heads), l(heads), scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / parts, part = task % parts, len = context_lens[seq];
+    for (int64_t task = bounds[th_begin]; task < bounds[th_end]; ++task) {
+      const int64_t seq = task_seq[task], t0 = task_t0[task], t1 = task_t1[task];
+      const bool whole = first_task[seq + 1] - first_task[seq] == 1;
       const TQ* qs = q + seq * s.q_stride;
-      float* a = parts > 1 ? part_acc.data() + task * heads * d : acc.data();
-      float* mm = parts > 1 ? part_m.data() + task * heads : m.data();
-      float* ll = parts > 1 ? part_l.data() + task * heads : l.data();
+      float* a = whole ? acc.data() : part_acc.data() + task * heads * d;
+      float* mm = whole ? m.data() : part_m.data() + task * heads;
+      float* ll = whole ? l.data() : part_l.data() + task * heads;
       const int64_t* table = block_tables + seq * s.max_blocks;
-      const int64_t t0 = len * part / parts, t1 = len * (part + 1) / parts;
       if (!(narrow_rows && attend_bf16(qs, scale, k_cache, v_cache, table, t0, t1, s, a, mm, ll))) {
 #if defined(__AVX512F__)
         if (d % 16 == 0 && narrow_rows) {
@@ -549,7 +570,7 @@ void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_
           attend(qf.data(), k_cache, v_cache, table, t0, t1, s, scores, a, mm, ll);
         }
       }
-      if (parts == 1) {
+      if (whole) {
         for (int64_t h = 0; h < heads; ++h) {
           const float inv = 1.f / ll[h];
           TQ* o = out + (seq * heads + h) * d;
@@ -559,19 +580,21 @@ void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_
       }
     }
   });
-  if (parts == 1) return;
+  if (!any_split) return;
+  std::vector<float> o(d);
   for (int64_t seq = 0; seq < s.num_seqs; ++seq) {
+    if (first_task[seq + 1] - first_task[seq] == 1) continue;
     for (int64_t h = 0; h < heads; ++h) {
       float mx = 0.f;
       bool any = false;
-      for (int64_t p = 0; p < parts; ++p) {
-        const int64_t i = (seq * parts + p) * heads + h;
+      for (int64_t t = first_task[seq]; t < first_task[seq + 1]; ++t) {
+        const int64_t i = t * heads + h;
         if (part_l[i] > 0.f && (!any || part_m[i] > mx)) mx = part_m[i], any = true;
       }
       float denom = 0.f;
-      std::vector<float> o(d, 0.f);
-      for (int64_t p = 0; p < parts; ++p) {
-        const int64_t i = (seq * parts + p) * heads + h;
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t t = first_task[seq]; t < first_task[seq + 1]; ++t) {
+        const int64_t i = t * heads + h;
         if (part_l[i] == 0.f) continue;  // an empty range
         const float w = std::exp(part_m[i] - mx);
         denom += w * part_l[i];
