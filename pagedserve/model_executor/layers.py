@@ -98,7 +98,7 @@ class Linear(nn.Module):
         if backend in ("onednn", "native"):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
             ops = native_ops(w) if backend == "native" else None
-            if ops is not None and ops.native_small_gemm(w.dtype) and (w.dtype == torch.float32 or w.shape[1] % 2 == 0):
+            if ops is not None and ops.native_small_gemm(w.dtype, w.shape[1]):
                 self._small_packed = ops.pack_small_gemm_weight(w)
         elif backend == "int8":
             scales = w.abs().amax(dim=1).clamp(min=1e-8).double() / 127.0

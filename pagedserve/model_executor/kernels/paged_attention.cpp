@@ -739,7 +739,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 const char* kernel_isa();
 // small_gemm.cpp
-bool native_small_gemm(at::ScalarType dtype);
+bool native_small_gemm(at::ScalarType dtype, int64_t k);
 torch::Tensor pack_small_gemm_weight(torch::Tensor weight);
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
 
@@ -757,7 +757,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("out") = py::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] projection (float32 or bfloat16)");
   m.def("rotary_inplace", &rotary_inplace, "Neox-style rotary embedding in place (float32 or bfloat16)");
-  m.def("native_small_gemm", &native_small_gemm, "whether small_gemm runs this dtype natively in this build");
+  m.def("native_small_gemm", &native_small_gemm, "whether small_gemm runs this dtype (and K; 0: any) natively in "
+        "this build", py::arg("dtype"), py::arg("k") = 0);
   m.def("pack_small_gemm_weight", &pack_small_gemm_weight, "a [N, K] weight packed for small_gemm");
   m.def("small_gemm", &small_gemm, "x W^T (+ b) for a few rows x on a weight packed by pack_small_gemm_weight",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());

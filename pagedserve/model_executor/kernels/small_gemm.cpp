@@ -131,15 +131,18 @@ bool supports(at::ScalarType dtype) {
 
 }  // namespace
 
-bool native_small_gemm(at::ScalarType dtype) { return supports(dtype); }
+// Whether small_gemm runs this dtype natively in this build and, given K (0: any), that K: bfloat16 packs K in pairs.
+bool native_small_gemm(at::ScalarType dtype, int64_t k) {
+  return supports(dtype) && (dtype == torch::kFloat || k % 2 == 0);
+}
 
 // [N, K] -> the packed blocks above (zero columns pad N to a multiple of 16). K must be even for bfloat16.
 torch::Tensor pack_small_gemm_weight(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && supports(weight.scalar_type()),
               "pack_small_gemm_weight: a 2-D weight of a dtype this build runs natively (native_small_gemm)");
   const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(native_small_gemm(weight.scalar_type(), k), "pack_small_gemm_weight: bfloat16 needs an even K, got ", k);
   const int64_t step = weight.scalar_type() == torch::kFloat ? 1 : 2;
-  TORCH_CHECK(k % step == 0, "pack_small_gemm_weight: bfloat16 needs an even K, got ", k);
   const int64_t blocks = (n + 15) / 16;
   auto padded = torch::zeros({blocks * 16, k}, weight.options());
   padded.narrow(0, 0, n).copy_(weight);
@@ -159,15 +162,15 @@ torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::
 #if defined(__AVX512F__)
   auto xc = x.contiguous();
   auto bc = has_bias ? bias->contiguous() : torch::Tensor();
-  ps::with_act_type(x.scalar_type(), [&](auto* tag) {
+  const auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-#if !defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<T, bf16>) return;  // not reached: supports() refused bfloat16
-    else
+    small_gemm_kernel<T>(ps::ptr<T>(xc), xc.size(0), ps::ptr<T>(packed), has_bias ? ps::ptr<T>(bc) : nullptr,
+                         ps::ptr<T>(y), n, xc.size(1));
+  };
+  if (x.scalar_type() == torch::kFloat) run(static_cast<float*>(nullptr));
+#if defined(__AVX512BF16__)
+  else run(static_cast<bf16*>(nullptr));  // supports() let only float32 and bfloat16 through
 #endif
-      small_gemm_kernel<T>(ps::ptr<T>(xc), xc.size(0), ps::ptr<T>(packed), has_bias ? ps::ptr<T>(bc) : nullptr,
-                           ps::ptr<T>(y), n, xc.size(1));
-  });
 #endif
   return y;
 }
