@@ -207,8 +207,51 @@ def test_small_gemm_rejects_mismatched_shapes(ops):
     with pytest.raises(RuntimeError, match="does not match"):
         ops.small_gemm(torch.randn(2, 64), packed, 17)
     if ops.native_small_gemm(torch.bfloat16):
-        with pytest.raises(RuntimeError, match="even K"):
+        with pytest.raises(RuntimeError, match="groups of 2"):
             ops.pack_small_gemm_weight(torch.randn(8, 33).bfloat16())
+    if ops.native_small_gemm(torch.int8):
+        with pytest.raises(RuntimeError, match="groups of 4"):
+            ops.pack_small_gemm_weight(torch.zeros(8, 34, dtype=torch.int8))
+        q = ops.pack_small_gemm_weight(torch.zeros(40, 64, dtype=torch.int8))
+        with pytest.raises(RuntimeError, match="scales float32"):
+            ops.small_gemm_int8(torch.randn(2, 64), q, torch.ones(40), torch.zeros(40), 40)  # shifts not int32
+
+
+def _quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, n, k", [(1, 163, 100), (1, 1536, 576), (3, 5, 32), (8, 64, 36), (9, 49, 4),
+                                        (13, 200, 64), (40, 33, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_gemm_int8(ops, dtype, rows, n, k, bias):
+    """The VNNI int8 path: x quantized per row (round(x / s) with s = max|x| / 127), then exact integer sums,
+    scaled back by the row's and the column's scales. Reference: the same quantization in float64."""
+    if not ops.native_small_gemm(torch.int8):
+        assert ops.isa() != "avx512bf16"  # every AVX512-BF16 CPU has VNNI; the int8 Linear stays on fbgemm elsewhere
+        return
+    g = torch.Generator().manual_seed(rows * n * k + 1)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    if rows >= 3:
+        x[2] = 0  # an all-zero row: scale 1, output = bias
+    q, scale = _quantize_per_channel(torch.randn(n, k, generator=g))
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    xd = x.double()
+    row_scale = (xd.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-300)
+    xq = torch.round(xd / row_scale)
+    expected = (xq @ q.double().t()) * row_scale * scale.double()
+    if b is not None:
+        expected = expected + b.double()
+    shift = 128 * q.sum(dim=1, dtype=torch.int32)
+    y = ops.small_gemm_int8(x, ops.pack_small_gemm_weight(q), scale.float(), shift, n, b)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    # float32: the kernel scales by 127 / max|x| where the reference divides, which moves rare values across a
+    # rounding boundary (one quantization step of one product); bfloat16: one rounding of the output
+    step = (row_scale * scale.double()).expand(rows, n) * 127
+    tol = step + (1e-4 if dtype == torch.float32 else 1.6e-2 * expected.abs() + 5e-2)
+    assert ((y.double() - expected).abs() <= tol).all()
 
 
 def test_forced_isa_is_the_one_loaded():

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.model_executor.layers import NATIVE_GEMM_MAX_ROWS, ONEDNN_MIN_ROWS, Linear
+from pagedserve.model_executor.layers import NATIVE_GEMM_MAX_ROWS, NATIVE_INT8_MAX_ROWS, ONEDNN_MIN_ROWS, Linear
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -90,3 +90,28 @@ def test_fused_norm_rotary_silu_match_pytorch(rows, dtype, monkeypatch):
         assert a.dtype == b.dtype == dtype
         torch.testing.assert_close(a, b, **tol)
     torch.testing.assert_close(native[2], residual + x)  # the residual stream was updated in place
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, NATIVE_INT8_MAX_ROWS, NATIVE_INT8_MAX_ROWS + 1])
+def test_int8_backend_close_to_float_on_both_kernels(rows, dtype):
+    """Weight-only int8 within int8 noise of the float product, on the native VNNI kernel (up to
+    NATIVE_INT8_MAX_ROWS rows, where the CPU has it) and on fbgemm above; [batch, seq, K] inputs too."""
+    from pagedserve.model_executor.kernels import cpu_kernels
+
+    g = torch.Generator().manual_seed(rows)
+    layer = Linear(128, 163, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(163, 128, generator=g))
+        layer.bias.copy_(torch.randn(163, generator=g))
+    layer = layer.to(dtype)
+    x = torch.randn(rows, 128, generator=g).to(dtype)
+    expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    layer.set_backend("int8")
+    ops = cpu_kernels()
+    assert (layer._small_packed is not None) == (ops is not None and ops.native_small_gemm(torch.int8, 128))
+    y = layer(x)
+    assert y.dtype == dtype
+    err = (y.float() - expected).abs().max() / expected.abs().max()
+    assert err < 0.03, err
+    torch.testing.assert_close(layer(x.view(1, rows, 128)).view(rows, 163), y)

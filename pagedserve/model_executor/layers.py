@@ -63,6 +63,9 @@ ONEDNN_MIN_ROWS = 2
 # Measured on AMD Zen 4 (BENCHMARKS.md section 6, "small-M GEMM"): the native kernel 1.2-1.9x faster than oneDNN
 # from 1 to 32 rows in float32 and bfloat16, level with it (within 5%) from 64 to 2048 rows.
 NATIVE_GEMM_MAX_ROWS = 128
+# The same for int8 weights (the kernel's VPDPBUSD path) against fbgemm's dynamic int8: measured on AMD Zen 4
+# (BENCHMARKS.md section 6, "int8"), the native kernel 1.6-1.8x faster at 1-8 rows, level at 32, behind from 64.
+NATIVE_INT8_MAX_ROWS = 32
 
 
 class Linear(nn.Module):
@@ -79,8 +82,10 @@ class Linear(nn.Module):
         verification, short prefill chunks), oneDNN the larger ones; the unpacked weight is dropped (two copies, as
         "onednn"). Where the kernel does not run this dtype (AVX2-only CPUs, bfloat16 without AVX512-BF16, an odd
         K in bfloat16) it is "onednn";
-      * "int8": weight-only int8, per-output-channel scales, activations quantized per call (fbgemm
-        dynamic quantization) - a quarter of the weight bytes, for memory-bound decode.
+      * "int8": weight-only int8, per-output-channel scales, activations quantized per call - a quarter of the
+        weight bytes, for memory-bound decode. Up to NATIVE_INT8_MAX_ROWS rows the native kernel (AVX512-VNNI,
+        activations quantized per row), above it fbgemm's dynamic quantization (per tensor); both keep their
+        packed int8 copy.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -90,11 +95,12 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.backend = "torch"
         self._packed = None
-        self._small_packed = None  # the "native" backend's packed weight, where the kernel runs this dtype
+        self._small_packed = None  # the native small GEMM's packed weight, where the kernel runs this dtype
+        self._int8_scale = self._int8_shift = None  # int8 on the native kernel: per-column scales and shifts
 
     def set_backend(self, backend: str) -> None:
         w = self.weight.detach()
-        self._small_packed = None
+        self._small_packed = self._int8_scale = self._int8_shift = None
         if backend in ("onednn", "native"):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
             ops = native_ops(w) if backend == "native" else None
@@ -108,6 +114,12 @@ class Linear(nn.Module):
                                                      0, torch.qint8)
             bias = None if self.bias is None else self.bias.detach().float()
             self._packed = torch.ops.quantized.linear_prepack(qweight, bias)
+            ops = native_ops(w)
+            if ops is not None and ops.native_small_gemm(torch.int8, w.shape[1]):
+                q = qweight.int_repr()
+                self._small_packed = ops.pack_small_gemm_weight(q)
+                self._int8_scale = scales.float()
+                self._int8_shift = 128 * q.sum(dim=1, dtype=torch.int32)  # takes back the kernel's +128 on x
         elif backend != "torch":
             raise ValueError(f"unknown linear backend {backend!r}")
         self.backend = backend
@@ -118,15 +130,20 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._small_packed is not None and x.dim() != 2:  # the native kernels take [rows, K]
+            return self.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
         rows = x.shape[0]
+        if self.backend == "int8":
+            if self._small_packed is not None and rows <= NATIVE_INT8_MAX_ROWS:
+                return cpu_kernels().small_gemm_int8(x, self._small_packed, self._int8_scale, self._int8_shift,
+                                                     self.out_features, self.bias)
+            return torch.ops.quantized.linear_dynamic(x.float(), self._packed, True).to(x.dtype)
         if self._small_packed is not None and rows <= NATIVE_GEMM_MAX_ROWS and x.dtype == self._small_packed.dtype:
             return cpu_kernels().small_gemm(x, self._small_packed, self.out_features, self.bias)
         if self.backend in ("onednn", "native"):
             if rows >= ONEDNN_MIN_ROWS or x.dtype != torch.float32:  # bf16: oneDNN at every M (see above)
                 return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
             return F.linear(x, self.weight, self.bias)
-        if self.backend == "int8":
-            return torch.ops.quantized.linear_dynamic(x.float(), self._packed, True).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
 

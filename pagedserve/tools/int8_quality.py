@@ -3,20 +3,24 @@
     python -m pagedserve.tools.int8_quality [--model-dir DIR] [--max-tokens 20000] [--prompts 32]
 
 * Perplexity: the held-out stdlib windows of the demo model's card, scored by the transformers model with
-  every nn.Linear swapped for pagedserve's int8 Linear (the same per-channel scheme and fbgemm kernel the
-  engine runs) vs the float32 original.
+  every nn.Linear swapped for pagedserve's int8 Linear (the same per-channel weights the engine runs) vs the
+  float32 original, once per kernel the engine runs: fbgemm (activations quantized per tensor; the engine's
+  products above NATIVE_INT8_MAX_ROWS rows) and, where the CPU has it, the native VNNI kernel (activations
+  quantized per row; decode's products).
 * Greedy agreement: the engine itself, float32 vs int8, on prompts cut from held-out windows: the share of
   prompts whose continuations are identical and the mean length of the common prefix.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 
 import torch
 
 from pagedserve.demo_model_path import default_model_path
+from pagedserve.model_executor import layers
 from pagedserve.model_executor.layers import Linear
 from pagedserve.tools.eval_demo_model import held_out_windows, load_model_float32, mean_loss
 
@@ -32,6 +36,17 @@ def quantize_hf_linears(model: torch.nn.Module) -> torch.nn.Module:
                 q.set_backend("int8")
                 setattr(module, child_name, q)
     return model
+
+
+@contextlib.contextmanager
+def native_int8_at_every_row_count():
+    """The native int8 kernel for every product (the engine runs it up to NATIVE_INT8_MAX_ROWS rows only)."""
+    saved = layers.NATIVE_INT8_MAX_ROWS
+    layers.NATIVE_INT8_MAX_ROWS = 1 << 62
+    try:
+        yield
+    finally:
+        layers.NATIVE_INT8_MAX_ROWS = saved
 
 
 def greedy_agreement(model_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -53,11 +68,17 @@ def greedy_agreement(model_dir: str, prompts: list[list[int]], max_tokens: int) 
 def evaluate(model_dir: str, max_tokens: int, num_prompts: int, prompt_len: int = 64, new_tokens: int = 32) -> dict:
     windows = held_out_windows(model_dir, max_tokens=max_tokens)
     fp32 = mean_loss(load_model_float32(model_dir), windows)
-    int8 = mean_loss(quantize_hf_linears(load_model_float32(model_dir)), windows)
+    int8_model = quantize_hf_linears(load_model_float32(model_dir))
+    int8 = mean_loss(int8_model, windows)
     prompts = [w[:prompt_len].tolist() for w in held_out_windows(model_dir)[:num_prompts]]
     result = {"eval_tokens": int(windows[:, 1:].numel()), "loss_fp32": fp32, "loss_int8": int8,
               "ppl_fp32": math.exp(fp32), "ppl_int8": math.exp(int8),
               "ppl_delta_pct": 100 * (math.exp(int8) / math.exp(fp32) - 1)}
+    if any(m._small_packed is not None for m in int8_model.modules() if isinstance(m, Linear)):
+        with native_int8_at_every_row_count():
+            native = mean_loss(int8_model, windows)
+        result.update(loss_int8_native=native, ppl_int8_native=math.exp(native),
+                      ppl_delta_native_pct=100 * (math.exp(native) / math.exp(fp32) - 1))
     result.update(greedy_agreement(model_dir, prompts, new_tokens))
     return result
 

@@ -42,9 +42,9 @@ HEADERS = ("vec.h",)
 # Instruction-set levels, best first: (name, /proc/cpuinfo flags it needs, compiler flags).
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c")
 ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "avx512bf16": (_AVX512 + ("avx512_bf16",),
+    "avx512bf16": (_AVX512 + ("avx512_bf16", "avx512_vnni"),
                    ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                    "-mavx512bf16")),
+                    "-mavx512bf16", "-mavx512vnni")),
     "avx512": (_AVX512, ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")),
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
     "generic": ((), ()),

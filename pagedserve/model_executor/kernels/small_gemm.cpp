@@ -1,13 +1,19 @@
-// y = x W^T (+ b) for the few rows of a decode step (M up to ~16), on a weight packed once at load time.
+// y = x W^T (+ b) for the few rows of a decode step (M up to ~128), on a weight packed once at load time.
 //
 // Why not oneDNN here: its bfloat16 brgemm is built for many rows; on the decoder's matrices at 8 rows it ran at
 // ~1/3 of what the weights' streaming allows (BENCHMARKS.md section 6, "small-M GEMM"). This kernel reads every
 // weight byte once per call and keeps all the step's rows in registers against it:
-//   * packed layout: 16 output columns per block, K in order inside a block, so one 64-byte load is one k step
-//     (float32: [N/16][K][16]) or one k pair (bfloat16: [N/16][K/2][16][2], VDPBF16PS's pair layout);
-//   * a tile is MT rows x NB blocks of float32 accumulators (up to 8 x 3 = 24 of the 32 registers); each k step
-//     loads NB weight vectors and broadcasts one x element (pair) per row: NB multiply-adds per broadcast;
+//   * packed layout: 16 output columns per block, K in order inside a block, so one 64-byte load is one k step:
+//     float32 [N/16][K][16]; bfloat16 [N/16][K/2][16][2] (VDPBF16PS's pairs); int8 [N/16][K/4][16][4]
+//     (VPDPBUSD's quads);
+//   * a tile is MT rows x NB blocks of accumulators (up to 8 x 3 = 24 of the 32 registers); each k step loads NB
+//     weight vectors and broadcasts one x element (pair, quad) per row: NB multiply-adds per broadcast;
 //   * threads split the column blocks; a thread runs all row tiles over its blocks, the blocks staying in L2.
+//
+// int8 (weight-only int8 models, `--quantization int8`): weights symmetric per output channel; the activations are
+// quantized per row on the fly (symmetric, scale max|x| / 127) and shifted by +128 into the unsigned bytes VPDPBUSD
+// takes, the shift taken back with the column sums: sum (x_q + 128) w = sum x_q w + 128 sum w. The int32 sums never
+// overflow below K = 2^31 / (255 * 127) ~ 66000.
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -19,30 +25,50 @@ using ps::bf16;
 namespace {
 
 #if defined(__AVX512F__)
-constexpr int64_t kBlock = 16;  // output columns per packed block (one zmm of float32)
-// k steps of each block stream prefetched ahead (512 bytes): +5-9% at 8-32 rows on Zen 4, none at 1 row (measured
-// side by side over 30 SmolLM2-shaped layers; the hardware prefetcher alone left the streams short of bandwidth).
-constexpr int64_t kPrefetchSteps = 8;
+constexpr int64_t kBlock = 16;  // output columns per packed block (one zmm of 32-bit lanes)
+// k steps of each block stream prefetched ahead (1 KiB): on Zen 4 +5-9% over none at 8-32 rows with 8 steps, and
+// 16 steps a further ~10% at 1-32 rows (1 row: the weights then stream at the machine's read bandwidth).
+constexpr int64_t kPrefetchSteps = 16;
 
-// Element type -> what one k step of the packed layout holds per column: 1 float or a pair of bf16.
-template <typename T>
-constexpr int64_t kStep = std::is_same_v<T, float> ? 1 : 2;
-
-template <typename T>
-inline __m512 madd(__m512 acc, __m512i w, const T* x);
+// Per packed weight type: the activation element a k step broadcasts, the accumulator, the multiply-add.
+template <typename W>
+struct Packed;
 
 template <>
-inline __m512 madd<float>(__m512 acc, __m512i w, const float* x) {
-  return _mm512_fmadd_ps(_mm512_castsi512_ps(w), _mm512_set1_ps(*x), acc);
+struct Packed<float> {
+  using X = float;
+  using Acc = __m512;
+  static constexpr int64_t kStep = 1;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Acc madd(Acc acc, __m512i w, const X* x) {
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(w), _mm512_set1_ps(*x), acc);
+  }
+};
+
+inline __m512i broadcast32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi32(v);
 }
 
 #if defined(__AVX512BF16__)
 template <>
-inline __m512 madd<bf16>(__m512 acc, __m512i w, const bf16* x) {
-  int32_t pair;
-  std::memcpy(&pair, x, sizeof pair);
-  return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_set1_epi32(pair));
-}
+struct Packed<bf16> {
+  using X = bf16;
+  using Acc = __m512;
+  static constexpr int64_t kStep = 2;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Acc madd(Acc acc, __m512i w, const X* x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)broadcast32(x)); }
+};
+
+template <>
+struct Packed<int8_t> {
+  using X = uint8_t;  // the row's quantized activations + 128
+  using Acc = __m512i;
+  static constexpr int64_t kStep = 4;
+  static Acc zero() { return _mm512_setzero_si512(); }
+  static Acc madd(Acc acc, __m512i w, const X* x) { return _mm512_dpbusd_epi32(acc, broadcast32(x), w); }
+};
 #endif
 
 inline void store_row(float* y, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(y, mask, v); }
@@ -55,72 +81,132 @@ inline void store_row(bf16* y, __m512 v, __mmask16 mask) {
 inline __m512 load_bias(const float* b, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, b); }
 inline __m512 load_bias(const bf16* b, __mmask16 mask) { return ps::load16_tail(b, mask); }
 
+// Float accumulators -> y (+ bias).
+template <typename Y>
+struct FloatOut {
+  Y* y;
+  const Y* bias;
+  int64_t n;
+  void operator()(int64_t row, int64_t col, __m512 acc, __mmask16 mask) const {
+    if (bias != nullptr) acc = _mm512_add_ps(acc, load_bias(bias + col, mask));
+    store_row(y + row * n + col, acc, mask);
+  }
+};
+
+// int32 sums of (x_q + 128) w -> y = (sum - 128 sum w) * row scale * column scale (+ bias).
+template <typename Y>
+struct Int8Out {
+  Y* y;
+  const Y* bias;
+  int64_t n;
+  const float* row_scale;
+  const float* col_scale;
+  const int32_t* col_shift;  // 128 * the column's weight sum
+  void operator()(int64_t row, int64_t col, __m512i acc, __mmask16 mask) const {
+    const __m512i sum = _mm512_sub_epi32(acc, _mm512_maskz_loadu_epi32(mask, col_shift + col));
+    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(sum),
+                             _mm512_mul_ps(_mm512_set1_ps(row_scale[row]), _mm512_maskz_loadu_ps(mask, col_scale + col)));
+    if (bias != nullptr) v = _mm512_add_ps(v, load_bias(bias + col, mask));
+    store_row(y + row * n + col, v, mask);
+  }
+};
+
 // Rows [m0, m0 + MT) x blocks [b0, b0 + NB) of y.
-template <typename T, int MT, int NB>
-inline void tile(const T* x, int64_t m0, const T* w, const T* bias, T* y, int64_t n, int64_t k, int64_t b0) {
-  const int64_t steps = k / kStep<T>, block_elems = steps * kBlock * kStep<T>;
-  const T* wb = w + b0 * block_elems;
-  __m512 acc[MT][NB];
+template <typename W, int MT, int NB, typename Out>
+inline void tile(const typename Packed<W>::X* x, int64_t m0, const W* w, const Out& out, int64_t n, int64_t k,
+                 int64_t b0) {
+  using P = Packed<W>;
+  const int64_t steps = k / P::kStep, block_elems = steps * kBlock * P::kStep;
+  const W* wb = w + b0 * block_elems;
+  typename P::Acc acc[MT][NB];
   for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NB; ++j) acc[m][j] = P::zero();
   for (int64_t s = 0; s < steps; ++s) {
     for (int j = 0; j < NB; ++j)  // a hint only: past the block's end it touches the next one, never faults
-      _mm_prefetch(reinterpret_cast<const char*>(wb + j * block_elems + (s + kPrefetchSteps) * kBlock * kStep<T>),
+      _mm_prefetch(reinterpret_cast<const char*>(wb + j * block_elems + (s + kPrefetchSteps) * kBlock * P::kStep),
                    _MM_HINT_T0);
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j)
-      wv[j] = _mm512_loadu_si512(wb + j * block_elems + s * kBlock * kStep<T>);
+      wv[j] = _mm512_loadu_si512(wb + j * block_elems + s * kBlock * P::kStep);
     for (int m = 0; m < MT; ++m) {
-      const T* xs = x + (m0 + m) * k + s * kStep<T>;
-      for (int j = 0; j < NB; ++j) acc[m][j] = madd<T>(acc[m][j], wv[j], xs);
+      const auto* xs = x + (m0 + m) * k + s * P::kStep;
+      for (int j = 0; j < NB; ++j) acc[m][j] = P::madd(acc[m][j], wv[j], xs);
     }
   }
   for (int j = 0; j < NB; ++j) {
     const int64_t col = (b0 + j) * kBlock;
     const int64_t valid = std::min<int64_t>(kBlock, n - col);
     const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-    const __m512 b = bias != nullptr ? load_bias(bias + col, mask) : _mm512_setzero_ps();
-    for (int m = 0; m < MT; ++m) store_row(y + (m0 + m) * n + col, _mm512_add_ps(acc[m][j], b), mask);
+    for (int m = 0; m < MT; ++m) out(m0 + m, col, acc[m][j], mask);
   }
 }
 
 // Every row tile over blocks [b0, b0 + NB).
-template <typename T, int NB>
-void rows_over_blocks(const T* x, int64_t rows, const T* w, const T* bias, T* y, int64_t n, int64_t k,
-                      int64_t b0) {
+template <typename W, int NB, typename Out>
+void rows_over_blocks(const typename Packed<W>::X* x, int64_t rows, const W* w, const Out& out, int64_t n,
+                      int64_t k, int64_t b0) {
   int64_t m = 0;
-  for (; m + 8 <= rows; m += 8) tile<T, 8, NB>(x, m, w, bias, y, n, k, b0);
+  for (; m + 8 <= rows; m += 8) tile<W, 8, NB>(x, m, w, out, n, k, b0);
   switch (rows - m) {
-    case 7: tile<T, 7, NB>(x, m, w, bias, y, n, k, b0); break;
-    case 6: tile<T, 6, NB>(x, m, w, bias, y, n, k, b0); break;
-    case 5: tile<T, 5, NB>(x, m, w, bias, y, n, k, b0); break;
-    case 4: tile<T, 4, NB>(x, m, w, bias, y, n, k, b0); break;
-    case 3: tile<T, 3, NB>(x, m, w, bias, y, n, k, b0); break;
-    case 2: tile<T, 2, NB>(x, m, w, bias, y, n, k, b0); break;
-    case 1: tile<T, 1, NB>(x, m, w, bias, y, n, k, b0); break;
+    case 7: tile<W, 7, NB>(x, m, w, out, n, k, b0); break;
+    case 6: tile<W, 6, NB>(x, m, w, out, n, k, b0); break;
+    case 5: tile<W, 5, NB>(x, m, w, out, n, k, b0); break;
+    case 4: tile<W, 4, NB>(x, m, w, out, n, k, b0); break;
+    case 3: tile<W, 3, NB>(x, m, w, out, n, k, b0); break;
+    case 2: tile<W, 2, NB>(x, m, w, out, n, k, b0); break;
+    case 1: tile<W, 1, NB>(x, m, w, out, n, k, b0); break;
     default: break;
   }
 }
 
-template <typename T>
-void small_gemm_kernel(const T* x, int64_t rows, const T* w, const T* bias, T* y, int64_t n, int64_t k) {
+template <typename W, typename Out>
+void small_gemm_kernel(const typename Packed<W>::X* x, int64_t rows, const W* w, const Out& out, int64_t n,
+                       int64_t k) {
   constexpr int64_t kGroup = 3;  // blocks per task: 3 x 8 accumulators + 3 weight vectors fit the registers
   const int64_t blocks = (n + kBlock - 1) / kBlock, groups = (blocks + kGroup - 1) / kGroup;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b0 = g * kGroup, nb = std::min(kGroup, blocks - b0);
-      if (nb == 3) rows_over_blocks<T, 3>(x, rows, w, bias, y, n, k, b0);
-      else if (nb == 2) rows_over_blocks<T, 2>(x, rows, w, bias, y, n, k, b0);
-      else rows_over_blocks<T, 1>(x, rows, w, bias, y, n, k, b0);
+      if (nb == 3) rows_over_blocks<W, 3>(x, rows, w, out, n, k, b0);
+      else if (nb == 2) rows_over_blocks<W, 2>(x, rows, w, out, n, k, b0);
+      else rows_over_blocks<W, 1>(x, rows, w, out, n, k, b0);
     }
   });
 }
+
+#if defined(__AVX512BF16__)
+// Row r of x [rows, k] -> q[r] = round(x / s) + 128 as bytes, s = max|x[r]| / 127 (1 for an all-zero row).
+template <typename T>
+void quantize_rows(const T* x, int64_t rows, int64_t k, uint8_t* q, float* scale) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * k;
+      __m512 amax = _mm512_setzero_ps();
+      int64_t i = 0;
+      for (; i + 16 <= k; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(ps::load16(xr + i)));
+      float m = _mm512_reduce_max_ps(amax);
+      for (; i < k; ++i) m = std::max(m, std::abs(ps::to_float(xr[i])));
+      scale[r] = m > 0.f ? m / 127.f : 1.f;
+      const __m512 inv = _mm512_set1_ps(m > 0.f ? 127.f / m : 0.f);
+      const __m512i shift = _mm512_set1_epi32(128);
+      uint8_t* qr = q + r * k;
+      for (i = 0; i + 16 <= k; i += 16) {
+        const __m512i v = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(ps::load16(xr + i), inv)), shift);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + i), _mm512_cvtusepi32_epi8(v));
+      }
+      for (; i < k; ++i)
+        qr[i] = static_cast<uint8_t>(std::nearbyint(ps::to_float(xr[i]) * (m > 0.f ? 127.f / m : 0.f)) + 128);
+    }
+  });
+}
+#endif
 #endif  // __AVX512F__
 
-// Which dtypes this build runs natively: float32 with AVX-512, bfloat16 with AVX512-BF16.
+// Which weight dtypes this build runs natively: float32 with AVX-512; bfloat16 and int8 with AVX512-BF16 (whose
+// build also targets AVX512-VNNI: every CPU with AVX512-BF16 has it).
 bool supports(at::ScalarType dtype) {
 #if defined(__AVX512BF16__)
-  return dtype == torch::kFloat || dtype == torch::kBFloat16;
+  return dtype == torch::kFloat || dtype == torch::kBFloat16 || dtype == torch::kChar;
 #elif defined(__AVX512F__)
   return dtype == torch::kFloat;
 #else
@@ -129,20 +215,21 @@ bool supports(at::ScalarType dtype) {
 #endif
 }
 
+int64_t k_step(at::ScalarType dtype) { return dtype == torch::kFloat ? 1 : dtype == torch::kBFloat16 ? 2 : 4; }
+
 }  // namespace
 
-// Whether small_gemm runs this dtype natively in this build and, given K (0: any), that K: bfloat16 packs K in pairs.
-bool native_small_gemm(at::ScalarType dtype, int64_t k) {
-  return supports(dtype) && (dtype == torch::kFloat || k % 2 == 0);
-}
+// Whether small_gemm runs this weight dtype natively in this build and, given K (0: any), that K: bfloat16 packs K
+// in pairs, int8 in quads.
+bool native_small_gemm(at::ScalarType dtype, int64_t k) { return supports(dtype) && k % k_step(dtype) == 0; }
 
-// [N, K] -> the packed blocks above (zero columns pad N to a multiple of 16). K must be even for bfloat16.
+// [N, K] -> the packed blocks above (zero columns pad N to a multiple of 16). K a multiple of the dtype's k step.
 torch::Tensor pack_small_gemm_weight(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && supports(weight.scalar_type()),
               "pack_small_gemm_weight: a 2-D weight of a dtype this build runs natively (native_small_gemm)");
-  const int64_t n = weight.size(0), k = weight.size(1);
-  TORCH_CHECK(native_small_gemm(weight.scalar_type(), k), "pack_small_gemm_weight: bfloat16 needs an even K, got ", k);
-  const int64_t step = weight.scalar_type() == torch::kFloat ? 1 : 2;
+  const int64_t n = weight.size(0), k = weight.size(1), step = k_step(weight.scalar_type());
+  TORCH_CHECK(native_small_gemm(weight.scalar_type(), k), "pack_small_gemm_weight: ", weight.scalar_type(),
+              " packs K in groups of ", step, ", got K = ", k);
   const int64_t blocks = (n + 15) / 16;
   auto padded = torch::zeros({blocks * 16, k}, weight.options());
   padded.narrow(0, 0, n).copy_(weight);
@@ -150,27 +237,65 @@ torch::Tensor pack_small_gemm_weight(torch::Tensor weight) {
   return padded.view({blocks, 16, k / step, step}).permute({0, 2, 1, 3}).contiguous();
 }
 
-torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == packed.scalar_type() && supports(x.scalar_type()),
-              "small_gemm: x [M, K] of the packed weight's dtype");
+namespace {
+void check_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                  const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && ps::is_act_dtype(x.scalar_type()), "small_gemm: x [M, K] in float32 or bfloat16");
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(1) * packed.size(3) == x.size(1) &&
                   packed.size(0) * 16 >= n && packed.size(0) * 16 < n + 16,
               "small_gemm: packed weight does not match x [M, K] and N");
+  if (bias.has_value() && bias->defined())
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == n, "small_gemm: bias [N] of x's dtype");
+}
+}  // namespace
+
+torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
+  check_packed(x, packed, n, bias);
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type() && supports(x.scalar_type()),
+              "small_gemm: x of the packed weight's dtype");
   const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias) TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == n, "small_gemm: bias [N]");
   auto y = torch::empty({x.size(0), n}, x.options());
 #if defined(__AVX512F__)
   auto xc = x.contiguous();
   auto bc = has_bias ? bias->contiguous() : torch::Tensor();
   const auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    small_gemm_kernel<T>(ps::ptr<T>(xc), xc.size(0), ps::ptr<T>(packed), has_bias ? ps::ptr<T>(bc) : nullptr,
-                         ps::ptr<T>(y), n, xc.size(1));
+    const FloatOut<T> out{ps::ptr<T>(y), has_bias ? ps::ptr<T>(bc) : nullptr, n};
+    small_gemm_kernel<T>(ps::ptr<T>(xc), xc.size(0), ps::ptr<T>(packed), out, n, xc.size(1));
   };
   if (x.scalar_type() == torch::kFloat) run(static_cast<float*>(nullptr));
 #if defined(__AVX512BF16__)
   else run(static_cast<bf16*>(nullptr));  // supports() let only float32 and bfloat16 through
 #endif
+#endif
+  return y;
+}
+
+// x [M, K] (float32 or bfloat16) times an int8 weight packed by pack_small_gemm_weight, with its per-column scales
+// (float32 [N]) and shifts (int32 [N]: 128 * the column's weight sum); y in x's dtype.
+torch::Tensor small_gemm_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor col_scale, torch::Tensor col_shift,
+                              int64_t n, c10::optional<torch::Tensor> bias) {
+  check_packed(x, packed, n, bias);
+  TORCH_CHECK(packed.scalar_type() == torch::kChar && supports(torch::kChar), "small_gemm_int8: an int8 packed weight "
+              "in a build that runs it (native_small_gemm)");
+  TORCH_CHECK(col_scale.scalar_type() == torch::kFloat && col_scale.numel() == n && col_scale.is_contiguous() &&
+                  col_shift.scalar_type() == torch::kInt && col_shift.numel() == n && col_shift.is_contiguous(),
+              "small_gemm_int8: column scales float32 [N] and shifts int32 [N]");
+  const bool has_bias = bias.has_value() && bias->defined();
+  auto y = torch::empty({x.size(0), n}, x.options());
+#if defined(__AVX512BF16__)
+  auto xc = x.contiguous();
+  auto bc = has_bias ? bias->contiguous() : torch::Tensor();
+  const int64_t rows = xc.size(0), k = xc.size(1);
+  std::vector<uint8_t> xq(rows * k);
+  std::vector<float> row_scale(rows);
+  ps::with_act_type(x.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    quantize_rows(ps::ptr<T>(xc), rows, k, xq.data(), row_scale.data());
+    const Int8Out<T> out{ps::ptr<T>(y), has_bias ? ps::ptr<T>(bc) : nullptr, n, row_scale.data(),
+                         ps::ptr<float>(col_scale), ps::ptr<int32_t>(col_shift)};
+    small_gemm_kernel<int8_t>(xq.data(), rows, ps::ptr<int8_t>(packed), out, n, k);
+  });
 #endif
   return y;
 }
