@@ -1,11 +1,16 @@
-"""The decoder's GEMMs at decode row counts: pre-packed oneDNN vs the native packed small GEMM, side by side.
+"""The decoder's GEMMs at decode row counts: the library kernel vs the native packed small GEMM, side by side.
 
     python benchmarks/gemm_ab.py --shape smollm2-135m --dtype bfloat16 --rows 1,2,4,8,16,32,64 --threads 2
+    python benchmarks/gemm_ab.py --shape smollm2-135m --dtype int8 --rows 1,8,16,32,64,128 --threads 2
+
+float32 / bfloat16: pre-packed oneDNN vs `small_gemm`. int8 (weight-only int8, `--quantization int8`): fbgemm's
+dynamic int8 product (`quantized.linear_dynamic`, activations quantized per tensor) vs `small_gemm_int8` (VNNI,
+activations quantized per row), both on float32 activations as the int8 engine runs them.
 
 Every layer gets its own random weights (as in a model: each product streams its weight from memory, none is
 still in cache from the call before), one set per backend; per row count the backends alternate over
 `--rounds` rounds, each timing all the layers' products once (qkv, o, gate_up, down). Reports ms per pass over
-the layers (median over rounds) and oneDNN / native.
+the layers (median over rounds) and library / native.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import torch
 
 from pagedserve.benchmarks.shapes import SHAPES
 from pagedserve.model_executor.kernels import cpu_kernels
+from pagedserve.model_executor.layers import Linear
 
 
 def layer_matrices(shape) -> list[tuple[int, int]]:
@@ -29,7 +35,7 @@ def layer_matrices(shape) -> list[tuple[int, int]]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "int8"])
     p.add_argument("--rows", default="1,2,4,8,16,32,64")
     p.add_argument("--layers", type=int, default=None, help="default: the shape's layer count")
     p.add_argument("--rounds", type=int, default=5)
@@ -43,35 +49,55 @@ def main(argv=None) -> int:
     shape = SHAPES[args.shape]
     mats = layer_matrices(shape)
     layers = args.layers or shape.num_layers
-    weights = [[torch.randn(n, k).to(dtype) for k, n in mats] for _ in range(layers)]
-    onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in layer] for layer in weights]
-    native = [[ops.pack_small_gemm_weight(w) for w in layer] for layer in weights]
-    del weights
+    library, native = [], []
+    for _ in range(layers):
+        lib_layer, native_layer = [], []
+        for k, n in mats:
+            w = torch.randn(n, k)
+            if dtype == torch.int8:
+                linear = Linear(k, n)
+                linear.weight.data.copy_(w)
+                linear.set_backend("int8")
+                lib_layer.append(linear._packed)
+                native_layer.append((linear._small_packed, linear._int8_scale, linear._int8_shift))
+            else:
+                w = w.to(dtype)
+                lib_layer.append(torch.ops.mkldnn._reorder_linear_weight(w, None))
+                native_layer.append(ops.pack_small_gemm_weight(w))
+        library.append(lib_layer)
+        native.append(native_layer)
+    lib_name = "fbgemm" if dtype == torch.int8 else "oneDNN"
     print(f"{args.shape}, {args.dtype}, {layers} layers x {len(mats)} products, {args.threads} threads, "
           f"native build {ops.isa()}")
-    print("| rows | oneDNN ms | native ms | oneDNN / native |")
+    print(f"| rows | {lib_name} ms | native ms | {lib_name} / native |")
     print("|---:|---:|---:|---:|")
     for rows in (int(r) for r in args.rows.split(",")):
-        xs = [torch.randn(rows, k).to(dtype) for k, _ in mats]
+        xs = [torch.randn(rows, k).to(torch.float32 if dtype == torch.int8 else dtype) for k, _ in mats]
 
-        def run_onednn():
-            for layer in onednn:
+        def run_library():
+            for layer in library:
                 for x, w in zip(xs, layer):
-                    torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                    if dtype == torch.int8:
+                        torch.ops.quantized.linear_dynamic(x, w, True)
+                    else:
+                        torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
         def run_native():
             for layer in native:
                 for x, w, (_, n) in zip(xs, layer, mats):
-                    ops.small_gemm(x, w, n, None)
+                    if dtype == torch.int8:
+                        ops.small_gemm_int8(x, *w, n, None)
+                    else:
+                        ops.small_gemm(x, w, n, None)
 
-        times: dict[str, list[float]] = {"onednn": [], "native": []}
-        run_onednn(), run_native()  # warm-up
+        times: dict[str, list[float]] = {"library": [], "native": []}
+        run_library(), run_native()  # warm-up
         for _ in range(args.rounds):
-            for name, fn in (("onednn", run_onednn), ("native", run_native)):
+            for name, fn in (("library", run_library), ("native", run_native)):
                 t0 = time.perf_counter()
                 fn()
                 times[name].append((time.perf_counter() - t0) * 1e3)
-        a, b = statistics.median(times["onednn"]), statistics.median(times["native"])
+        a, b = statistics.median(times["library"]), statistics.median(times["native"])
         print(f"| {rows} | {a:.2f} | {b:.2f} | {a / b:.2f}x |", flush=True)
     return 0
 

@@ -64,8 +64,9 @@ ONEDNN_MIN_ROWS = 2
 # from 1 to 32 rows in float32 and bfloat16, level with it (within 5%) from 64 to 2048 rows.
 NATIVE_GEMM_MAX_ROWS = 128
 # The same for int8 weights (the kernel's VPDPBUSD path) against fbgemm's dynamic int8: measured on AMD Zen 4
-# (BENCHMARKS.md section 6, "int8"), the native kernel 1.6-1.8x faster at 1-8 rows, level at 32, behind from 64.
-NATIVE_INT8_MAX_ROWS = 32
+# (BENCHMARKS.md section 6, "int8 weights on VNNI"), the native kernel 1.2-1.5x faster at 1-8 rows, level at 16
+# (SmolLM2 1.06x, Qwen3 0.96x), behind from 32 rows (0.73-0.91x), where fbgemm's kernels reach more of the VNNI peak.
+NATIVE_INT8_MAX_ROWS = 16
 
 
 class Linear(nn.Module):
