@@ -178,11 +178,28 @@ class ChunkWalker {
 inline __m512 softmax_update(__m512 sc, __mmask16 valid, float scale, float& m, float& l, float& alpha) {
   sc = _mm512_mask_mov_ps(_mm512_set1_ps(kNoScore), valid, _mm512_mul_ps(sc, _mm512_set1_ps(scale)));
   const float m_new = std::max(m, _mm512_reduce_max_ps(sc));
-  alpha = std::exp(m - m_new);
+  alpha = m_new == m ? 1.f : std::exp(m - m_new);  // the max moves rarely after the first chunks
   const __m512 pv = _mm512_maskz_mov_ps(valid, ps::exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
   l = l * alpha + _mm512_reduce_add_ps(pv);
   m = m_new;
   return pv;
+}
+
+// softmax_update over two chunks at once (their raw scores a and b, lanes outside va / vb ignored): one running
+// max, one rescale, one sum for 32 keys, so the serial part (max reduction, scalar exp, sum) is paid once per 32.
+// The chunks' exp(score - m_new) come back in a and b.
+inline void softmax_update2(__m512& a, __mmask16 va, __m512& b, __mmask16 vb, float scale, float& m, float& l,
+                            float& alpha) {
+  const __m512 none = _mm512_set1_ps(kNoScore), sv = _mm512_set1_ps(scale);
+  a = _mm512_mask_mov_ps(none, va, _mm512_mul_ps(a, sv));
+  b = _mm512_mask_mov_ps(none, vb, _mm512_mul_ps(b, sv));
+  const float m_new = std::max(m, _mm512_reduce_max_ps(_mm512_max_ps(a, b)));
+  alpha = m_new == m ? 1.f : std::exp(m - m_new);
+  const __m512 mv = _mm512_set1_ps(m_new);
+  a = _mm512_maskz_mov_ps(va, ps::exp16(_mm512_sub_ps(a, mv)));
+  b = _mm512_maskz_mov_ps(vb, ps::exp16(_mm512_sub_ps(b, mv)));
+  l = l * alpha + _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+  m = m_new;
 }
 
 // One query head (q: its d values in the model dtype, qf: the same in float32) over the first n keys of a chunk,
@@ -261,8 +278,8 @@ inline void interleave_value_pairs(const bf16* const* v_rows, int64_t offset, in
 
 // For NR rows r: acc[r] = alpha[r] acc[r] + sum over token pairs j of p_r[2j] v[2j] + p_r[2j+1] v[2j+1] (pp[r][j]:
 // that pair in bfloat16), in the permuted lane order. Each interleaved value vector serves all NR rows.
-template <int NR>
-inline void accumulate_pairs(float* const* acc, const float* alpha, const uint32_t (*pp)[kPairs], const __m512i* vp,
+template <int NR, int P = kPairs>
+inline void accumulate_pairs(float* const* acc, const float* alpha, const uint32_t (*pp)[P], const __m512i* vp,
                              int64_t d, int64_t pairs) {
   const int64_t blocks = d / 32;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -297,35 +314,52 @@ inline void unpermute_values(float* a, int64_t d) {
   }
 }
 
-// `attend` on the bfloat16 path with G query heads per KV head: chunks of 16 tokens with an online softmax, as
-// attend_avx512, but per KV head: its G query heads are scored (one reduction tree each), then its values are
-// interleaved once per chunk and summed for all G heads together - no value widened to float32 or read twice.
+// `attend` on the bfloat16 path with G query heads per KV head: the tokens in steps of two 16-token chunks with an
+// online softmax (one update per 32 keys: softmax_update2), per KV head: its G query heads are scored (one
+// reduction tree per chunk), then its values are interleaved once per step and summed for all G heads together -
+// no value widened to float32 or read twice.
 template <int G>
 void attend_bf16_grouped(const bf16* q, float scale, const bf16* k_cache, const bf16* v_cache, const int64_t* table,
                          int64_t t0, int64_t t1, const Shape& s, float* acc, float* m, float* l) {
-  const int64_t heads = s.num_heads, d = s.head_dim, row = s.num_kv_heads * d;
+  const int64_t heads = s.num_heads, d = s.head_dim, row = s.num_kv_heads * d, blocks = d / 32;
   std::fill(acc, acc + heads * d, 0.f);
   std::fill(l, l + heads, 0.f);
   std::fill(m, m + heads, kNoScore);
-  __m512i vp[kPairs * 2 * (kMaxDim / 32)];
-  alignas(64) uint32_t pp[G][kPairs];
+  __m512i vp[2 * kPairs * 2 * (kMaxDim / 32)];
+  alignas(64) uint32_t pp[G][2 * kPairs];
   float alpha[G];
   float* rows[G];
+  const bf16* first_keys[kChunk];
+  const bf16* first_values[kChunk];
   for (ChunkWalker<bf16> w(k_cache, v_cache, table, s.block_size, row, t0, t1, 0, row); !w.done(); w.advance()) {
+    // The step's first chunk (full whenever a second one follows: only a range's last chunk is short) ...
     w.prefetch_next();
-    const int64_t n = w.size(), pairs = (n + 1) / 2;  // an odd n pairs the last token with a masked (p = 0) lane
-    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    const int64_t n0 = w.size();
+    std::copy(w.keys(), w.keys() + kChunk, first_keys);
+    std::copy(w.values(), w.values() + kChunk, first_values);
+    // ... and its second, if any (its slot's prefetch then fetches the chunk after it).
+    w.advance();
+    const bool two = !w.done();
+    if (two) w.prefetch_next();
+    const int64_t n1 = two ? w.size() : 0;
+    const __mmask16 valid0 = static_cast<__mmask16>((1u << n0) - 1), valid1 = static_cast<__mmask16>((1u << n1) - 1);
+    // an odd count pairs the last token with a masked (p = 0) lane
+    const int64_t pairs0 = (n0 + 1) / 2, pairs = two ? kPairs + (n1 + 1) / 2 : pairs0;
     for (int64_t kv = 0; kv < s.num_kv_heads; ++kv) {
       for (int g = 0; g < G; ++g) {
         const int64_t h = kv * G + g;
-        const __m512 pv = softmax_update(score_chunk_bf16(q + h * d, w.keys(), kv * d, d), valid, scale, m[h], l[h],
-                                         alpha[g]);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g]), (__m256i)_mm512_cvtneps_pbh(pv));
+        __m512 sc0 = score_chunk_bf16(q + h * d, first_keys, kv * d, d);
+        __m512 sc1 = two ? score_chunk_bf16(q + h * d, w.keys(), kv * d, d) : _mm512_setzero_ps();
+        softmax_update2(sc0, valid0, sc1, valid1, scale, m[h], l[h], alpha[g]);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g]), (__m256i)_mm512_cvtneps_pbh(sc0));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g] + kPairs), (__m256i)_mm512_cvtneps_pbh(sc1));
         rows[g] = acc + h * d;
       }
-      interleave_value_pairs(w.values(), kv * d, d, pairs, vp);
-      accumulate_pairs<G>(rows, alpha, pp, vp, d, pairs);
+      interleave_value_pairs(first_values, kv * d, d, pairs0, vp);
+      if (two) interleave_value_pairs(w.values(), kv * d, d, pairs - kPairs, vp + kPairs * blocks * 2);
+      accumulate_pairs<G, 2 * kPairs>(rows, alpha, pp, vp, d, pairs);
     }
+    if (!two) break;
   }
   for (int64_t h = 0; h < heads; ++h) unpermute_values(acc + h * d, d);
 }
