@@ -27,6 +27,10 @@ set would turn every later run's prefills into prefix-cache hits); the largest C
               script turns them into the `bench serve` result JSON with the same code (pagedserve/benchmarks/
               metrics.py).  The IR is exported once per weight format with `optimum-cli export openvino`
               (cached in --ov-cache-dir).
+  pagedserve  (engine "pagedserve-engine", like for like with OpenVINO's driver) benchmarks/peers/
+  engine      pagedserve_engine_driver.py: pagedserve's LLMEngine in-process, the same closed loop and output
+              format as the OpenVINO driver, with the `pagedserve serve` engine flags of the group. No HTTP, SSE or
+              benchmark client on the 2 cores: the engine alone, as OpenVINO is measured.
 
 Precision groups (pagedserve flag / vLLM flag / OpenVINO setting):
 
@@ -62,12 +66,15 @@ for p in (REPO, HERE):
 
 import side_by_side as sbs  # (Server, free_port, pagedserve_cmd, subprocess_env, dataset_flags, ...)
 
-ENGINES = ("pagedserve", "vllm", "openvino")
-LABELS = {"pagedserve": "pagedserve", "vllm": "vLLM CPU", "openvino": "OpenVINO GenAI CB"}
+ENGINES = ("pagedserve", "pagedserve-engine", "vllm", "openvino")
+OURS = ("pagedserve", "pagedserve-engine")
+LABELS = {"pagedserve": "pagedserve", "pagedserve-engine": "pagedserve engine (in-process)", "vllm": "vLLM CPU",
+          "openvino": "OpenVINO GenAI CB"}
 PRECISIONS = ("fp32", "bf16", "int8")
 KV_BYTES = {"fp32": 4, "bf16": 2, "int8": 4}  # KV element size per group (int8 = int8 weights, fp32 KV)
 VLLM_WRAPPER = os.path.join(HERE, "peers", "vllm_cpu_cli.py")
 OV_DRIVER = os.path.join(HERE, "peers", "openvino_cb_driver.py")
+ENGINE_DRIVER = os.path.join(HERE, "peers", "pagedserve_engine_driver.py")
 DEFAULT_VLLM_VENV = "/work/peers/vllm"
 DEFAULT_OV_VENV = "/work/peers/openvino"
 
@@ -238,7 +245,7 @@ def pagedserve_version() -> str:
 
 def engine_flags(engine: str, precision: str, args) -> tuple[list[str] | dict | None, str]:
     """(flags for the engine in this precision group, or None if the engine has no such group; a note)."""
-    if engine == "pagedserve":
+    if engine in OURS:
         return {"fp32": (["--dtype", "float32"], "--dtype float32"),
                 "bf16": (["--dtype", "bfloat16"], "--dtype bfloat16 (KV bf16)"),
                 "int8": (["--dtype", "float32", "--quantization", "int8"],
@@ -324,16 +331,20 @@ def kv_blocks_for(workloads: dict) -> int:
     return max(kv_blocks_needed(samples, c) for c, samples in workloads.items())
 
 
+def pagedserve_engine_flags(args, blocks: int) -> list[str]:
+    """The engine flags every pagedserve run gets, through the server or in-process (the group's come after)."""
+    return ["--device", "cpu", "--num-threads", str(args.threads), "--max-model-len", str(args.max_model_len),
+            "--max-num-seqs", str(max(args.concurrencies)), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--enable-chunked-prefill", "--enable-prefix-caching", "--num-kv-blocks", str(blocks)]
+
+
 def run_pagedserve(args, precision: str, workloads: dict, out_dir: str, rows: list, skipped: dict) -> None:
     flags, note = engine_flags("pagedserve", precision, args)
-    cmax = max(args.concurrencies)
     blocks = kv_blocks_for(workloads)
     port = sbs.free_port()
     name = f"pagedserve-{os.path.basename(os.path.normpath(args.model))}-{precision}"
-    cmd = sbs.pagedserve_cmd("serve", args.model, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
-                             "--num-threads", str(args.threads), "--max-model-len", str(args.max_model_len),
-                             "--max-num-seqs", str(cmax), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                             "--enable-chunked-prefill", "--enable-prefix-caching", "--num-kv-blocks", str(blocks),
+    cmd = sbs.pagedserve_cmd("serve", args.model, "--host", "127.0.0.1", "--port", str(port),
+                             *pagedserve_engine_flags(args, blocks),
                              "--served-model-name", name, "--disable-log-stats", "--disable-uvicorn-access-log",
                              "--uvicorn-log-level", "warning", *flags, *args.serve_args.split())
     srv = sbs.Server(f"pagedserve {precision}", cmd, port, os.path.join(out_dir, f"pagedserve-{precision}-server.log"),
@@ -433,13 +444,16 @@ def outcomes_from_driver(recs: list[dict]):
             for r in recs]
 
 
-def result_from_driver(run: dict, conc: int, label: str) -> dict:
+BACKENDS = {"openvino": "openvino-genai-cb (in-process)", "pagedserve-engine": "pagedserve LLMEngine (in-process)"}
+
+
+def result_from_driver(run: dict, conc: int, label: str, backend: str = BACKENDS["openvino"]) -> dict:
     """The driver's per-request timings -> the `bench serve --save-result` JSON (same metrics code)."""
     from pagedserve.benchmarks.metrics import calculate_metrics, result_dict
 
     outcomes = outcomes_from_driver(run["requests"])
     m = calculate_metrics(outcomes, run["duration"], (50, 99))
-    res = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openvino-genai-cb (in-process)",
+    res = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": backend,
            "label": label, "num_prompts": len(outcomes), "request_rate": "inf", "max_concurrency": conc,
            "ignore_eos": True}
     res.update(result_dict(m, outcomes))
@@ -476,24 +490,57 @@ def run_openvino(args, precision: str, workloads: dict, out_dir: str, rows: list
         log(f"SKIP OpenVINO {precision}: {msg}")
         skipped[f"OpenVINO {precision}"] = msg.splitlines()[0]
         return
+    rows_from_driver("openvino", precision, raw_path, r.returncode, args, out_dir, workloads, rows, skipped,
+                     f"{note}; num_kv_blocks {blocks}", {"openvino_properties": cfg["properties"]})
+
+
+def rows_from_driver(engine: str, precision: str, raw_path: str, returncode: int, args, out_dir: str,
+                     workloads: dict, rows: list, skipped: dict, note: str, extra: dict) -> None:
+    """An in-process driver's OUT.json (peers/*_driver.py) -> result JSONs and rows, one per C."""
     with open(raw_path) as f:
         raw = json.load(f)
-    if r.returncode != 0:
-        skipped[f"OpenVINO {precision} (partial)"] = f"driver exit {r.returncode}"
+    if returncode != 0:
+        skipped[f"{LABELS[engine]} {precision} (partial)"] = f"driver exit {returncode}"
     for c in args.concurrencies:
         run = raw["runs"].get(str(c))
         if run is None:
-            skipped[f"OpenVINO {precision} C={c}"] = "no result (driver stopped)"
+            skipped[f"{LABELS[engine]} {precision} C={c}"] = "no result (driver stopped)"
             continue
-        res = result_from_driver(run, c, f"openvino-{precision}")
-        res["openvino_properties"] = cfg["properties"]
-        res["openvino_versions"] = raw.get("versions")
-        with open(os.path.join(out_dir, result_name("openvino", precision, c)), "w") as f:
+        res = result_from_driver(run, c, f"{engine}-{precision}", BACKENDS[engine])
+        res.update(extra, driver_versions=raw.get("versions"))
+        with open(os.path.join(out_dir, result_name(engine, precision, c)), "w") as f:
             json.dump(res, f)
-        rows.append(make_row("openvino", precision, c, res, workloads[c], notes=f"{note}; num_kv_blocks {blocks}"))
+        rows.append(make_row(engine, precision, c, res, workloads[c], notes=note))
 
 
-RUNNERS = {"pagedserve": run_pagedserve, "vllm": run_vllm, "openvino": run_openvino}
+def run_pagedserve_engine(args, precision: str, workloads: dict, out_dir: str, rows: list, skipped: dict) -> None:
+    """pagedserve's engine alone, in-process (peers/pagedserve_engine_driver.py), with the server's engine flags."""
+    flags, note = engine_flags("pagedserve-engine", precision, args)
+    cmax = max(args.concurrencies)
+    blocks = kv_blocks_for(workloads)
+    spec = {"model": args.model, "warmup": True, "concurrencies": args.concurrencies,
+            "engine_flags": pagedserve_engine_flags(args, blocks) + flags + args.serve_args.split(),
+            "requests": samples_for_driver(workloads[cmax]),
+            "requests_by_concurrency": {str(c): samples_for_driver(w) for c, w in workloads.items() if c != cmax}}
+    spec_path = os.path.join(out_dir, f"pagedserve-engine-{precision}-spec.json")
+    raw_path = os.path.join(out_dir, f"pagedserve-engine-{precision}-raw.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    cmd = [sys.executable, ENGINE_DRIVER, spec_path, raw_path]
+    log(f"[{LABELS['pagedserve-engine']} {precision}] {' '.join(cmd)}  ({note})")
+    with open(os.path.join(out_dir, f"pagedserve-engine-{precision}-driver.log"), "w") as f:
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=sbs.subprocess_env())
+    if not os.path.isfile(raw_path):
+        msg = f"driver failed (exit {r.returncode}); last lines:\n" + sbs.tail(f.name)
+        log(f"SKIP {LABELS['pagedserve-engine']} {precision}: {msg}")
+        skipped[f"{LABELS['pagedserve-engine']} {precision}"] = msg.splitlines()[0]
+        return
+    rows_from_driver("pagedserve-engine", precision, raw_path, r.returncode, args, out_dir, workloads, rows, skipped,
+                     f"{note}; --num-kv-blocks {blocks} (block 16); in-process, no HTTP", {})
+
+
+RUNNERS = {"pagedserve": run_pagedserve, "pagedserve-engine": run_pagedserve_engine, "vllm": run_vllm,
+           "openvino": run_openvino}
 
 
 def collect_results(args, workloads: dict, out_dir: str, rows: list, skipped: dict) -> None:
@@ -515,17 +562,21 @@ def collect_results(args, workloads: dict, out_dir: str, rows: list, skipped: di
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """pagedserve vs every peer in the same precision group and C; > 1 = pagedserve better."""
+    """pagedserve (through its server; and its engine alone, when run) vs every peer in the same precision group and
+    C; > 1 = pagedserve better."""
     def div(a, b):
         return a / b if a is not None and b else float("nan")
 
     out = []
-    ps = {(r["precision"], r["concurrency"]): r for r in rows if r["engine"] == "pagedserve"}
-    for (prec, c), p in sorted(ps.items(), key=lambda kv: (precision_order(kv[0][0]), kv[0][1])):
+    ours = sorted((r for r in rows if r["engine"] in OURS),
+                  key=lambda r: (precision_order(r["precision"]), r["concurrency"], ENGINES.index(r["engine"])))
+    for p in ours:
+        prec, c = p["precision"], p["concurrency"]
         for o in rows:
-            if o["engine"] == "pagedserve" or o["precision"] != prec or o["concurrency"] != c:
+            if o["engine"] in OURS or o["precision"] != prec or o["concurrency"] != c:
                 continue
-            out.append({"precision": prec, "concurrency": c, "vs": o["label"], "vs_engine": o["engine"],
+            out.append({"precision": prec, "concurrency": c, "ours": p["label"], "ours_engine": p["engine"],
+                        "vs": o["label"], "vs_engine": o["engine"],
                         "output_tok_s": div(p["output_tok_s"], o["output_tok_s"]),
                         "ttft_p50": div(o["ttft_p50_ms"], p["ttft_p50_ms"]),
                         "ttft_p99": div(o["ttft_p99_ms"], p["ttft_p99_ms"]),
@@ -555,10 +606,10 @@ def format_report(meta: dict, rows: list[dict], rats: list[dict], skipped: dict)
     if rats:
         L += ["", "Ratios, pagedserve vs the peer in the same precision group and C (> 1 = pagedserve better: its "
                   "throughput / theirs, their latency / its latency):", "",
-              "| precision | C | vs | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |",
-              "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+              "| precision | C | pagedserve | vs | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |",
+              "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
         for q in rats:
-            L.append(f"| {q['precision']} | {q['concurrency']} | {q['vs']} | {q['output_tok_s']:.2f}x | "
+            L.append(f"| {q['precision']} | {q['concurrency']} | {q['ours']} | {q['vs']} | {q['output_tok_s']:.2f}x | "
                      f"{q['ttft_p50']:.2f}x | {q['ttft_p99']:.2f}x | {q['itl_p50']:.2f}x | {q['itl_p99']:.2f}x |")
     notes = {}
     for r in sort_rows(rows):

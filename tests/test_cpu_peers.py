@@ -35,7 +35,8 @@ def tiny(tmp_path_factory):
 def test_parse_args(cp):
     a = cp.parse_args(["--model", "m"])
     assert a.concurrencies == [1, 16, 32] and a.precision_list == ["fp32", "bf16", "int8"]
-    assert a.engine_list == ["pagedserve", "vllm", "openvino"] and a.dataset == "mixed" and a.threads == 2
+    assert a.engine_list == ["pagedserve", "pagedserve-engine", "vllm", "openvino"]
+    assert a.dataset == "mixed" and a.threads == 2
     a = cp.parse_args(["--model", "m", "--concurrency", "32,1,32", "--precisions", "bf16", "--engines", "openvino"])
     assert a.concurrencies == [1, 32] and a.precision_list == ["bf16"] and a.engine_list == ["openvino"]
     for bad in (["--engines", "tgi"], ["--precisions", "fp8"], ["--concurrency", "0"]):
@@ -112,10 +113,15 @@ def test_driver_timings_to_result_rows_and_tables(cp):
     vl = cp.make_row("vllm", "fp32", 1, short, samples)
     assert not vl["exact_lengths"]
     other = cp.make_row("pagedserve", "bf16", 1, ps_res, samples)
-    rats = cp.ratios([ov, ps, vl, other])
-    assert {(q["precision"], q["vs_engine"]) for q in rats} == {("fp32", "openvino"), ("fp32", "vllm")}
-    q = next(q for q in rats if q["vs_engine"] == "openvino")
+    alone = cp.make_row("pagedserve-engine", "fp32", 1, dict(ps_res, duration=0.5), samples)
+    rats = cp.ratios([ov, ps, vl, other, alone])
+    assert {(q["precision"], q["ours_engine"], q["vs_engine"]) for q in rats} == {
+        ("fp32", "pagedserve", "openvino"), ("fp32", "pagedserve", "vllm"), ("fp32", "pagedserve-engine", "openvino"),
+        ("fp32", "pagedserve-engine", "vllm")}  # ours against the peers only, never against each other
+    q = next(q for q in rats if q["vs_engine"] == "openvino" and q["ours_engine"] == "pagedserve")
     assert math.isclose(q["output_tok_s"], 2.0) and math.isclose(q["ttft_p50"], 2.0)
+    q = next(q for q in rats if q["vs_engine"] == "openvino" and q["ours_engine"] == "pagedserve-engine")
+    assert math.isclose(q["output_tok_s"], 4.0)
 
     meta = {"model": "m", "threads": 2, "dataset": "mixed", "workload": "2 requests", "seed": 0, "date": "d",
             "versions": {"pagedserve": "x", "OpenVINO GenAI CB": "openvino 1"}}
@@ -123,7 +129,7 @@ def test_driver_timings_to_result_rows_and_tables(cp):
     assert "| fp32 | 1 | pagedserve | 2/0 | yes | 5.0 |" in md
     assert "| fp32 | 1 | OpenVINO GenAI CB | 2/0 | yes | 2.5 |" in md
     assert "| fp32 | 1 | vLLM CPU |" in md and "| NO |" in md
-    assert "| fp32 | 1 | OpenVINO GenAI CB | 2.00x | 2.00x |" in md
+    assert "| fp32 | 1 | pagedserve | OpenVINO GenAI CB | 2.00x | 2.00x |" in md
     assert "Skipped: vLLM CPU int8: no int8" in md and "openvino 1" in md
     lines = md.splitlines()
     assert lines.index(next(x for x in lines if x.startswith("| fp32 | 1 | pagedserve"))) < \
@@ -196,3 +202,22 @@ def test_report_only_rebuilds_tables(cp, tiny, tmp_path):
     cp.collect_results(a, w, str(tmp_path), rows, skipped)
     assert [(r["engine"], r["exact_lengths"]) for r in rows] == [("openvino", True)]
     assert list(skipped) == ["pagedserve fp32 C=2"]
+
+
+def test_engine_driver_runs_the_closed_loop_in_process(cp, tiny, tmp_path):
+    """peers/pagedserve_engine_driver.py on a tiny model: the real engine, C requests in flight, every request its
+    exact output length, per-token timings in the OpenVINO driver's format (so the same rows and ratios follow)."""
+    a = cp.parse_args(["--model", tiny, "--num-prompts", "5", "--concurrency", "1,2", "--precisions", "fp32",
+                       "--engines", "pagedserve-engine", "--dataset", "random", "--random-input-len", "12",
+                       "--random-output-len", "6", "--random-range-ratio", "0.5", "--max-model-len", "64",
+                       "--output-dir", str(tmp_path)])
+    w, _ = cp.build_workloads(a)
+    rows, skipped = [], {}
+    cp.run_pagedserve_engine(a, "fp32", w, str(tmp_path), rows, skipped)
+    assert not skipped and [(r["engine"], r["concurrency"]) for r in rows] == [("pagedserve-engine", 1),
+                                                                               ("pagedserve-engine", 2)]
+    for r in rows:
+        assert r["completed"] == 5 and r["failed"] == 0 and r["exact_lengths"], r
+        assert r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] > 0
+    spec = json.loads((tmp_path / "pagedserve-engine-fp32-spec.json").read_text())
+    assert "--num-kv-blocks" in spec["engine_flags"] and spec["engine_flags"][-2:] == ["--dtype", "float32"]

@@ -9,7 +9,7 @@ import sys
 # loop, the detokenizer or other processes, libgomp's default spin made 2-thread steps 2.4-5.8x slower than a
 # short spin, and with free cores the two measured equal (BENCHMARKS.md section 7). Read when torch loads, so it
 # is set before any command imports it; a value the user set wins.
-_GOMP_SPINCOUNT = "10000"
+DEFAULT_GOMP_SPINCOUNT = "10000"
 
 
 def _add_generate_parser(subparsers) -> None:
@@ -45,7 +45,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("GOMP_SPINCOUNT", _GOMP_SPINCOUNT)
+    os.environ.setdefault("GOMP_SPINCOUNT", DEFAULT_GOMP_SPINCOUNT)
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(subparsers)

@@ -1,0 +1,119 @@
+"""Closed-loop driver for pagedserve's engine in-process: the like-for-like row next to OpenVINO GenAI's driver.
+
+OpenVINO GenAI has no HTTP server, so benchmarks/cpu_peers.py measures it in-process (peers/openvino_cb_driver.py):
+no HTTP, no SSE, no benchmark client sharing the cores. pagedserve is measured through `pagedserve serve` and
+`bench serve`, which on a 2-core machine also pay for the server's HTTP/SSE work and the client's. This driver runs
+pagedserve's `LLMEngine` the way the OpenVINO driver runs its pipeline - keep C requests in flight, `step()`, count
+each request's new tokens after every step (one "chunk"), add the next request as soon as one finishes - and writes
+the same OUT.json, so the two engines compare without either serving path. (Unlike the OpenVINO driver, the engine
+still detokenizes every new token: its output processor does that as part of a step.)
+
+    python benchmarks/peers/pagedserve_engine_driver.py SPEC.json OUT.json
+
+SPEC.json: {"engine_flags": [the `pagedserve serve` engine flags, e.g. "--dtype", "bfloat16"], "model": path,
+            "requests": [{"prompt": [ids], "output_len": n}, ...], "concurrencies": [C, ...],
+            "requests_by_concurrency": {"C": [...]} (optional), "warmup": bool (default true)}
+OUT.json:  as peers/openvino_cb_driver.py ({"versions", "runs": {"C": {"duration", "requests": [...]}}}).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import deque
+
+
+def log(msg: str) -> None:
+    print(f"[pagedserve engine driver] {msg}", flush=True)
+
+
+def build_engine(model: str, flags: list[str]):
+    from pagedserve.config import EngineArgs
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    EngineArgs.add_cli_args(p)
+    return LLMEngine.from_engine_args(EngineArgs.from_cli_args(p.parse_args([model, *flags])))
+
+
+def run_closed_loop(engine, requests: list[dict], conc: int, id_base: int) -> dict:
+    from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+
+    pending = deque(range(len(requests)))
+    active: dict[str, dict] = {}
+    recs: list[dict | None] = [None] * len(requests)
+
+    def submit() -> None:
+        i = pending.popleft()
+        r = requests[i]
+        n = int(r["output_len"])
+        params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
+        t = time.perf_counter()
+        engine.add_request(str(id_base + i), list(r["prompt"]), params)
+        active[str(id_base + i)] = {"i": i, "start": t, "last": t, "chunks": 0, "tokens": 0, "ttft": 0.0, "itl": []}
+
+    t0 = time.perf_counter()
+    while pending or active:
+        while pending and len(active) < conc:
+            submit()
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            a = active.get(out.request_id)
+            if a is None:
+                continue
+            new = len(out.outputs[0].token_ids) if out.outputs else 0
+            if new:
+                if a["chunks"] == 0:
+                    a["ttft"] = now - a["start"]
+                else:
+                    a["itl"].append(now - a["last"])
+                a["last"] = now
+                a["chunks"] += 1
+                a["tokens"] += new
+            if out.finished:
+                i = a["i"]
+                want = int(requests[i]["output_len"])
+                ok = out.error is None and a["tokens"] == want
+                recs[i] = {"success": ok, "prompt_len": len(requests[i]["prompt"]), "output_tokens": a["tokens"],
+                           "ttft": a["ttft"], "itl": a["itl"], "latency": a["last"] - a["start"],
+                           "start_time": a["start"],
+                           "error": "" if ok else f"{out.error or 'finished early'}, {a['tokens']}/{want} tokens"}
+                del active[out.request_id]
+    return {"duration": time.perf_counter() - t0, "requests": recs}
+
+
+def main(argv: list[str]) -> int:
+    spec_path, out_path = argv[1], argv[2]
+    with open(spec_path) as f:
+        spec = json.load(f)
+    from pagedserve.entrypoints.cli import DEFAULT_GOMP_SPINCOUNT
+
+    os.environ.setdefault("GOMP_SPINCOUNT", DEFAULT_GOMP_SPINCOUNT)  # what `pagedserve serve` runs with; before torch
+    import pagedserve
+    import torch
+
+    versions = {"pagedserve": getattr(pagedserve, "__version__", "?"), "torch": torch.__version__}
+    t = time.perf_counter()
+    engine = build_engine(spec["model"], spec["engine_flags"])
+    log(f"engine ready in {time.perf_counter() - t:.1f} s (flags {' '.join(spec['engine_flags'])})")
+    runs = {}
+    id_base = 0
+    for c in spec["concurrencies"]:
+        requests = spec.get("requests_by_concurrency", {}).get(str(c), spec["requests"])
+        id_base += 100_000
+        if spec.get("warmup", True) and requests:  # as bench serve and the OpenVINO driver: one request alone first
+            run_closed_loop(engine, requests[:1], 1, id_base + 50_000)
+        runs[str(c)] = run_closed_loop(engine, requests, c, id_base)
+        log(f"C={c}: {len(requests)} requests in {runs[str(c)]['duration']:.1f} s")
+        with open(out_path, "w") as f:  # after every C: a later failure keeps the earlier runs
+            json.dump({"versions": versions, "runs": runs}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv))
