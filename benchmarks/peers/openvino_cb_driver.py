@@ -24,9 +24,12 @@ OUT.json:  {"versions": {...}, "properties_in_effect": {...}, "runs": {"C": {"du
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
-from collections import deque
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # closed_loop.py, beside this file
+from closed_loop import ClosedLoop  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -57,51 +60,31 @@ def run_closed_loop(ov, ov_genai, pipe, requests: list[dict], conc: int, id_base
 
     running = ov_genai.GenerationStatus.RUNNING
     finished = ov_genai.GenerationStatus.FINISHED
-    pending = deque(range(len(requests)))
-    active: dict[int, dict] = {}
-    recs: list[dict | None] = [None] * len(requests)
-
-    def submit() -> None:
-        i = pending.popleft()
-        r = requests[i]
-        ids = ov.Tensor(np.asarray([r["prompt"]], dtype=np.int64))
-        t = time.perf_counter()
-        h = pipe.add_request(id_base + i, ids, generation_config(ov_genai, int(r["output_len"])))
-        active[i] = {"h": h, "start": t, "last": t, "chunks": 0, "tokens": 0, "ttft": 0.0, "itl": []}
-
-    t0 = time.perf_counter()
-    while pending or active:
-        while pending and len(active) < conc:
-            submit()
+    loop = ClosedLoop(requests, conc)
+    handles = {}
+    while loop.running():
+        for i in loop.to_submit():
+            r = requests[i]
+            ids = ov.Tensor(np.asarray([r["prompt"]], dtype=np.int64))
+            t = time.perf_counter()
+            handles[i] = pipe.add_request(id_base + i, ids, generation_config(ov_genai, int(r["output_len"])))
+            loop.submitted(i, t)
         pipe.step()
         now = time.perf_counter()
-        for i in list(active):
-            a = active[i]
-            h = a["h"]
+        for i in list(loop.active):
+            h = handles[i]
             new = 0
             while h.can_read():
                 outs = h.read()
                 vals = outs.values() if hasattr(outs, "values") else outs
                 for o in vals:
                     new += len(o.generated_ids)
-            if new:
-                if a["chunks"] == 0:
-                    a["ttft"] = now - a["start"]
-                else:
-                    a["itl"].append(now - a["last"])
-                a["last"] = now
-                a["chunks"] += 1
-                a["tokens"] += new
+            loop.new_tokens(i, new, now)
             status = h.get_status()
             if status != running:
-                want = int(requests[i]["output_len"])
-                ok = status == finished and a["chunks"] > 0
-                recs[i] = {"success": ok, "prompt_len": len(requests[i]["prompt"]), "output_tokens": a["tokens"],
-                           "ttft": a["ttft"], "itl": a["itl"], "latency": a["last"] - a["start"],
-                           "start_time": a["start"],
-                           "error": "" if ok else f"status {status}, {a['tokens']}/{want} tokens"}
-                del active[i]
-    return {"duration": time.perf_counter() - t0, "requests": recs}
+                loop.finished(i, status == finished, f"status {status}")
+                del handles[i]
+    return loop.result()
 
 
 def main(argv: list[str]) -> int:

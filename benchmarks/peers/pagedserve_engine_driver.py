@@ -22,7 +22,9 @@ import json
 import os
 import sys
 import time
-from collections import deque
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # closed_loop.py, beside this file
+from closed_loop import ClosedLoop  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -42,49 +44,22 @@ def build_engine(model: str, flags: list[str]):
 def run_closed_loop(engine, requests: list[dict], conc: int, id_base: int) -> dict:
     from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
-    pending = deque(range(len(requests)))
-    active: dict[str, dict] = {}
-    recs: list[dict | None] = [None] * len(requests)
-
-    def submit() -> None:
-        i = pending.popleft()
-        r = requests[i]
-        n = int(r["output_len"])
-        params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True,
-                                output_kind=RequestOutputKind.DELTA)
-        t = time.perf_counter()
-        engine.add_request(str(id_base + i), list(r["prompt"]), params)
-        active[str(id_base + i)] = {"i": i, "start": t, "last": t, "chunks": 0, "tokens": 0, "ttft": 0.0, "itl": []}
-
-    t0 = time.perf_counter()
-    while pending or active:
-        while pending and len(active) < conc:
-            submit()
+    loop = ClosedLoop(requests, conc)
+    while loop.running():
+        for i in loop.to_submit():
+            n = int(requests[i]["output_len"])
+            params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+            t = time.perf_counter()
+            engine.add_request(str(id_base + i), list(requests[i]["prompt"]), params)
+            loop.submitted(i, t)
         outputs = engine.step()
         now = time.perf_counter()
         for out in outputs:
-            a = active.get(out.request_id)
-            if a is None:
-                continue
-            new = len(out.outputs[0].token_ids) if out.outputs else 0
-            if new:
-                if a["chunks"] == 0:
-                    a["ttft"] = now - a["start"]
-                else:
-                    a["itl"].append(now - a["last"])
-                a["last"] = now
-                a["chunks"] += 1
-                a["tokens"] += new
+            i = int(out.request_id) - id_base
+            loop.new_tokens(i, len(out.outputs[0].token_ids) if out.outputs else 0, now)
             if out.finished:
-                i = a["i"]
-                want = int(requests[i]["output_len"])
-                ok = out.error is None and a["tokens"] == want
-                recs[i] = {"success": ok, "prompt_len": len(requests[i]["prompt"]), "output_tokens": a["tokens"],
-                           "ttft": a["ttft"], "itl": a["itl"], "latency": a["last"] - a["start"],
-                           "start_time": a["start"],
-                           "error": "" if ok else f"{out.error or 'finished early'}, {a['tokens']}/{want} tokens"}
-                del active[out.request_id]
-    return {"duration": time.perf_counter() - t0, "requests": recs}
+                loop.finished(i, out.error is None, out.error or "")
+    return loop.result()
 
 
 def main(argv: list[str]) -> int:
