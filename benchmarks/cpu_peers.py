@@ -468,30 +468,38 @@ def run_openvino(args, precision: str, workloads: dict, out_dir: str, rows: list
         log(f"SKIP OpenVINO {precision}: {e}")
         skipped[f"OpenVINO {precision}"] = str(e)
         return
-    cmax = max(args.concurrencies)
     blocks = kv_blocks_for(workloads)
     spec = {"model_dir": ir, "device": "CPU", "properties": cfg["properties"],
             "scheduler": {"max_num_batched_tokens": args.max_num_batched_tokens, "num_kv_blocks": blocks,
-                          "dynamic_split_fuse": True, "enable_prefix_caching": True, "max_num_seqs": cmax},
-            "requests": samples_for_driver(workloads[cmax]), "concurrencies": args.concurrencies, "warmup": True,
-            "requests_by_concurrency": {str(c): samples_for_driver(w) for c, w in workloads.items() if c != cmax}}
-    spec_path = os.path.join(out_dir, f"openvino-{precision}-spec.json")
-    raw_path = os.path.join(out_dir, f"openvino-{precision}-raw.json")
-    with open(spec_path, "w") as f:
-        json.dump(spec, f)
+                          "dynamic_split_fuse": True, "enable_prefix_caching": True,
+                          "max_num_seqs": max(args.concurrencies)}}
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     env.pop("PYTHONPATH", None)
-    cmd = [venv_python(args.openvino_venv), OV_DRIVER, spec_path, raw_path]
-    log(f"[OpenVINO {precision}] {' '.join(cmd)}  ({note}; num_kv_blocks {blocks})")
-    with open(os.path.join(out_dir, f"openvino-{precision}-driver.log"), "w") as f:
+    run_driver("openvino", precision, [venv_python(args.openvino_venv), OV_DRIVER], spec, env, args, out_dir,
+               workloads, rows, skipped, f"{note}; num_kv_blocks {blocks}", {"openvino_properties": cfg["properties"]})
+
+
+def run_driver(engine: str, precision: str, cmd: list[str], spec: dict, env: dict, args, out_dir: str,
+               workloads: dict, rows: list, skipped: dict, note: str, extra: dict) -> None:
+    """Runs an in-process driver (`cmd SPEC.json OUT.json`, peers/*_driver.py) on the workload of every C, closed
+    loop, one warm-up request first; its OUT.json -> rows."""
+    cmax = max(args.concurrencies)
+    spec = dict(spec, concurrencies=args.concurrencies, warmup=True, requests=samples_for_driver(workloads[cmax]),
+                requests_by_concurrency={str(c): samples_for_driver(w) for c, w in workloads.items() if c != cmax})
+    spec_path = os.path.join(out_dir, f"{engine}-{precision}-spec.json")
+    raw_path = os.path.join(out_dir, f"{engine}-{precision}-raw.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    cmd = [*cmd, spec_path, raw_path]
+    log(f"[{LABELS[engine]} {precision}] {' '.join(cmd)}  ({note})")
+    with open(os.path.join(out_dir, f"{engine}-{precision}-driver.log"), "w") as f:
         r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     if not os.path.isfile(raw_path):
         msg = f"driver failed (exit {r.returncode}); last lines:\n" + sbs.tail(f.name)
-        log(f"SKIP OpenVINO {precision}: {msg}")
-        skipped[f"OpenVINO {precision}"] = msg.splitlines()[0]
+        log(f"SKIP {LABELS[engine]} {precision}: {msg}")
+        skipped[f"{LABELS[engine]} {precision}"] = msg.splitlines()[0]
         return
-    rows_from_driver("openvino", precision, raw_path, r.returncode, args, out_dir, workloads, rows, skipped,
-                     f"{note}; num_kv_blocks {blocks}", {"openvino_properties": cfg["properties"]})
+    rows_from_driver(engine, precision, raw_path, r.returncode, args, out_dir, workloads, rows, skipped, note, extra)
 
 
 def rows_from_driver(engine: str, precision: str, raw_path: str, returncode: int, args, out_dir: str,
@@ -516,27 +524,11 @@ def rows_from_driver(engine: str, precision: str, raw_path: str, returncode: int
 def run_pagedserve_engine(args, precision: str, workloads: dict, out_dir: str, rows: list, skipped: dict) -> None:
     """pagedserve's engine alone, in-process (peers/pagedserve_engine_driver.py), with the server's engine flags."""
     flags, note = engine_flags("pagedserve-engine", precision, args)
-    cmax = max(args.concurrencies)
     blocks = kv_blocks_for(workloads)
-    spec = {"model": args.model, "warmup": True, "concurrencies": args.concurrencies,
-            "engine_flags": pagedserve_engine_flags(args, blocks) + flags + args.serve_args.split(),
-            "requests": samples_for_driver(workloads[cmax]),
-            "requests_by_concurrency": {str(c): samples_for_driver(w) for c, w in workloads.items() if c != cmax}}
-    spec_path = os.path.join(out_dir, f"pagedserve-engine-{precision}-spec.json")
-    raw_path = os.path.join(out_dir, f"pagedserve-engine-{precision}-raw.json")
-    with open(spec_path, "w") as f:
-        json.dump(spec, f)
-    cmd = [sys.executable, ENGINE_DRIVER, spec_path, raw_path]
-    log(f"[{LABELS['pagedserve-engine']} {precision}] {' '.join(cmd)}  ({note})")
-    with open(os.path.join(out_dir, f"pagedserve-engine-{precision}-driver.log"), "w") as f:
-        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=sbs.subprocess_env())
-    if not os.path.isfile(raw_path):
-        msg = f"driver failed (exit {r.returncode}); last lines:\n" + sbs.tail(f.name)
-        log(f"SKIP {LABELS['pagedserve-engine']} {precision}: {msg}")
-        skipped[f"{LABELS['pagedserve-engine']} {precision}"] = msg.splitlines()[0]
-        return
-    rows_from_driver("pagedserve-engine", precision, raw_path, r.returncode, args, out_dir, workloads, rows, skipped,
-                     f"{note}; --num-kv-blocks {blocks} (block 16); in-process, no HTTP", {})
+    spec = {"model": args.model, "engine_flags": pagedserve_engine_flags(args, blocks) + flags + args.serve_args.split()}
+    run_driver("pagedserve-engine", precision, [sys.executable, ENGINE_DRIVER], spec, sbs.subprocess_env(), args,
+               out_dir, workloads, rows, skipped, f"{note}; --num-kv-blocks {blocks} (block 16); in-process, no HTTP",
+               {})
 
 
 RUNNERS = {"pagedserve": run_pagedserve, "pagedserve-engine": run_pagedserve_engine, "vllm": run_vllm,
