@@ -58,7 +58,9 @@ struct Packed<bf16> {
   using Acc = __m512;
   static constexpr int64_t kStep = 2;
   static Acc zero() { return _mm512_setzero_ps(); }
-  static Acc madd(Acc acc, __m512i w, const X* x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)broadcast32(x)); }
+  static Acc madd(Acc acc, __m512i w, const X* x) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)broadcast32(x));
+  }
 };
 
 template <>
@@ -104,8 +106,8 @@ struct Int8Out {
   const int32_t* col_shift;  // 128 * the column's weight sum
   void operator()(int64_t row, int64_t col, __m512i acc, __mmask16 mask) const {
     const __m512i sum = _mm512_sub_epi32(acc, _mm512_maskz_loadu_epi32(mask, col_shift + col));
-    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(sum),
-                             _mm512_mul_ps(_mm512_set1_ps(row_scale[row]), _mm512_maskz_loadu_ps(mask, col_scale + col)));
+    const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(row_scale[row]), _mm512_maskz_loadu_ps(mask, col_scale + col));
+    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), scale);
     if (bias != nullptr) v = _mm512_add_ps(v, load_bias(bias + col, mask));
     store_row(y + row * n + col, v, mask);
   }
