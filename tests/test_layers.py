@@ -7,6 +7,18 @@ import torch.nn.functional as F
 from pagedserve.model_executor.layers import NATIVE_GEMM_MAX_ROWS, NATIVE_INT8_MAX_ROWS, ONEDNN_MIN_ROWS, Linear
 
 
+def _random_layer(k: int, n: int, rows: int, dtype: torch.dtype):
+    """A Linear with random weights and bias in `dtype`, an input of `rows` rows and the float32 reference output."""
+    g = torch.Generator().manual_seed(rows)
+    layer = Linear(k, n, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k, generator=g))
+        layer.bias.copy_(torch.randn(n, generator=g))
+    layer = layer.to(dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    return layer, x, F.linear(x.float(), layer.weight.float(), layer.bias.float())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", ["torch", "onednn", "native"])
 @pytest.mark.parametrize("rows", [1, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, 37, NATIVE_GEMM_MAX_ROWS,
@@ -14,14 +26,7 @@ from pagedserve.model_executor.layers import NATIVE_GEMM_MAX_ROWS, NATIVE_INT8_M
 def test_linear_backends_match_f_linear(backend, rows, dtype):
     if backend != "torch" and not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
-    g = torch.Generator().manual_seed(rows)
-    layer = Linear(100, 163, bias=True)  # K not a multiple of 16, N not of 16: the kernels' tails
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(163, 100, generator=g))
-        layer.bias.copy_(torch.randn(163, generator=g))
-    layer = layer.to(dtype)
-    x = torch.randn(rows, 100, generator=g).to(dtype)
-    expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    layer, x, expected = _random_layer(100, 163, rows, dtype)  # K not a multiple of 16, N not of 16: the tails
     layer.set_backend(backend)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(layer(x).float(), expected, atol=tol * 10, rtol=tol)
@@ -99,14 +104,7 @@ def test_int8_backend_close_to_float_on_both_kernels(rows, dtype):
     NATIVE_INT8_MAX_ROWS rows, where the CPU has it) and on fbgemm above; [batch, seq, K] inputs too."""
     from pagedserve.model_executor.kernels import cpu_kernels
 
-    g = torch.Generator().manual_seed(rows)
-    layer = Linear(128, 163, bias=True)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(163, 128, generator=g))
-        layer.bias.copy_(torch.randn(163, generator=g))
-    layer = layer.to(dtype)
-    x = torch.randn(rows, 128, generator=g).to(dtype)
-    expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    layer, x, expected = _random_layer(128, 163, rows, dtype)
     layer.set_backend("int8")
     ops = cpu_kernels()
     assert (layer._small_packed is not None) == (ops is not None and ops.native_small_gemm(torch.int8, 128))

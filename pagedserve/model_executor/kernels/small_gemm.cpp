@@ -18,6 +18,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <memory>
 #include <type_traits>
 
 using ps::bf16;
@@ -289,14 +290,14 @@ torch::Tensor small_gemm_int8(torch::Tensor x, torch::Tensor packed, torch::Tens
   auto xc = x.contiguous();
   auto bc = has_bias ? bias->contiguous() : torch::Tensor();
   const int64_t rows = xc.size(0), k = xc.size(1);
-  std::vector<uint8_t> xq(rows * k);
+  std::unique_ptr<uint8_t[]> xq(new uint8_t[rows * k]);  // every byte written by quantize_rows: no zero fill
   std::vector<float> row_scale(rows);
   ps::with_act_type(x.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    quantize_rows(ps::ptr<T>(xc), rows, k, xq.data(), row_scale.data());
+    quantize_rows(ps::ptr<T>(xc), rows, k, xq.get(), row_scale.data());
     const Int8Out<T> out{ps::ptr<T>(y), has_bias ? ps::ptr<T>(bc) : nullptr, n, row_scale.data(),
                          ps::ptr<float>(col_scale), ps::ptr<int32_t>(col_shift)};
-    small_gemm_kernel<int8_t>(xq.data(), rows, ps::ptr<int8_t>(packed), out, n, k);
+    small_gemm_kernel<int8_t>(xq.get(), rows, ps::ptr<int8_t>(packed), out, n, k);
   });
 #endif
   return y;
