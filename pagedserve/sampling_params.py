@@ -150,6 +150,11 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     @property
+    def truncates(self) -> bool:
+        """Random sampling cut to top-k / top-p / min-p: which tokens survive depends on the whole distribution."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+    @property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 

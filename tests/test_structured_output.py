@@ -29,9 +29,13 @@ def model_dir(tiny_model_dir):
     return tiny_model_dir("llama")
 
 
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    return LLM(str(model_dir), num_threads=1, num_kv_blocks=256, max_model_len=512, dtype="float32")
+@pytest.fixture(scope="module", params=[True, False], ids=["masks-overlapped", "checked-first"])
+def llm(model_dir, request):
+    """Both ways of running the masks (engine/structured_output.py): beside the forward on a worker thread, and
+    sampling first with only rejected rows masked. The engine picks one by its cores; tests run each."""
+    llm = LLM(str(model_dir), num_threads=1, num_kv_blocks=256, max_model_len=512, dtype="float32")
+    llm.llm_engine.structured_output.overlap_masks = request.param
+    return llm
 
 
 def prompts(k: int) -> list[list[int]]:
@@ -97,11 +101,13 @@ SCHEMAS = [
 ]
 
 
-def test_json_schemas_validate_over_seeds_in_a_mixed_chunked_batch(model_dir):
+@pytest.mark.parametrize("overlap_masks", [True, False], ids=["masks-overlapped", "checked-first"])
+def test_json_schemas_validate_over_seeds_in_a_mixed_chunked_batch(model_dir, overlap_masks):
     """Every schema x several seeds, all in one batch with a free request, a small token budget (chunked
     prefill) and prefix caching on: every output validates, and the free request is unaffected."""
     llm = LLM(str(model_dir), num_threads=1, num_kv_blocks=256, max_model_len=512, dtype="float32",
               max_num_batched_tokens=32)
+    llm.llm_engine.structured_output.overlap_masks = overlap_masks
     ps = [prompts(12)[-1], prompts(2)[1]]  # a 41-token prompt shared by the constrained requests
     free = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     alone = llm.generate(prompt_token_ids=[ps[1]], sampling_params=free, use_tqdm=False)[0].outputs[0].token_ids
@@ -118,13 +124,74 @@ def test_json_schemas_validate_over_seeds_in_a_mixed_chunked_batch(model_dir):
 
 
 def test_random_sampling_n_and_seeds_stay_inside_the_grammar(llm):
-    p = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=40, structured_outputs=SO(regex=r"[A-Z]{2}-\d{3}"))
-    out = llm.generate(prompt_token_ids=prompts(1), sampling_params=p, use_tqdm=False)[0]
-    texts = [c.text for c in out.outputs]
+    """Plain random rows (checked after sampling when masks are not overlapped) and top-p / top-k rows (whose mask
+    always comes first) in one batch: every sample matches, and seeds reproduce."""
+    regex = SO(regex=r"[A-Z]{2}-[0-9]{3}")  # not \d: llguidance's \d takes digits newer than Python's Unicode tables
+    params = [SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=40, structured_outputs=regex),
+              SamplingParams(n=2, temperature=1.5, top_p=0.9, top_k=50, seed=12, max_tokens=40, structured_outputs=regex)]
+    outs = llm.generate(prompt_token_ids=prompts(2), sampling_params=params, use_tqdm=False)
+    texts = [c.text for out in outs for c in out.outputs]
+    assert len(texts) == 6
     for t in texts:
         check("regex", t)
-    again = [c.text for c in llm.generate(prompt_token_ids=prompts(1), sampling_params=p, use_tqdm=False)[0].outputs]
-    assert again == texts
+    again = llm.generate(prompt_token_ids=prompts(2), sampling_params=params, use_tqdm=False)
+    assert [c.text for out in again for c in out.outputs] == texts
+
+
+def test_checked_first_greedy_tokens_equal_the_overlapped_masks(llm):
+    """Sampling first and masking only rejected rows is exact for greedy: the same tokens as masking every row."""
+    ps = prompts(5)
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=c) for c in CONSTRAINTS.values()]
+    manager = llm.llm_engine.structured_output
+    mode = manager.overlap_masks
+    runs = {}
+    try:
+        for overlap in (True, False):
+            manager.overlap_masks = overlap
+            before = manager.checked_rows, manager.rejected_rows
+            outs = llm.generate(prompt_token_ids=ps, sampling_params=params, use_tqdm=False)
+            runs[overlap] = [o.outputs[0].token_ids for o in outs]
+            checked, rejected = manager.checked_rows - before[0], manager.rejected_rows - before[1]
+            assert (checked > rejected > 0) if not overlap else checked == 0  # the random model is often rejected
+    finally:
+        manager.overlap_masks = mode
+    assert runs[True] == runs[False]
+
+
+def test_checked_first_sampling_draws_from_the_masked_distribution(llm):
+    """A row sampled without its mask, and sampled again under it when its grammar rejects the token
+    (ModelRunner._resample_rejected), has exactly the masked distribution: 20000 rows at temperature 1 from logits
+    where the allowed tokens hold about half the mass. A fallback to the masked argmax, or a second unmasked
+    draw, would fail."""
+    from pagedserve.core.request import Request
+
+    runner, manager = llm.llm_engine.runner, llm.llm_engine.structured_output
+    manager.add("c", manager.grammar(SO(regex=r"[a-e]")))
+    try:
+        allowed = torch.nonzero(manager.masks_now(["c"])[0, :manager.vocab_size] == 0).flatten()
+        assert 2 <= len(allowed) < 50
+        g = torch.Generator().manual_seed(5)
+        logits = torch.randn(manager.vocab_size, generator=g)
+        weights = torch.arange(1, len(allowed) + 1, dtype=torch.float32)  # unequal: 1, 2, ... within the set
+        rest = torch.logsumexp(logits, 0).exp() - logits[allowed].exp().sum()
+        logits[allowed] = (weights / weights.sum() * rest).log()  # p(allowed) = 1/2
+        expected = weights / weights.sum()
+        n = 20000
+        requests = [Request("c", [1], SamplingParams(temperature=1.0, max_tokens=1), 1) for _ in range(n)]
+        batch = logits.expand(n, -1).clone()
+        out = runner.sampler(batch, runner._sampling_metadata(requests), runner.default_generator)
+        first = out.sampled_token_ids.clone()
+        runner._resample_rejected(batch, requests, out, list(range(n)), manager)
+        tokens = out.sampled_token_ids
+        assert 0.45 < torch.isin(first, allowed).float().mean() < 0.55  # both paths ran
+        assert bool(torch.isin(tokens, allowed).all())
+        kept = torch.isin(first, allowed)
+        assert torch.equal(tokens[kept], first[kept])  # an allowed first draw stands
+        freq = (tokens.unsqueeze(1) == allowed.unsqueeze(0)).float().mean(0)
+        sigma = (expected * (1 - expected) / n).sqrt()
+        assert bool(((freq - expected).abs() < 5 * sigma).all()), (freq, expected)
+    finally:
+        manager.retain(set())
 
 
 def test_constraints_survive_preemption(model_dir):
@@ -343,22 +410,34 @@ def test_tool_call_parsers_stream_in_any_pieces(mode, parser, text, content, cal
 
 
 def test_mask_bias_allows_exactly_the_grammars_tokens(llm):
-    """The manager's logit bias (filled on its worker thread) is 0 exactly for the tokens llguidance's matcher
-    accepts and -inf elsewhere; free rows of the same batch stay all zero; the sampler adds it in one op and
-    sets the columns past its width to -inf."""
+    """The manager's logit bias, however it is filled (on the worker beside the forward, up front on the engine
+    thread, or for a rejected row after sampling), is 0 exactly for the tokens llguidance's matcher accepts and -inf
+    elsewhere; free rows of the same batch stay all zero; `allows` agrees with it token by token; the sampler adds
+    it in one op and sets the columns past its width to -inf."""
     from pagedserve.model_executor.sampler import apply_token_mask_bias
 
     manager = llm.llm_engine.structured_output
     grammar = manager.grammar(SO(regex=r"[A-Z]{2}-\d{3}"))
     manager.add("constrained", grammar)
     try:
-        bias = manager.start_masks(["free", "constrained"]).result()
+        masks = manager.start_masks(["free", "constrained"], [False, True])
+        assert masks.checked_rows == []  # on the worker, or up front for a row that needs its whole mask
+        bias = masks.bias.result()
+        # checked first: a row that may sample before its mask is known is left for the check
+        later = manager.start_masks(["free", "constrained"], [False, False])
+        if manager.overlap_masks:
+            assert later.checked_rows == [] and torch.equal(later.bias.result(), bias)
+        else:
+            assert later.bias is None and later.checked_rows == [1]
         matcher = manager.matchers["constrained"]
         allowed = [t for t in range(manager.vocab_size) if matcher.validate_tokens([t]) == 1]
         assert 0 < len(allowed) < manager.vocab_size
+        assert manager.allows(["constrained"] * manager.vocab_size, list(range(manager.vocab_size))) == \
+            [t in set(allowed) for t in range(manager.vocab_size)]
         assert bool((bias[0] == 0).all())
-        assert torch.nonzero(bias[1] == 0).flatten().tolist() == allowed
-        assert bool(torch.isneginf(bias[1, [t for t in range(manager.vocab_size) if t not in set(allowed)]]).all())
+        for row in (bias[1], manager.masks_now(["constrained"])[0]):
+            assert torch.nonzero(row == 0).flatten().tolist() == allowed
+            assert bool(torch.isneginf(row[[t for t in range(manager.vocab_size) if t not in set(allowed)]]).all())
         logits = torch.randn(2, manager.vocab_size + 5)
         expected = logits.clone()
         apply_token_mask_bias(logits, bias)
@@ -384,9 +463,9 @@ manager = StructuredOutputManager(AutoTokenizer.from_pretrained({str(tiny_tokeni
 grammar = manager.grammar(StructuredOutputsParams(json={{"type": "object"}}))
 for i in range(64):
     manager.add(str(i), grammar)
-manager.start_masks(["0"]).result()  # the grammar thread and llguidance's executor exist
+manager.start_masks(["0"], [False]).bias.result()  # the grammar thread and llguidance's executor exist
 before = len(os.listdir("/proc/self/task"))
-bias = manager.start_masks([str(i) for i in range(64)]).result()  # 64 x 2048 mask words: a parallel-sized fill
+bias = manager.start_masks([str(i) for i in range(64)], [False] * 64).bias.result()  # 64 x 2048 mask words: a parallel-sized fill
 assert bias.shape[0] == 64 and bool((bias[:, :65536] == 0).any(dim=1).all())
 print("new threads:", len(os.listdir("/proc/self/task")) - before)
 """

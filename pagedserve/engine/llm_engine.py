@@ -22,7 +22,7 @@ from pagedserve.metrics.loggers import StepStats
 from pagedserve.metrics.stats import EngineStats, IterationStats, SchedulerStats
 from pagedserve.model_executor.model_config import ModelConfig, resolve_model_dir
 from pagedserve.model_executor.model_runner import (ModelRunnerOutput, StartedStep, configure_threads, kv_bytes_per_block,
-                                                    resolve_device, resolve_dtype)
+                                                    leaves_a_core_free, resolve_device, resolve_dtype)
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -79,7 +79,8 @@ class LLMEngine:
             seed=args.seed,
             speculative=args.speculative,
             kv_transfer=args.kv_transfer)
-        self.structured_output = StructuredOutputManager(self.tokenizer, cfg.vocab_size)
+        self.structured_output = StructuredOutputManager(self.tokenizer, cfg.vocab_size,
+                                                         overlap_masks=leaves_a_core_free(device))
         self.input_processor = InputProcessor(self.config, self.tokenizer, self.structured_output)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.fault_injector = FaultInjector.from_env(self.runner.model)

@@ -1,10 +1,18 @@
 """Structured output: per-sequence grammar state (llguidance) -> the token masks of the next step.
 
-Constrained and free requests share one step: the manager fills one bitmask row per constrained sequence that
-samples this step (free rows stay all-ones), turns the bits into an additive logit bias (0 allowed, -inf not),
-and the sampler adds it to the logits in one vectorized op, so only constrained requests pay for their masks.
-The masks are computed on a worker thread while the model forward runs, in one llguidance call and one numpy
-lookup that both release the GIL, so their cost overlaps the forward instead of adding to it.
+Constrained and free requests share one step, and only constrained requests pay for their masks: the manager fills
+one bitmask row per constrained sequence that samples this step (free rows stay all-ones), turns the bits into an
+additive logit bias (0 allowed, -inf not), and the sampler adds it to the logits in one vectorized op. Two ways to
+run it, chosen per engine (`overlap_masks`):
+- overlapped: every constrained row's mask is filled on a worker thread while the forward runs, in one llguidance
+  call and one numpy lookup that both release the GIL. Right when the forward leaves a core free (an accelerator,
+  or fewer torch threads than cores).
+- checked first: when torch's threads hold every core, a worker thread only competes with them (and a parallel
+  region waits for its slowest thread). So a row is sampled without its mask, its grammar checks the token (a few
+  us), and only a rejected row fills its mask, on the engine thread, and samples again. That is exact for greedy
+  rows and for plain random sampling (see ModelRunner._resample_rejected). Rows cut by top-k / top-p / min-p need
+  the whole mask first and get it before the forward, on the engine thread. Filling the masks of often-rejected
+  sequences up front instead measured slower (BENCHMARKS.md section 8), so every other row is checked.
 
 Grammars are compiled once per distinct constraint (an LRU cache); compiling and validating happens at
 add_request time, on the caller's thread, so a bad schema is a 400 naming the field and never blocks a step.
@@ -16,12 +24,13 @@ import logging
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from pagedserve.errors import InvalidRequestError
+from pagedserve.model_executor.model_runner import StepMasks
 from pagedserve.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger("pagedserve")
@@ -36,21 +45,30 @@ _JSON_COMPACT = {"whitespace_flexible": False}
 _BYTE_TO_BIAS = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, 0.0, -np.inf).astype(np.float32)
 
 
+def _done(value: torch.Tensor) -> "Future[torch.Tensor]":
+    future: Future[torch.Tensor] = Future()
+    future.set_result(value)
+    return future
+
+
 def _lark_choice(choices: list[str]) -> str:
     # JSON string literals are valid Lark literals: quotes and escapes come out right.
     return "start: " + " | ".join(json.dumps(c) for c in choices)
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, overlap_masks: bool = True) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.overlap_masks = overlap_masks  # False: sample first, fill only rejected rows' masks (module docstring)
         self._ll_tokenizer = None  # built on first use (~0.1-1 s)
         self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
         self.matchers: dict[str, Any] = {}  # sequence id -> llguidance.LLMatcher
         self._executor: ThreadPoolExecutor | None = None
         self._ll_executor = None  # llguidance's batch executor: one GIL-free call for all rows
-        self.mask_time = 0.0  # seconds spent filling masks (overlapped with the forward)
+        # statistics: seconds spent filling masks; rows filled; rows checked first, and how many of those rejected
+        self.mask_time = 0.0
+        self.masked_rows = self.checked_rows = self.rejected_rows = 0
 
     @property
     def ll_tokenizer(self):
@@ -130,26 +148,46 @@ class StructuredOutputManager:
         return to_stop
 
     # ------------------------------------------------------------------------------ masks
-    def start_masks(self, sequence_ids: list[str]) -> "Future[torch.Tensor] | None":
-        """Begin computing this step's token masks as a logit bias (row i <-> sequence_ids[i]; [N, >= V] float32,
-        0 where allowed, -inf where not) on a worker thread; None when none of the rows is constrained."""
+    def start_masks(self, sequence_ids: list[str], needs_whole_mask: Sequence[bool]) -> StepMasks | None:
+        """This step's masks (row i <-> sequence_ids[i]); None when no row is constrained. needs_whole_mask[i]: row i
+        cannot be checked after sampling (top-k / top-p / min-p, or a speculative batch), so its mask comes first."""
         rows = [(i, self.matchers[sid]) for i, sid in enumerate(sequence_ids) if sid in self.matchers]
         if not rows:
             return None
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-grammar")
-        return self._executor.submit(self._fill, len(sequence_ids), rows)
+        if self.overlap_masks:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-grammar")
+            return StepMasks(self._executor.submit(self._fill, len(sequence_ids), rows, True), [])
+        first = [(i, matcher) for i, matcher in rows if needs_whole_mask[i]]
+        return StepMasks(_done(self._fill(len(sequence_ids), first, False)) if first else None,
+                         [i for i, _ in rows if not needs_whole_mask[i]])
 
-    def _fill(self, num_rows: int, rows: list[tuple[int, Any]]) -> torch.Tensor:
-        from llguidance.torch import fill_next_token_bitmask_par
+    def allows(self, sequence_ids: list[str], tokens: list[int]) -> list[bool]:
+        """Whether each sequence's grammar accepts its token now (no state change)."""
+        allowed = [self.matchers[sid].validate_tokens([token]) == 1 for sid, token in zip(sequence_ids, tokens)]
+        self.checked_rows += len(allowed)
+        self.rejected_rows += allowed.count(False)
+        return allowed
+
+    def masks_now(self, sequence_ids: list[str]) -> torch.Tensor:
+        """These sequences' masks as a logit bias ([len, >= V]), filled on this thread."""
+        return self._fill(len(sequence_ids), [(i, self.matchers[sid]) for i, sid in enumerate(sequence_ids)], False)
+
+    def _fill(self, num_rows: int, rows: list[tuple[int, Any]], one_call: bool) -> torch.Tensor:
+        from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
 
         t0 = time.perf_counter()
         # All ones: free rows allow every token. Allocated by numpy, not torch.full: no torch op may run a parallel
-        # region on this thread. OpenMP would give it a second thread pool, and with more pool threads than cores
-        # libgomp stops spin-waiting: the engine's parallel regions would then each wake their worker by futex.
+        # region on the worker thread. OpenMP would give it a second thread pool, and with more pool threads than
+        # cores libgomp stops spin-waiting: the engine's parallel regions would then each wake their worker by futex.
         bitmask = torch.from_numpy(np.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=np.int32))
-        fill_next_token_bitmask_par(self.ll_executor, [(matcher, row) for row, matcher in rows], bitmask)
+        if one_call:  # on the worker: one GIL-free call for all rows, on llguidance's own thread
+            fill_next_token_bitmask_par(self.ll_executor, [(matcher, row) for row, matcher in rows], bitmask)
+        else:  # on the engine thread: no hand-off to another thread that would compete for the cores
+            for row, matcher in rows:
+                fill_next_token_bitmask(matcher, bitmask, row)
         # Bit t%32 of word t//32 is bit t%8 of byte t//8 (x86 and ARM are little-endian).
         bias = np.take(_BYTE_TO_BIAS, bitmask.numpy().view(np.uint8), axis=0).reshape(num_rows, -1)
         self.mask_time += time.perf_counter() - t0
+        self.masked_rows += len(rows)
         return torch.from_numpy(bias)

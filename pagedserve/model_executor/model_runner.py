@@ -10,7 +10,7 @@ import os
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 
@@ -23,7 +23,7 @@ from pagedserve.model_executor.model_config import ModelConfig
 from pagedserve.model_executor.models.llama import LlamaForCausalLM
 from pagedserve.model_executor.parallel_state import SINGLE, ParallelState
 from pagedserve.model_executor.rejection_sampler import DraftBatch, rejection_sample
-from pagedserve.model_executor.sampler import LogprobsTensors, Sampler, SamplingMetadata
+from pagedserve.model_executor.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata
 from pagedserve.outputs import Logprob
 from pagedserve.spec_decode.drafter import make_drafter
 
@@ -65,12 +65,25 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+@dataclass
+class StepMasks:
+    """One step's token masks (structured output). bias: the rows filled up front as a logit bias ([N, >= V]
+    float32, row i <-> sampling row i; free rows all 0), or None; checked_rows: the constrained rows to sample
+    without a mask first and then check (TokenMaskSource.allows / masks_now)."""
+    bias: "Future[torch.Tensor] | None"
+    checked_rows: list[int]
+
+
 class TokenMaskSource(Protocol):
     """Structured output's side of a step (engine/structured_output.py)."""
 
     matchers: dict  # sequence id -> its grammar's matcher
 
-    def start_masks(self, sequence_ids: list[str]) -> "Future[torch.Tensor] | None": ...
+    def start_masks(self, sequence_ids: list[str], needs_whole_mask: Sequence[bool]) -> StepMasks | None: ...
+
+    def allows(self, sequence_ids: list[str], tokens: list[int]) -> list[bool]: ...
+
+    def masks_now(self, sequence_ids: list[str]) -> torch.Tensor: ...
 
 
 @dataclass
@@ -88,8 +101,8 @@ class StartedStep:
     `logits` is None on a pipeline driver until the last stage's logits arrive (executor/distributed.py)."""
     num_scheduled: int
     sampling_items: list[ScheduledRequest]
-    masks: "Future[torch.Tensor] | None"
-    constrained: dict  # sequence id -> grammar matcher: such requests get no drafts
+    masks: StepMasks | None
+    token_masks: TokenMaskSource | None  # its matchers' requests get no drafts
     logits: torch.Tensor | None
     forward_time: float  # this rank's forward alone (no input prep, no sampling)
 
@@ -187,27 +200,28 @@ class ModelRunner:
         items = sorted(out.scheduled, key=lambda s: not runs_as_decode(s.num_new_tokens))
         sampling_items = [item for item in items if item.samples]
         batch = prepare_batch(self._spans(items), self.block_size, self.device)
-        masks = token_masks.start_masks([i.request.request_id for i in sampling_items]) \
+        # A speculative batch is verified against masks, so every constrained row's mask comes first there.
+        speculative = any(item.spec_token_ids for item in sampling_items)
+        masks = token_masks.start_masks([i.request.request_id for i in sampling_items],
+                                        [speculative or i.request.sampling_params.truncates for i in sampling_items]) \
             if token_masks is not None and sampling_items else None
         t0 = time.perf_counter()
         if self.decode_graphs is not None and self.decode_graphs.fits(batch):
             logits = self.decode_graphs.run(batch)
         else:
             logits = self.run_model(batch.input_ids, batch.positions, batch.attn_metadata, batch.logits_indices)
-        return StartedStep(len(out.scheduled), sampling_items, masks,
-                           token_masks.matchers if token_masks is not None else {}, logits,
-                           time.perf_counter() - t0)
+        return StartedStep(len(out.scheduled), sampling_items, masks, token_masks, logits, time.perf_counter() - t0)
 
     @torch.inference_mode()
     def finish_step(self, step: StartedStep) -> ModelRunnerOutput:
         """Sampling (and the next drafts) from the step's logits."""
         result = ModelRunnerOutput(forward_time=step.forward_time)
         if step.sampling_items:
-            self._sample(step.logits, step.sampling_items, result,
-                         step.masks.result() if step.masks is not None else None)
+            self._sample(step.logits, step.sampling_items, result, step.masks, step.token_masks)
             if self.drafter is not None:
+                constrained = step.token_masks.matchers if step.token_masks is not None else {}
                 result.spec_token_ids = self.drafter.propose(step.sampling_items, result.sampled,
-                                                             step.num_scheduled, step.constrained)
+                                                             step.num_scheduled, constrained)
         return result
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -229,7 +243,7 @@ class ModelRunner:
         return spans
 
     def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest], result: ModelRunnerOutput,
-                token_mask_bias: torch.Tensor | None = None) -> None:
+                masks: StepMasks | None = None, token_masks: TokenMaskSource | None = None) -> None:
         """One row of logits per sampling request, or k + 1 for a request with k drafts (verified here)."""
         requests = [item.request for item in items]
         drafts = [item.spec_token_ids for item in items]
@@ -237,6 +251,7 @@ class ModelRunner:
         rows = [len(d) + 1 for d in drafts]
         row_requests = [r for r, n in zip(requests, rows) for _ in range(n)] if speculative else requests
         meta = self._sampling_metadata(row_requests)
+        token_mask_bias = masks.bias.result() if masks is not None and masks.bias is not None else None
         if token_mask_bias is not None:  # one mask row per request (constrained requests never draft)
             meta.token_mask_bias = token_mask_bias.repeat_interleave(
                 torch.tensor(rows, device=token_mask_bias.device), dim=0) \
@@ -248,11 +263,34 @@ class ModelRunner:
             token_lists, logprobs = verified.token_ids, verified.logprobs
         else:
             out = self.sampler(logits, meta, self.default_generator)
+            if masks is not None and masks.checked_rows:
+                assert token_masks is not None
+                self._resample_rejected(logits, requests, out, masks.checked_rows, token_masks)
             token_lists, logprobs = [[t] for t in out.sampled_token_ids.tolist()], out.logprobs
         for r, tokens in zip(requests, token_lists):
             result.sampled[r.request_id] = tokens
         if logprobs is not None:
             self._collect_logprobs(requests, token_lists, logprobs, result)
+
+    def _resample_rejected(self, logits: torch.Tensor, requests: list, out: SamplerOutput, rows: list[int],
+                           token_masks: TokenMaskSource) -> None:
+        """Structured output, rows sampled without their masks: a row whose grammar rejects its token samples again
+        under its mask. Exact: an allowed argmax is the masked argmax; and a plain random sample (no top-k/p, min-p),
+        kept if allowed (set A) and otherwise drawn again from the masked distribution, has probability
+        p(t) + (1 - p(A)) p(t) / p(A) = p(t) / p(A) for every t in A: the masked distribution."""
+        sampled = out.sampled_token_ids
+        allowed = token_masks.allows([requests[r].request_id for r in rows], sampled[rows].tolist())
+        rejected = [r for r, ok in zip(rows, allowed) if not ok]
+        if not rejected:
+            return
+        meta = self._sampling_metadata([requests[r] for r in rejected])
+        meta.token_mask_bias = token_masks.masks_now([requests[r].request_id for r in rejected])
+        again = self.sampler(logits[rejected], meta, self.default_generator)
+        index = torch.tensor(rejected, device=sampled.device)
+        sampled[index] = again.sampled_token_ids
+        if out.logprobs is not None and again.logprobs is not None:  # raw logprobs: only the sampled token's change
+            out.logprobs.sampled_logprobs[index] = again.logprobs.sampled_logprobs
+            out.logprobs.sampled_ranks[index] = again.logprobs.sampled_ranks
 
     def _sampling_metadata(self, row_requests: list) -> SamplingMetadata:
         params = [r.sampling_params for r in row_requests]
@@ -320,6 +358,12 @@ def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int,
     shape = (num_blocks, block_size, model.num_local_kv_heads, model.cfg.head_dim)
     return [(torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
             for _ in model.layers]
+
+
+def leaves_a_core_free(device: torch.device) -> bool:
+    """Whether the forward leaves a CPU core for other work (structured output's mask worker): it runs on an
+    accelerator, or on fewer torch threads than this process has cores."""
+    return device.type != "cpu" or torch.get_num_threads() < len(os.sched_getaffinity(0))
 
 
 def configure_threads(num_threads: int | None) -> None:

@@ -45,7 +45,7 @@ class SamplingMetadata:
     output_token_ids: list[Sequence[int]] | None = None  # per row, tokens generated so far
     banned_token_ids: dict[int, list[int]] = field(default_factory=dict)  # row -> ids forced to -inf
     max_num_logprobs: int | None = None  # None: no logprobs; k >= 0: top-k plus the sampled token
-    # Structured output: [N, >= V] uint8, 1 where a row may sample the token (all ones: a free row), or None.
+    # Structured output: [N, >= V] float32 logit bias, 0 where a row may sample the token, -inf where not; or None.
     token_mask_bias: torch.Tensor | None = None
 
     @classmethod
