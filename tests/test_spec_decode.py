@@ -324,9 +324,11 @@ def test_draft_model_must_share_the_vocabulary(tiny_model_dir):
             speculative_config={"model": str(tiny_model_dir("llama", vocab_size=800)), "num_speculative_tokens": 2})
 
 
-def test_constrained_and_free_requests_share_a_speculative_batch():
+@pytest.mark.parametrize("overlap_masks", [True, False], ids=["masks-overlapped", "checked-first"])
+def test_constrained_and_free_requests_share_a_speculative_batch(overlap_masks):
     """A JSON-schema request (never drafts) next to free requests that draft: the constraint holds, and the free
-    requests get exactly their tokens without speculation."""
+    requests get exactly their tokens without speculation. In both mask modes: checked first, a speculative
+    batch's constrained rows get their masks before the forward."""
     import json
 
     import jsonschema
@@ -341,6 +343,7 @@ def test_constrained_and_free_requests_share_a_speculative_batch():
     params = [free, free, SamplingParams(temperature=0, max_tokens=60,
                                          structured_outputs=StructuredOutputsParams(json=schema))]
     spec_llm = LLM(dtype="float32", num_threads=1, speculative_config=NGRAM)
+    spec_llm.llm_engine.structured_output.overlap_masks = overlap_masks
     got = spec_llm.generate(prompts, params, use_tqdm=False)
     want = LLM(dtype="float32", num_threads=1).generate(prompts[:2], free, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got[:2]] == [o.outputs[0].token_ids for o in want]
