@@ -202,24 +202,35 @@ inline void softmax_update2(__m512& a, __mmask16 va, __m512& b, __mmask16 vb, fl
   m = m_new;
 }
 
-// One query head (q: its d values in the model dtype, qf: the same in float32) over the first n keys of a chunk,
-// online softmax: m, l and acc (d floats, the running sum of exp(score - m) * value) are rescaled once and updated.
+// One query head (q: its d values in the model dtype, qf: the same in float32) over the first n0 keys of a chunk
+// (k0) and the first n1 of the chunk after it (k1; none when n1 = 0), online softmax: m, l and acc (d floats, the
+// running sum of exp(score - m) * value) are rescaled once for both and updated. v_rows: both chunks' value rows,
+// the second's from index n0 (a first chunk followed by a second one is full: n0 = kChunk).
 template <typename TQ, typename T, typename TV>
-inline void attend_chunk(const TQ* q, const float* qf, const T* const* k_rows, int64_t k_offset,
-                         const TV* const* v_rows, int64_t v_offset, int64_t d, int64_t n, float scale, float* acc,
-                         float& m, float& l) {
-  const int64_t offset = k_offset;
-  __m512 sc;
+inline void attend_chunks(const TQ* q, const float* qf, const T* const* k0, const T* const* k1, int64_t k_offset,
+                          const TV* const* v_rows, int64_t v_offset, int64_t d, int64_t n0, int64_t n1, float scale,
+                          float* acc, float& m, float& l) {
+  const auto score = [&](const T* const* k) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<TQ, bf16> && std::is_same_v<T, bf16>) {
-    sc = d % 32 == 0 ? score_chunk_bf16(q, k_rows, offset, d) : score_chunk(qf, k_rows, offset, d);
-  } else
+    if constexpr (std::is_same_v<TQ, bf16> && std::is_same_v<T, bf16>) {
+      if (d % 32 == 0) return score_chunk_bf16(q, k, k_offset, d);
+    }
 #endif
-    sc = score_chunk(qf, k_rows, offset, d);
+    return score_chunk(qf, k, k_offset, d);
+  };
+  const __mmask16 valid0 = static_cast<__mmask16>((1u << n0) - 1);
+  __m512 sc0 = score(k0);
   float alpha;
-  const __m512 pv = softmax_update(sc, static_cast<__mmask16>((1u << n) - 1), scale, m, l, alpha);
-  alignas(64) float p[kChunk];
-  _mm512_store_ps(p, pv);
+  alignas(64) float p[2 * kChunk];
+  if (n1 > 0) {
+    __m512 sc1 = score(k1);
+    softmax_update2(sc0, valid0, sc1, static_cast<__mmask16>((1u << n1) - 1), scale, m, l, alpha);
+    _mm512_store_ps(p + kChunk, sc1);
+  } else {
+    sc0 = softmax_update(sc0, valid0, scale, m, l, alpha);
+  }
+  _mm512_store_ps(p, sc0);
+  const int64_t n = n0 + n1;
   const __m512 av = _mm512_set1_ps(alpha);
   int64_t c = 0;
   for (; c + 64 <= d; c += 64) accumulate_values<4>(acc + c, av, p, v_rows, v_offset + c, n);
@@ -231,9 +242,9 @@ inline void attend_chunk(const TQ* q, const float* qf, const T* const* k_rows, i
   }
 }
 
-// `attend` for head_dim % 16 == 0 on AVX-512: one pass over the tokens in chunks of 16 with an online softmax.
-// Each chunk's K/V rows (every KV head) are read from memory once and stay in cache while all query heads use
-// them; a query head's 16 scores come out of one reduction tree; acc, m and l are rescaled once per chunk.
+// `attend` for head_dim % 16 == 0 on AVX-512: one pass over the tokens in steps of two 16-token chunks with an
+// online softmax (one update per 32 keys). Each step's K/V rows (every KV head) are read from memory once and stay
+// in cache while all query heads use them; a query head's 16 scores per chunk come out of one reduction tree.
 template <typename TQ, typename T>
 void attend_avx512(const TQ* q, float scale, const T* k_cache, const T* v_cache, const int64_t* table, int64_t t0,
                    int64_t t1, const Shape& s, float* qf, float* acc, float* m, float* l) {
@@ -243,11 +254,23 @@ void attend_avx512(const TQ* q, float scale, const T* k_cache, const T* v_cache,
   std::fill(acc, acc + heads * d, 0.f);
   std::fill(l, l + heads, 0.f);
   std::fill(m, m + heads, kNoScore);
+  const T* first_keys[kChunk];
+  const T* values[2 * kChunk];
   for (ChunkWalker<T> w(k_cache, v_cache, table, s.block_size, row, t0, t1, 0, row); !w.done(); w.advance()) {
+    // the step's first chunk, then its second if any (as in attend_bf16_grouped)
     w.prefetch_next();
+    const int64_t n0 = w.size();
+    std::copy(w.keys(), w.keys() + kChunk, first_keys);
+    std::copy(w.values(), w.values() + kChunk, values);
+    w.advance();
+    const bool two = !w.done();
+    if (two) w.prefetch_next();
+    const int64_t n1 = two ? w.size() : 0;
+    if (two) std::copy(w.values(), w.values() + kChunk, values + kChunk);
     for (int64_t h = 0; h < heads; ++h)
-      attend_chunk(q + h * d, qf + h * d, w.keys(), (h / group) * d, w.values(), (h / group) * d, d, w.size(), scale,
-                   acc + h * d, m[h], l[h]);
+      attend_chunks(q + h * d, qf + h * d, first_keys, w.keys(), (h / group) * d, values, (h / group) * d, d, n0, n1,
+                    scale, acc + h * d, m[h], l[h]);
+    if (!two) break;
   }
 }
 
@@ -437,8 +460,8 @@ void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_
           const int64_t visible = std::min(w.size(), first + t - c0 + 1);
           for (int64_t g = 0; g < group; ++g) {
             const int64_t r = (t - a) * group + g;
-            attend_chunk(q + t * q_stride + (kvh * group + g) * d, qf.data() + r * d, kb_rows, 0, vf_rows, 0,
-                         d, visible, scale, acc.data() + r * d, m[r], l[r]);
+            attend_chunks(q + t * q_stride + (kvh * group + g) * d, qf.data() + r * d, kb_rows, kb_rows, 0,
+                          vf_rows, 0, d, visible, 0, scale, acc.data() + r * d, m[r], l[r]);
           }
         }
       }
