@@ -202,28 +202,17 @@ inline void softmax_update2(__m512& a, __mmask16 va, __m512& b, __mmask16 vb, fl
   m = m_new;
 }
 
-// One query head (q: its d values in the model dtype, qf: the same in float32) over the first n0 keys of a chunk
-// (k0) and the first n1 of the chunk after it (k1; none when n1 = 0), online softmax: m, l and acc (d floats, the
-// running sum of exp(score - m) * value) are rescaled once for both and updated. v_rows: both chunks' value rows,
-// the second's from index n0 (a first chunk followed by a second one is full: n0 = kChunk).
-template <typename TQ, typename T, typename TV>
-inline void attend_chunks(const TQ* q, const float* qf, const T* const* k0, const T* const* k1, int64_t k_offset,
-                          const TV* const* v_rows, int64_t v_offset, int64_t d, int64_t n0, int64_t n1, float scale,
-                          float* acc, float& m, float& l) {
-  const auto score = [&](const T* const* k) {
-#if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<TQ, bf16> && std::is_same_v<T, bf16>) {
-      if (d % 32 == 0) return score_chunk_bf16(q, k, k_offset, d);
-    }
-#endif
-    return score_chunk(qf, k, k_offset, d);
-  };
+// Online softmax of one query head over the scores sc0 of the first n0 keys of a chunk and sc1 of the first n1 of
+// the chunk after it (none when n1 = 0): m, l and acc (d floats, the running sum of exp(score - m) * value) are
+// rescaled once for both and updated. v_rows: both chunks' value rows, the second's from index n0 (a first chunk
+// followed by a second one is full: n0 = kChunk).
+template <typename TV>
+inline void attend_scored(__m512 sc0, __m512 sc1, const TV* const* v_rows, int64_t v_offset, int64_t d, int64_t n0,
+                          int64_t n1, float scale, float* acc, float& m, float& l) {
   const __mmask16 valid0 = static_cast<__mmask16>((1u << n0) - 1);
-  __m512 sc0 = score(k0);
   float alpha;
   alignas(64) float p[2 * kChunk];
   if (n1 > 0) {
-    __m512 sc1 = score(k1);
     softmax_update2(sc0, valid0, sc1, static_cast<__mmask16>((1u << n1) - 1), scale, m, l, alpha);
     _mm512_store_ps(p + kChunk, sc1);
   } else {
@@ -240,6 +229,36 @@ inline void attend_chunks(const TQ* q, const float* qf, const T* const* k0, cons
     case 1: accumulate_values<1>(acc + c, av, p, v_rows, v_offset + c, n); break;
     default: break;
   }
+}
+
+// attend_scored for one query head (q: its d values in the model dtype, qf: the same in float32) against the keys
+// k0 (n0 of them) and k1 (n1; none when 0).
+template <typename TQ, typename T, typename TV>
+inline void attend_chunks(const TQ* q, const float* qf, const T* const* k0, const T* const* k1, int64_t k_offset,
+                          const TV* const* v_rows, int64_t v_offset, int64_t d, int64_t n0, int64_t n1, float scale,
+                          float* acc, float& m, float& l) {
+  const auto score = [&](const T* const* k) {
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<TQ, bf16> && std::is_same_v<T, bf16>) {
+      if (d % 32 == 0) return score_chunk_bf16(q, k, k_offset, d);
+    }
+#endif
+    return score_chunk(qf, k, k_offset, d);
+  };
+  attend_scored(score(k0), n1 > 0 ? score(k1) : _mm512_setzero_ps(), v_rows, v_offset, d, n0, n1, scale, acc, m, l);
+}
+
+// Scores of R query rows (qf: R rows of d floats) against a chunk's keys transposed (kt[e * kChunk + i] = key i's
+// value e): lane i of out[r] = q_r . k_i. R independent FMA chains, one broadcast per row and dim, no reduction.
+template <int R>
+inline void score_rows(const float* qf, int64_t d, const float* kt, __m512* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t e = 0; e < d; ++e) {
+    const __m512 kv = _mm512_loadu_ps(kt + e * kChunk);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r * d + e]), kv, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
 // `attend` for head_dim % 16 == 0 on AVX-512: one pass over the tokens in steps of two 16-token chunks with an
@@ -433,10 +452,9 @@ void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_
   for_each_prefill_tile(n, s.num_kv_heads, [&] {
     return [&, qf = std::vector<float>(max_rows * d), acc = std::vector<float>(max_rows * d),
             m = std::vector<float>(max_rows), l = std::vector<float>(max_rows), vf = std::vector<float>(kChunk * d),
-            kb = std::vector<T>(kChunk * d)](int64_t kvh, int64_t a, int64_t b) mutable {
+            kt = std::vector<float>(kChunk * d)](int64_t kvh, int64_t a, int64_t b) mutable {
       const float* vf_rows[kChunk];
-      const T* kb_rows[kChunk];
-      for (int64_t i = 0; i < kChunk; ++i) vf_rows[i] = vf.data() + i * d, kb_rows[i] = kb.data() + i * d;
+      for (int64_t i = 0; i < kChunk; ++i) vf_rows[i] = vf.data() + i * d;
       const int64_t rows = (b - a) * group;
       for (int64_t r = 0; r < rows; ++r) {
         const TQ* src = q + (a + r / group) * q_stride + (kvh * group + r % group) * d;
@@ -449,19 +467,30 @@ void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_
            w.advance()) {
         w.prefetch_next();
         const int64_t c0 = w.start();
-        // The chunk's keys copied together and its values in float32, once for all rows of the tile: rows of the
-        // cache lie a whole K/V row apart (4 KiB for Qwen3 in float32), so 16 of them would share an L1 set.
+        // The chunk's keys transposed and its values, in float32, once for all rows of the tile (lanes past the
+        // chunk's end repeat its first key: scored, then masked out). Rows of the cache lie a whole K/V row apart
+        // (4 KiB for Qwen3 in float32), so reading them in place, 16 would share an L1 set.
         for (int64_t i = 0; i < kChunk; ++i) {
-          std::memcpy(kb.data() + i * d, w.keys()[i] + kvh * d, d * sizeof(T));
+          const T* k = w.keys()[i] + kvh * d;
           const T* v = w.values()[i] + kvh * d;
-          for (int64_t e = 0; e < d; ++e) vf[i * d + e] = to_float(v[e]);
+          for (int64_t e = 0; e < d; ++e) kt[e * kChunk + i] = to_float(k[e]), vf[i * d + e] = to_float(v[e]);
         }
-        for (int64_t t = std::max(a, c0 - first); t < b; ++t) {  // the tile's tokens that see this chunk
-          const int64_t visible = std::min(w.size(), first + t - c0 + 1);
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t r = (t - a) * group + g;
-            attend_chunks(q + t * q_stride + (kvh * group + g) * d, qf.data() + r * d, kb_rows, kb_rows, 0,
-                          vf_rows, 0, d, visible, 0, scale, acc.data() + r * d, m[r], l[r]);
+        // the tile's rows (token, head) that see this chunk, four at a time: their scores from one pass over kt
+        const int64_t r0 = (std::max(a, c0 - first) - a) * group;
+        for (int64_t r = r0; r < rows; r += 4) {
+          const int64_t nr = std::min<int64_t>(4, rows - r);
+          __m512 sc[4];
+          switch (nr) {
+            case 4: score_rows<4>(qf.data() + r * d, d, kt.data(), sc); break;
+            case 3: score_rows<3>(qf.data() + r * d, d, kt.data(), sc); break;
+            case 2: score_rows<2>(qf.data() + r * d, d, kt.data(), sc); break;
+            default: score_rows<1>(qf.data() + r * d, d, kt.data(), sc); break;
+          }
+          for (int64_t j = 0; j < nr; ++j) {
+            const int64_t t = a + (r + j) / group;
+            const int64_t visible = std::min(w.size(), first + t - c0 + 1);
+            attend_scored(sc[j], _mm512_setzero_ps(), vf_rows, 0, d, visible, 0, scale, acc.data() + (r + j) * d,
+                          m[r + j], l[r + j]);
           }
         }
       }
