@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 using ps::bf16;
@@ -153,6 +154,19 @@ class ChunkWalker {
       }
   }
   void advance() { c0_ += kChunk, cur_ ^= 1; }
+  // One step of the two-chunk kernels: the current chunk's row pointers copied out (it is full whenever a second
+  // follows: only a range's last chunk is short), the walker moved to the chunk after it, each prefetched ahead.
+  // Returns the two chunks' sizes; the second is 0 when the range ended with the first.
+  std::pair<int64_t, int64_t> take_two(const T** first_keys, const T** first_values) {
+    prefetch_next();
+    const int64_t n0 = size();
+    std::copy(keys(), keys() + kChunk, first_keys);
+    std::copy(values(), values() + kChunk, first_values);
+    advance();
+    if (done()) return {n0, 0};
+    prefetch_next();  // the second chunk's slot now fetches the chunk after it
+    return {n0, size()};
+  }
 
  private:
   void fill(int64_t c0, const T* (*rows)[kChunk]) {
@@ -276,15 +290,8 @@ void attend_avx512(const TQ* q, float scale, const T* k_cache, const T* v_cache,
   const T* first_keys[kChunk];
   const T* values[2 * kChunk];
   for (ChunkWalker<T> w(k_cache, v_cache, table, s.block_size, row, t0, t1, 0, row); !w.done(); w.advance()) {
-    // the step's first chunk, then its second if any (as in attend_bf16_grouped)
-    w.prefetch_next();
-    const int64_t n0 = w.size();
-    std::copy(w.keys(), w.keys() + kChunk, first_keys);
-    std::copy(w.values(), w.values() + kChunk, values);
-    w.advance();
-    const bool two = !w.done();
-    if (two) w.prefetch_next();
-    const int64_t n1 = two ? w.size() : 0;
+    const auto [n0, n1] = w.take_two(first_keys, values);
+    const bool two = n1 > 0;
     if (two) std::copy(w.values(), w.values() + kChunk, values + kChunk);
     for (int64_t h = 0; h < heads; ++h)
       attend_chunks(q + h * d, qf + h * d, first_keys, w.keys(), (h / group) * d, values, (h / group) * d, d, n0, n1,
@@ -374,16 +381,8 @@ void attend_bf16_grouped(const bf16* q, float scale, const bf16* k_cache, const 
   const bf16* first_keys[kChunk];
   const bf16* first_values[kChunk];
   for (ChunkWalker<bf16> w(k_cache, v_cache, table, s.block_size, row, t0, t1, 0, row); !w.done(); w.advance()) {
-    // The step's first chunk (full whenever a second one follows: only a range's last chunk is short) ...
-    w.prefetch_next();
-    const int64_t n0 = w.size();
-    std::copy(w.keys(), w.keys() + kChunk, first_keys);
-    std::copy(w.values(), w.values() + kChunk, first_values);
-    // ... and its second, if any (its slot's prefetch then fetches the chunk after it).
-    w.advance();
-    const bool two = !w.done();
-    if (two) w.prefetch_next();
-    const int64_t n1 = two ? w.size() : 0;
+    const auto [n0, n1] = w.take_two(first_keys, first_values);
+    const bool two = n1 > 0;
     const __mmask16 valid0 = static_cast<__mmask16>((1u << n0) - 1), valid1 = static_cast<__mmask16>((1u << n1) - 1);
     // an odd count pairs the last token with a masked (p = 0) lane
     const int64_t pairs0 = (n0 + 1) / 2, pairs = two ? kPairs + (n1 + 1) / 2 : pairs0;
