@@ -110,18 +110,39 @@ inline __m512 score_chunk_bf16(const bf16* q, const bf16* const* k, int64_t offs
 }
 #endif
 
-// a[0 .. 16 NC) = alpha a + sum over the chunk's tokens i of p[i] v_i[offset ..]: NC independent FMA chains in
-// registers (one long chain through memory would wait on its own latency every step).
-template <int NC, typename T>
-inline void accumulate_values(float* a, __m512 alpha, const float* p, const T* const* v_rows, int64_t offset,
-                              int64_t n) {
-  __m512 o[NC];
-  for (int c = 0; c < NC; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), alpha);
+// For NR rows r at once: a[r][c .. c + 16 NC) = alpha[r] a[r][c ..] + sum over the tokens i < n of p[r][i]
+// v_i[offset ..]. NR x NC independent FMA chains in registers (one long chain through memory would wait on its own
+// latency every step), each value vector loaded once for all NR rows.
+template <int NR, int NC, typename T>
+inline void accumulate_values(float* const* a, int64_t c, const float* alpha, const float* const* p,
+                              const T* const* v_rows, int64_t offset, int64_t n) {
+  __m512 o[NR][NC];
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < NC; ++j) o[r][j] = _mm512_mul_ps(_mm512_loadu_ps(a[r] + c + 16 * j), _mm512_set1_ps(alpha[r]));
   for (int64_t i = 0; i < n; ++i) {
-    const __m512 pi = _mm512_set1_ps(p[i]);
-    for (int c = 0; c < NC; ++c) o[c] = _mm512_fmadd_ps(pi, ps::load16(v_rows[i] + offset + 16 * c), o[c]);
+    __m512 v[NC];
+    for (int j = 0; j < NC; ++j) v[j] = ps::load16(v_rows[i] + offset + 16 * j);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 pi = _mm512_set1_ps(p[r][i]);
+      for (int j = 0; j < NC; ++j) o[r][j] = _mm512_fmadd_ps(pi, v[j], o[r][j]);
+    }
   }
-  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(a + 16 * c, o[c]);
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < NC; ++j) _mm512_storeu_ps(a[r] + c + 16 * j, o[r][j]);
+}
+
+// accumulate_values over all d dims (d % 16 == 0), in slabs of up to 64.
+template <int NR, typename T>
+inline void sum_values(float* const* a, const float* alpha, const float* const* p, const T* const* v_rows,
+                       int64_t offset, int64_t d, int64_t n) {
+  int64_t c = 0;
+  for (; c + 64 <= d; c += 64) accumulate_values<NR, 4>(a, c, alpha, p, v_rows, offset + c, n);
+  switch ((d - c) / 16) {
+    case 3: accumulate_values<NR, 3>(a, c, alpha, p, v_rows, offset + c, n); break;
+    case 2: accumulate_values<NR, 2>(a, c, alpha, p, v_rows, offset + c, n); break;
+    case 1: accumulate_values<NR, 1>(a, c, alpha, p, v_rows, offset + c, n); break;
+    default: break;
+  }
 }
 
 // Walks a sequence's tokens [t0, t1) through its block table in chunks of kChunk: the K and V row pointers of the
@@ -233,16 +254,8 @@ inline void attend_scored(__m512 sc0, __m512 sc1, const TV* const* v_rows, int64
     sc0 = softmax_update(sc0, valid0, scale, m, l, alpha);
   }
   _mm512_store_ps(p, sc0);
-  const int64_t n = n0 + n1;
-  const __m512 av = _mm512_set1_ps(alpha);
-  int64_t c = 0;
-  for (; c + 64 <= d; c += 64) accumulate_values<4>(acc + c, av, p, v_rows, v_offset + c, n);
-  switch ((d - c) / 16) {
-    case 3: accumulate_values<3>(acc + c, av, p, v_rows, v_offset + c, n); break;
-    case 2: accumulate_values<2>(acc + c, av, p, v_rows, v_offset + c, n); break;
-    case 1: accumulate_values<1>(acc + c, av, p, v_rows, v_offset + c, n); break;
-    default: break;
-  }
+  const float* rows_p[1] = {p};
+  sum_values<1>(&acc, &alpha, rows_p, v_rows, v_offset, d, n0 + n1);
 }
 
 // attend_scored for one query head (q: its d values in the model dtype, qf: the same in float32) against the keys
@@ -485,11 +498,24 @@ void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_
             case 2: score_rows<2>(qf.data() + r * d, d, kt.data(), sc); break;
             default: score_rows<1>(qf.data() + r * d, d, kt.data(), sc); break;
           }
+          // each row's softmax step, then the value sums of all nr rows together (p = 0 past a row's visible keys)
+          alignas(64) float p[4][kChunk];
+          const float* pr[4] = {p[0], p[1], p[2], p[3]};
+          float alpha[4];
+          float* ar[4];
+          int64_t most = 0;
           for (int64_t j = 0; j < nr; ++j) {
-            const int64_t t = a + (r + j) / group;
-            const int64_t visible = std::min(w.size(), first + t - c0 + 1);
-            attend_scored(sc[j], _mm512_setzero_ps(), vf_rows, 0, d, visible, 0, scale, acc.data() + (r + j) * d,
-                          m[r + j], l[r + j]);
+            const int64_t visible = std::min(w.size(), first + a + (r + j) / group - c0 + 1);
+            const __mmask16 valid = static_cast<__mmask16>((1u << visible) - 1);
+            _mm512_store_ps(p[j], softmax_update(sc[j], valid, scale, m[r + j], l[r + j], alpha[j]));
+            ar[j] = acc.data() + (r + j) * d;
+            most = std::max(most, visible);
+          }
+          switch (nr) {
+            case 4: sum_values<4>(ar, alpha, pr, vf_rows, 0, d, most); break;
+            case 3: sum_values<3>(ar, alpha, pr, vf_rows, 0, d, most); break;
+            case 2: sum_values<2>(ar, alpha, pr, vf_rows, 0, d, most); break;
+            default: sum_values<1>(ar, alpha, pr, vf_rows, 0, d, most); break;
           }
         }
       }
