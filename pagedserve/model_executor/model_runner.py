@@ -18,6 +18,7 @@ from pagedserve.config import SpeculativeConfig
 from pagedserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedserve.model_executor.attention import AttentionMetadata
 from pagedserve.model_executor.cuda_graphs import DecodeGraphs, wants_cuda_graphs
+from pagedserve.model_executor.host_allocator import keep_freed_memory
 from pagedserve.model_executor.input_batch import TokenSpan, prepare_batch, runs_as_decode
 from pagedserve.model_executor.model_config import ModelConfig
 from pagedserve.model_executor.models.llama import LlamaForCausalLM
@@ -117,6 +118,8 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype  # a bfloat16 cache halves what decode attention streams
         self.block_size = block_size
+        if device.type == "cpu":
+            keep_freed_memory()  # each step's activations reuse the last step's pages (host_allocator.py)
         self.linear_backend = self._pick_linear_backend(linear_backend, quantization)
         self.model = load_model(model_config, device, dtype, self.linear_backend, parallel)
         self.sampler = Sampler()

@@ -1,0 +1,39 @@
+"""glibc's malloc set for a forward loop that allocates the same large activations every step.
+
+By default glibc serves large blocks (from 128 KiB; the threshold adapts, up to 32 MiB) with fresh mmap pages and
+returns free memory at the top of the heap to the OS once it exceeds twice that threshold. A step's activations are
+tens of MB (a 2048-token float32 prefill of SmolLM2 writes 25 MB out of one MLP product), so every step faulted them
+back in and the kernel zeroed them: 85,000-240,000 page faults in a prefill-heavy run of 7 steps. With the mmap
+threshold pinned at its maximum and the heap never trimmed, freed blocks serve the next step (BENCHMARKS.md
+section 7, "Host memory"). This is what a caching allocator (tcmalloc, which vLLM's CPU backend asks users to
+preload) does; PAGEDSERVE_KEEP_FREED_MEMORY=0 leaves glibc's defaults.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+logger = logging.getLogger("pagedserve")
+
+ENV_KEEP_FREED_MEMORY = "PAGEDSERVE_KEEP_FREED_MEMORY"
+M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
+M_MMAP_THRESHOLD = -3
+MAX_MMAP_THRESHOLD = 32 << 20  # glibc's upper limit on 64-bit systems
+NEVER_TRIM = 2**31 - 1  # the largest value mallopt's int takes
+
+
+def keep_freed_memory() -> bool:
+    """Set glibc's malloc to keep freed memory for reuse (see the module docstring). Returns whether it did: False
+    when disabled by PAGEDSERVE_KEEP_FREED_MEMORY=0 or when the C library is not glibc."""
+    if os.environ.get(ENV_KEEP_FREED_MEMORY, "1") == "0":
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS): its allocator is left as it is
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    done = mallopt(M_MMAP_THRESHOLD, MAX_MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, NEVER_TRIM) == 1
+    if not done:
+        logger.warning("mallopt refused the allocator settings; glibc's defaults stay (more page faults per step).")
+    return done
