@@ -288,6 +288,30 @@ inline void score_rows(const float* qf, int64_t d, const float* kt, __m512* out)
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
+// NR consecutive rows of a float32 prefill tile (qf, acc: d floats per row; m, l: one per row; visible[j]: how many
+// of the chunk's keys row j sees) against one chunk (kt: its keys transposed; vf_rows: its values in float32): the
+// scores from one pass over kt, one online-softmax step per row, then the value sums of all NR rows together, each
+// value vector loaded once for all of them (p = 0 past a row's visible keys).
+template <int NR>
+inline void prefill_rows(const float* qf, const float* kt, const float* const* vf_rows, const int64_t* visible,
+                         int64_t d, float scale, float* acc, float* m, float* l) {
+  __m512 sc[NR];
+  score_rows<NR>(qf, d, kt, sc);
+  alignas(64) float p[NR][kChunk];
+  const float* pr[NR];
+  float* ar[NR];
+  float alpha[NR];
+  int64_t most = 0;
+  for (int j = 0; j < NR; ++j) {
+    const __mmask16 valid = static_cast<__mmask16>((1u << visible[j]) - 1);
+    _mm512_store_ps(p[j], softmax_update(sc[j], valid, scale, m[j], l[j], alpha[j]));
+    pr[j] = p[j];
+    ar[j] = acc + j * d;
+    most = std::max(most, visible[j]);
+  }
+  sum_values<NR>(ar, alpha, pr, vf_rows, 0, d, most);
+}
+
 // `attend` for head_dim % 16 == 0 on AVX-512: one pass over the tokens in steps of two 16-token chunks with an
 // online softmax (one update per 32 keys). Each step's K/V rows (every KV head) are read from memory once and stay
 // in cache while all query heads use them; a query head's 16 scores per chunk come out of one reduction tree.
@@ -487,35 +511,18 @@ void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_
           const T* v = w.values()[i] + kvh * d;
           for (int64_t e = 0; e < d; ++e) kt[e * kChunk + i] = to_float(k[e]), vf[i * d + e] = to_float(v[e]);
         }
-        // the tile's rows (token, head) that see this chunk, four at a time: their scores from one pass over kt
-        const int64_t r0 = (std::max(a, c0 - first) - a) * group;
-        for (int64_t r = r0; r < rows; r += 4) {
+        // the tile's rows (token, head) that see this chunk, four at a time
+        for (int64_t r = (std::max(a, c0 - first) - a) * group; r < rows; r += 4) {
           const int64_t nr = std::min<int64_t>(4, rows - r);
-          __m512 sc[4];
+          int64_t visible[4];
+          for (int64_t j = 0; j < nr; ++j) visible[j] = std::min(w.size(), first + a + (r + j) / group - c0 + 1);
+          const float* qr = qf.data() + r * d;
+          float* ar = acc.data() + r * d;
           switch (nr) {
-            case 4: score_rows<4>(qf.data() + r * d, d, kt.data(), sc); break;
-            case 3: score_rows<3>(qf.data() + r * d, d, kt.data(), sc); break;
-            case 2: score_rows<2>(qf.data() + r * d, d, kt.data(), sc); break;
-            default: score_rows<1>(qf.data() + r * d, d, kt.data(), sc); break;
-          }
-          // each row's softmax step, then the value sums of all nr rows together (p = 0 past a row's visible keys)
-          alignas(64) float p[4][kChunk];
-          const float* pr[4] = {p[0], p[1], p[2], p[3]};
-          float alpha[4];
-          float* ar[4];
-          int64_t most = 0;
-          for (int64_t j = 0; j < nr; ++j) {
-            const int64_t visible = std::min(w.size(), first + a + (r + j) / group - c0 + 1);
-            const __mmask16 valid = static_cast<__mmask16>((1u << visible) - 1);
-            _mm512_store_ps(p[j], softmax_update(sc[j], valid, scale, m[r + j], l[r + j], alpha[j]));
-            ar[j] = acc.data() + (r + j) * d;
-            most = std::max(most, visible);
-          }
-          switch (nr) {
-            case 4: sum_values<4>(ar, alpha, pr, vf_rows, 0, d, most); break;
-            case 3: sum_values<3>(ar, alpha, pr, vf_rows, 0, d, most); break;
-            case 2: sum_values<2>(ar, alpha, pr, vf_rows, 0, d, most); break;
-            default: sum_values<1>(ar, alpha, pr, vf_rows, 0, d, most); break;
+            case 4: prefill_rows<4>(qr, kt.data(), vf_rows, visible, d, scale, ar, m.data() + r, l.data() + r); break;
+            case 3: prefill_rows<3>(qr, kt.data(), vf_rows, visible, d, scale, ar, m.data() + r, l.data() + r); break;
+            case 2: prefill_rows<2>(qr, kt.data(), vf_rows, visible, d, scale, ar, m.data() + r, l.data() + r); break;
+            default: prefill_rows<1>(qr, kt.data(), vf_rows, visible, d, scale, ar, m.data() + r, l.data() + r);
           }
         }
       }
