@@ -349,6 +349,14 @@ void attend_avx512(const TQ* q, float scale, const T* k_cache, const T* v_cache,
 constexpr int64_t kMaxDim = 256;
 constexpr int64_t kPairs = kChunk / 2;
 
+// acc + pairs(v) . pairs(broadcast *p): VDPBF16PS with its pair broadcast from memory inside the instruction
+// ({1to16}), so no shuffle uop competes with the dot products (the compiler splits a set1 into vpbroadcastd, and
+// into shifts plus a register broadcast when it has kept the pairs in a register).
+inline __m512 dot_pairs_broadcast(__m512 acc, __m512bh v, const uint32_t* p) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(v), "m"(*p));
+  return acc;
+}
+
 // A chunk's value rows (at `offset`), interleaved in token pairs: vp[(j * d/32 + b) * 2 + {0, 1}] = the lo and hi
 // unpack of tokens 2j and 2j+1 over dims 32b .. 32b+32.
 inline void interleave_value_pairs(const bf16* const* v_rows, int64_t offset, int64_t d, int64_t pairs, __m512i* vp) {
@@ -378,9 +386,8 @@ inline void accumulate_pairs(float* const* acc, const float* alpha, const uint32
     for (int64_t j = 0; j < pairs; ++j) {
       const __m512bh vlo = (__m512bh)vp[(j * blocks + b) * 2], vhi = (__m512bh)vp[(j * blocks + b) * 2 + 1];
       for (int r = 0; r < NR; ++r) {
-        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r][j]));
-        lo[r] = _mm512_dpbf16_ps(lo[r], vlo, p);
-        hi[r] = _mm512_dpbf16_ps(hi[r], vhi, p);
+        lo[r] = dot_pairs_broadcast(lo[r], vlo, &pp[r][j]);
+        hi[r] = dot_pairs_broadcast(hi[r], vhi, &pp[r][j]);
       }
     }
     for (int r = 0; r < NR; ++r) {
@@ -548,8 +555,8 @@ inline void prefill_rows_bf16(const uint32_t* const* q, const int64_t* visible, 
   for (int64_t j = 0; j < d / 2; j += 2) {
     const __m512bh k0 = (__m512bh)kp[j], k1 = (__m512bh)kp[j + 1];
     for (int r = 0; r < NR; ++r) {
-      s0[r] = _mm512_dpbf16_ps(s0[r], k0, (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r][j])));
-      s1[r] = _mm512_dpbf16_ps(s1[r], k1, (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r][j + 1])));
+      s0[r] = dot_pairs_broadcast(s0[r], k0, q[r] + j);
+      s1[r] = dot_pairs_broadcast(s1[r], k1, q[r] + j + 1);
     }
   }
   alignas(64) uint32_t pp[NR][kPairs];
