@@ -543,60 +543,76 @@ void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_
 }
 
 #if defined(__AVX512BF16__)
-// NR rows (query pairs q[r], each row's `visible` keys of the chunk) of a prefill tile against a chunk whose keys are
-// transposed into pairs (kp[j] lane i: dims 2j, 2j+1 of key i) and values interleaved (vp): each row's 16 scores come
-// straight out of VDPBF16PS with its query pairs broadcast (lane i = key i, no reduction tree), each kp vector
-// serving all NR rows; then one online-softmax step per row and the value sums of all NR rows together.
+// NR rows (query pairs q[r], each row's `visible` keys of the step's 32) of a prefill tile against two chunks whose
+// keys are transposed into pairs (kp[j] lane i: dims 2j, 2j+1 of key i of the first chunk, kp[d/2 + j] the same for
+// the second) and values interleaved (vp): each row's 2 x 16 scores come straight out of VDPBF16PS with its query
+// pairs broadcast (lane i = key i, no reduction tree), each broadcast serving both chunks and each kp vector all NR
+// rows; then one online-softmax step per row for all 32 keys (half the softmax work per key of a 16-key step) and
+// the value sums of all NR rows together.
 template <int NR>
 inline void prefill_rows_bf16(const uint32_t* const* q, const int64_t* visible, const __m512i* kp, const __m512i* vp,
                               int64_t d, float scale, float* const* acc, float* m, float* l) {
-  __m512 s0[NR], s1[NR];  // two chains per row: VDPBF16PS's latency
+  __m512 s0[NR], s1[NR];  // the two chunks' scores: two independent chains per row
   for (int r = 0; r < NR; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < d / 2; j += 2) {
-    const __m512bh k0 = (__m512bh)kp[j], k1 = (__m512bh)kp[j + 1];
+  const int64_t half = d / 2;
+  for (int64_t j = 0; j < half; ++j) {
+    const __m512bh k0 = (__m512bh)kp[j], k1 = (__m512bh)kp[half + j];
     for (int r = 0; r < NR; ++r) {
-      s0[r] = dot_pairs_broadcast(s0[r], k0, q[r] + j);
-      s1[r] = dot_pairs_broadcast(s1[r], k1, q[r] + j + 1);
+      const __m512bh qj = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r][j]));
+      s0[r] = _mm512_dpbf16_ps(s0[r], k0, qj);
+      s1[r] = _mm512_dpbf16_ps(s1[r], k1, qj);
     }
   }
-  alignas(64) uint32_t pp[NR][kPairs];
+  alignas(64) uint32_t pp[NR][2 * kPairs];
   float alpha[NR];
   int64_t most = 0;
+  // Unrolled, and the scores copied out: with s0 / s1 indexed by a run-time r (or passed by reference) GCC keeps
+  // them on the stack and stores all eight accumulators on every step of the loop above (measured ~1.45x slower).
+#pragma GCC unroll 4
   for (int r = 0; r < NR; ++r) {
-    const __m512 pv = softmax_update(_mm512_add_ps(s0[r], s1[r]), static_cast<__mmask16>((1u << visible[r]) - 1),
-                                     scale, m[r], l[r], alpha[r]);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]), (__m256i)_mm512_cvtneps_pbh(pv));
+    const int64_t v0 = std::min(visible[r], kChunk), v1 = visible[r] - v0;
+    __m512 p0 = s0[r], p1 = s1[r];
+    softmax_update2(p0, static_cast<__mmask16>((1u << v0) - 1), p1, static_cast<__mmask16>((1u << v1) - 1), scale,
+                    m[r], l[r], alpha[r]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]), (__m256i)_mm512_cvtneps_pbh(p0));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r] + kPairs), (__m256i)_mm512_cvtneps_pbh(p1));
     most = std::max(most, visible[r]);
   }
-  accumulate_pairs<NR>(acc, alpha, pp, vp, d, (most + 1) / 2);
+  accumulate_pairs<NR, 2 * kPairs>(acc, alpha, pp, vp, d, (most + 1) / 2);
 }
 
-// prefill_kernel on the bfloat16 path: per key chunk and tile, the keys transposed into pairs and the values
-// interleaved once, then the tile's (token, head) rows four at a time (prefill_rows_bf16).
+// prefill_kernel on the bfloat16 path: per step of two key chunks and per tile, the keys transposed into pairs and
+// the values interleaved once, then the tile's (token, head) rows four at a time (prefill_rows_bf16).
 void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, const bf16* v_cache,
                          const int64_t* table, int64_t n, int64_t first, bf16* out, int64_t out_stride, const Shape& s,
                          float scale) {
   const int64_t d = s.head_dim, group = s.num_heads / s.num_kv_heads, row = s.num_kv_heads * d;
-  const int64_t max_rows = kPrefillTile * group;
+  const int64_t max_rows = kPrefillTile * group, blocks = d / 32;
   for_each_prefill_tile(n, s.num_kv_heads, [&] {
     return [&, acc = std::vector<float>(max_rows * d), m = std::vector<float>(max_rows),
-            l = std::vector<float>(max_rows), kp = std::vector<__m512i>(d / 2),
-            vp = std::vector<__m512i>(kPairs * 2 * d / 32)](int64_t kvh, int64_t a, int64_t b) mutable {
+            l = std::vector<float>(max_rows), kp = std::vector<__m512i>(d),
+            vp = std::vector<__m512i>(2 * kPairs * 2 * d / 32)](int64_t kvh, int64_t a, int64_t b) mutable {
       const int64_t rows = (b - a) * group;
       std::fill(acc.begin(), acc.begin() + rows * d, 0.f);
       std::fill(m.begin(), m.begin() + rows, kNoScore);
       std::fill(l.begin(), l.begin() + rows, 0.f);
       uint32_t* kt = reinterpret_cast<uint32_t*>(kp.data());
+      const bf16* first_keys[kChunk];
+      const bf16* first_values[kChunk];
       for (ChunkWalker<bf16> w(k_cache, v_cache, table, s.block_size, row, 0, first + b, kvh * d, d); !w.done();
            w.advance()) {
-        w.prefetch_next();
-        const int64_t c0 = w.start(), size = w.size();
+        const int64_t c0 = w.start();
+        const auto [n0, n1] = w.take_two(first_keys, first_values);
+        // a lone last chunk: the second one's lanes repeat its keys (scored, then masked out) and add no pairs
+        const bf16* const* second_keys = n1 > 0 ? w.keys() : first_keys;
         for (int64_t i = 0; i < kChunk; ++i) {
-          const uint32_t* k = reinterpret_cast<const uint32_t*>(w.keys()[i] + kvh * d);
-          for (int64_t j = 0; j < d / 2; ++j) kt[j * kChunk + i] = k[j];
+          const uint32_t* k = reinterpret_cast<const uint32_t*>(first_keys[i] + kvh * d);
+          const uint32_t* k2 = reinterpret_cast<const uint32_t*>(second_keys[i] + kvh * d);
+          for (int64_t j = 0; j < d / 2; ++j) kt[j * kChunk + i] = k[j], kt[(d / 2 + j) * kChunk + i] = k2[j];
         }
-        interleave_value_pairs(w.values(), kvh * d, d, (size + 1) / 2, vp.data());
-        // the tile's rows that see this chunk: r = (t - a) * group + g for its tokens t from max(a, c0 - first)
+        interleave_value_pairs(first_values, kvh * d, d, (n0 + 1) / 2, vp.data());
+        if (n1 > 0) interleave_value_pairs(w.values(), kvh * d, d, (n1 + 1) / 2, vp.data() + kPairs * blocks * 2);
+        // the tile's rows that see this step: r = (t - a) * group + g for its tokens t from max(a, c0 - first)
         for (int64_t r = (std::max(a, c0 - first) - a) * group; r < rows; r += 4) {
           const int nr = static_cast<int>(std::min<int64_t>(4, rows - r));
           const uint32_t* qr[4];
@@ -605,7 +621,7 @@ void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, c
           for (int i = 0; i < nr; ++i) {
             const int64_t t = a + (r + i) / group, h = kvh * group + (r + i) % group;
             qr[i] = reinterpret_cast<const uint32_t*>(q + t * q_stride + h * d);
-            visible[i] = std::min(size, first + t - c0 + 1);
+            visible[i] = std::min(n0 + n1, first + t - c0 + 1);
             ar[i] = acc.data() + (r + i) * d;
           }
           float* mr = m.data() + r;
@@ -617,6 +633,7 @@ void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, c
             default: prefill_rows_bf16<1>(qr, visible, kp.data(), vp.data(), d, scale, ar, mr, lr); break;
           }
         }
+        if (n1 == 0) break;
       }
       for (int64_t r = 0; r < rows; ++r) {
         float* ar = acc.data() + r * d;
