@@ -50,22 +50,25 @@ def test_bfloat16_greedy_matches_transformers_up_to_near_ties(arch, native, spec
     if speculative:
         assert llm.llm_engine.scheduler.spec_stats.num_drafts > 0
     hf = hf_greedy(model_dir, prompts, MAX_TOKENS)
-    identical, problems = 0, []
+    matched, problems = 0, []  # matched: tokens equal to HF's before each prompt's first divergence
     for p, (ours, ref) in enumerate(zip(outs, hf)):
         mine = list(ours.token_ids)
         assert len(mine) == MAX_TOKENS
         i = next((k for k, (a, b) in enumerate(zip(mine, ref.token_ids)) if a != b), None)
+        matched += MAX_TOKENS if i is None else i
         if i is None:
-            identical += 1
             continue
         gap = ref.logprob(i, ref.token_ids[i]) - ref.logprob(i, mine[i])
         if not gap < NEAR_TIE:
             problems.append(f"prompt {p}: diverged at {i}: ours {mine[i]}, HF {ref.token_ids[i]}, HF top-3 "
                             f"{ref.top(i, 3)} (our token {gap:.4f} nats below HF's), our logprobs {ours.logprobs[i]}")
     assert not problems, "\n".join(problems)
-    # every divergence above is a near-tie; the tiny random Qwen3 has many (3/8 prompts fully identical measured,
-    # with the native ops and with the PyTorch fallback alike), so this bound is only a sanity floor
-    assert identical >= len(prompts) // 4, f"only {identical}/{len(prompts)} prompts identical to HF"
+    # Every divergence above is a near-tie. The tiny random Qwen3 has many, some at the very first token (measured:
+    # 49-52% of its tokens matched before the first divergence, with the native ops and the PyTorch fallback alike;
+    # Llama 90-100%), and which late near-ties flip changes with any rounding change, so a count of fully identical
+    # prompts is too brittle: this floor only catches outputs that leave HF's early everywhere.
+    total = len(prompts) * MAX_TOKENS
+    assert matched >= total // 4, f"only {matched}/{total} tokens matched HF's before the first divergence"
 
 
 def test_dtype_auto_follows_the_cpu(monkeypatch, caplog):
