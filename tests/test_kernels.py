@@ -148,7 +148,7 @@ def test_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, heads, k
 @pytest.mark.parametrize("n, first, threads", [(37, 0, 1), (20, 45, 2), (1, 16, 1), (70, 3, 2)])
 @pytest.mark.parametrize("heads, kvh, d, bs", [(9, 3, 64, 16), (4, 2, 128, 8), (6, 6, 48, 4), (5, 1, 32, 16)])
 def test_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, heads, kvh, d, bs):
-    """A prefill chunk of n tokens after `first` cached ones, causal over the paged cache (tiles of 16 query tokens
+    """A prefill chunk of n tokens after `first` cached ones, causal over the paged cache (tiles of 32 query tokens
     and chunks of 16 keys cut at odd places); built on AVX-512 for head_dim % 16 == 0 only. In bfloat16 with a
     bfloat16 cache and head_dim % 32 == 0 the rows go four at a time (5 heads per KV head: a tile's rows end in
     blocks of 1-3)."""

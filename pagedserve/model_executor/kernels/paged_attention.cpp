@@ -465,7 +465,9 @@ inline bool attend_bf16(const bf16* q, float scale, const bf16* k_cache, const b
 }
 #endif
 
-constexpr int64_t kPrefillTile = 16;  // query tokens per task: they share each key chunk while it is in L1
+// Query tokens per task: they share each key chunk's transposed / interleaved copy. 32 against 16 measured 1.04x
+// (bf16) and 1.08x (float32) on SmolLM2's prefill attention in the engine and 1.11x on Qwen3's (bf16); 64 no better.
+constexpr int64_t kPrefillTile = 32;
 
 // Calls tile(kvh, a, b) for every (KV head, tile [a, b) of kPrefillTile query tokens) of an n-token prefill chunk,
 // in parallel; make() builds each thread's tile worker (with its scratch buffers) once. Later tiles see more keys,
