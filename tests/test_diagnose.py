@@ -59,12 +59,14 @@ TINY_KV_POOL = Scenario(
     {}, dict(num_kv_blocks=24, block_size=4, max_model_len=256, max_num_batched_tokens=64, enable_prefix_caching=False),
     {0: [(f"r{i}", prompt(30, i), 50) for i in range(10)]}, "kv_memory", ("--kv-cache-memory", "--max-num-seqs"))
 # Eight requests decode; 700-token prompts arrive now and then and, under a 2048-token budget, each is computed in
-# one step with the decodes: those steps take many decode steps' time.
+# one step with the decodes: those steps take many decode steps' time. The live test times the later arrivals by
+# the first request's streamed chunks, and a lagging client gets merged chunks (a CI run once saw its 60 tokens
+# in under 40 chunks, so the last long prompt came after every decode had ended): they arrive by chunk 25 of 60.
 LONG_PROMPTS_AMONG_DECODES = Scenario(
     dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4),
     dict(num_kv_blocks=512, block_size=16, max_model_len=1024, max_num_batched_tokens=2048),
     {0: [(f"d{i}", prompt(8, i), 60) for i in range(8)],
-     **{step: [(f"long{k}", prompt(700, 100 + k), 4)] for k, step in enumerate((10, 25, 40))}},
+     **{step: [(f"long{k}", prompt(700, 100 + k), 4)] for k, step in enumerate((5, 15, 25))}},
     "token_budget", ("--max-num-batched-tokens", "--long-prefill-token-threshold"))
 # Two seats: the verdict needs decode batches below B_sat (where step time starts to grow with the batch). B_sat
 # comes from a line fitted to the step times of each batch size, which a loaded machine can skew; with 4 seats a
