@@ -60,8 +60,9 @@ TINY_KV_POOL = Scenario(
     {0: [(f"r{i}", prompt(30, i), 50) for i in range(10)]}, "kv_memory", ("--kv-cache-memory", "--max-num-seqs"))
 # Eight requests decode; 700-token prompts arrive now and then and, under a 2048-token budget, each is computed in
 # one step with the decodes: those steps take many decode steps' time. The live test times the later arrivals by
-# the first request's streamed chunks, and a lagging client gets merged chunks (a CI run once saw its 60 tokens
-# in under 40 chunks, so the last long prompt came after every decode had ended): they arrive by chunk 25 of 60.
+# the first request's streamed chunks, and a lagging client gets merged chunks, so chunk 40 may come after the
+# 60th token (a CI run once read "none" with no ITL spike at all, as if the long prompts had missed the decodes):
+# they arrive by chunk 25 of 60.
 LONG_PROMPTS_AMONG_DECODES = Scenario(
     dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4),
     dict(num_kv_blocks=512, block_size=16, max_model_len=1024, max_num_batched_tokens=2048),
