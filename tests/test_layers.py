@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.model_executor.layers import NATIVE_GEMM_MAX_ROWS, NATIVE_INT8_MAX_ROWS, ONEDNN_MIN_ROWS, Linear
+from pagedserve.model_executor.layers import (NATIVE_BF16_AMX_MAX_ROWS, NATIVE_GEMM_MAX_ROWS, NATIVE_INT8_MAX_ROWS,
+                                             ONEDNN_MIN_ROWS, Linear)
 
 
 def _random_layer(k: int, n: int, rows: int, dtype: torch.dtype):
@@ -21,8 +22,8 @@ def _random_layer(k: int, n: int, rows: int, dtype: torch.dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", ["torch", "onednn", "native"])
-@pytest.mark.parametrize("rows", [1, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, 37, NATIVE_GEMM_MAX_ROWS,
-                                  NATIVE_GEMM_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, NATIVE_BF16_AMX_MAX_ROWS,
+                                  NATIVE_BF16_AMX_MAX_ROWS + 1, 37, NATIVE_GEMM_MAX_ROWS, NATIVE_GEMM_MAX_ROWS + 1])
 def test_linear_backends_match_f_linear(backend, rows, dtype):
     if backend != "torch" and not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
@@ -51,6 +52,39 @@ def test_native_backend_packs_where_the_kernel_runs(dtype):
     onednn = Linear(64, 40).to(dtype)
     onednn.set_backend("onednn")
     assert onednn._small_packed is None
+
+
+@pytest.mark.parametrize("flags, bf16_limit", [(frozenset({"avx512_bf16"}), NATIVE_GEMM_MAX_ROWS),
+                                               (frozenset({"avx512_bf16", "amx_bf16"}), NATIVE_BF16_AMX_MAX_ROWS)])
+def test_bf16_small_gemm_row_limit_follows_amx(flags, bf16_limit, monkeypatch):
+    """On an AMX CPU bfloat16 products above NATIVE_BF16_AMX_MAX_ROWS rows go to oneDNN (its tile kernels), float32
+    keeps the native kernel up to NATIVE_GEMM_MAX_ROWS; elsewhere both dtypes keep it up to NATIVE_GEMM_MAX_ROWS."""
+    from pagedserve.model_executor import layers
+    from pagedserve.model_executor.kernels import cpu_kernels
+
+    ops = cpu_kernels()
+    if ops is None or not ops.native_small_gemm(torch.bfloat16):
+        pytest.skip("this CPU's build has no bfloat16 small GEMM")
+    calls = []
+
+    class Counting:  # the real kernels, counting the small GEMM's calls
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        def small_gemm(self, x, *args):
+            calls.append(x.shape[0])
+            return ops.small_gemm(x, *args)
+
+    monkeypatch.setattr("pagedserve.model_executor.kernels.cpu_flags", lambda: flags)
+    monkeypatch.setattr(layers, "cpu_kernels", lambda: Counting())
+    for dtype, limit in ((torch.bfloat16, bf16_limit), (torch.float32, NATIVE_GEMM_MAX_ROWS)):
+        assert layers.native_gemm_max_rows(dtype) == limit
+        layer, _, _ = _random_layer(64, 48, 1, dtype)
+        layer.set_backend("native")
+        for rows in (1, limit, limit + 1):
+            calls.clear()
+            layer(torch.randn(rows, 64).to(dtype))
+            assert calls == ([rows] if rows <= limit else []), (dtype, rows)
 
 
 def _native_vs_torch(fn, monkeypatch):

@@ -94,6 +94,14 @@ def has_bf16_compute() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+def bf16_on_amx(dtype) -> bool:
+    """True for bfloat16 on a CPU with AMX-BF16, where oneDNN runs bfloat16 matrix products on the tile units: the
+    library beats the VDPBF16PS kernels there for all but the smallest products (layers.py, attention.py)."""
+    import torch
+
+    return dtype == torch.bfloat16 and "amx_bf16" in cpu_flags()
+
+
 def build_flags(isa: str) -> list[str]:
     return [*BASE_CFLAGS, *ISA_LEVELS[isa][1]]
 
