@@ -63,6 +63,16 @@ def test_greedy_is_argmax() -> None:
     assert out.logprobs is not None and out.logprobs.top_logprobs.dtype == torch.float32
 
 
+def test_greedy_takes_the_first_of_tied_maxima() -> None:
+    """Greedy rows pick the lowest index among equal maxima, as argmax does (HF's greedy search uses argmax)."""
+    logits = torch.zeros(3, 49152)
+    logits[0, [7, 30000]] = 5.0
+    logits[1, [40000, 12, 49151]] = 2.0
+    logits[2] = 1.0  # all tied
+    out = sampler(logits, metadata([SamplingParams(temperature=0.0)] * 3))
+    assert out.sampled_token_ids.tolist() == [7, 12, 0]
+
+
 def test_sampler_does_not_modify_input_logits() -> None:
     logits = torch.randn(4, 30, generator=seeded(1))
     original = logits.clone()

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.model_executor.sampler import (LogprobsTensors, SamplingMetadata, gather_logprobs, inverse_cdf_sample,
-                                               processed_logits, sampling_probs, uniforms, SAMPLING_EPS)
+from pagedserve.model_executor.sampler import (LogprobsTensors, SamplingMetadata, gather_logprobs, greedy_ids_of,
+                                               inverse_cdf_sample, processed_logits, sampling_probs, uniforms,
+                                               SAMPLING_EPS)
 
 
 @dataclass
@@ -36,7 +37,7 @@ def rejection_sample(logits: torch.Tensor, metadata: SamplingMetadata, drafts: D
                      default_generator: torch.Generator | None) -> VerifiedTokens:
     """logits: [sum(k_b + 1), V]; metadata: one row per logits row (a request's params repeated k_b + 1 times)."""
     logits, raw_logprobs = processed_logits(logits, metadata)
-    greedy_ids = logits.argmax(dim=-1)
+    greedy_ids = greedy_ids_of(logits)
     if metadata.all_greedy:  # the common case, and cheap: one argmax, then each request's leading matches
         token_ids = _accept_greedy(greedy_ids.tolist(), drafts.token_ids)
     else:

@@ -688,10 +688,6 @@ void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_
   bounds[0] = 0;
   for (int64_t t = 0, th = 1, prefix = 0; t < num_tasks; prefix += task_t1[t] - task_t0[t], ++t)
     while (th < threads && prefix * threads >= th * total) bounds[th++] = t;
-  // Measured (BENCHMARKS.md section 6): the chunked kernels (float32 and bfloat16 alike) win on rows under 2 KiB
-  // (SmolLM2: 3 KV heads x 64) and lose on wider ones (Qwen3 in bf16: 8 x 128), where the token-at-a-time pass below
-  // streams each row whole.
-  const bool narrow_rows = s.num_kv_heads * d * static_cast<int64_t>(sizeof(T)) < 2048;
   std::vector<float> part_acc(any_split ? num_tasks * heads * d : 0), part_m(any_split ? num_tasks * heads : 0),
       part_l(any_split ? num_tasks * heads : 0);
   at::parallel_for(0, threads, 1, [&](int64_t th_begin, int64_t th_end) {
@@ -704,9 +700,12 @@ void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_
       float* mm = whole ? m.data() : part_m.data() + task * heads;
       float* ll = whole ? l.data() : part_l.data() + task * heads;
       const int64_t* table = block_tables + seq * s.max_blocks;
-      if (!(narrow_rows && attend_bf16(qs, scale, k_cache, v_cache, table, t0, t1, s, a, mm, ll))) {
+      // The chunked kernels on every row width: on Qwen3's rows (8 KV heads x 128, 2-4 KiB per token) they once
+      // lost to the token-at-a-time pass below (AMD Zen 4, float32, before the two-chunk softmax steps); on an Intel
+      // Xeon they now take 0.58-0.66x its time in bfloat16 and 0.80-0.89x in float32 (BENCHMARKS.md section 6).
+      if (!attend_bf16(qs, scale, k_cache, v_cache, table, t0, t1, s, a, mm, ll)) {
 #if defined(__AVX512F__)
-        if (d % 16 == 0 && narrow_rows) {
+        if (d % 16 == 0) {
           attend_avx512(qs, scale, k_cache, v_cache, table, t0, t1, s, qf.data(), a, mm, ll);
         } else
 #endif
