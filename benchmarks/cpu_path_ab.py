@@ -25,7 +25,8 @@ the table reports the median over rounds. Variants (each adds one change to the 
                 float32 copy of q
   bf16-onednn   --dtype bfloat16 end to end: native RMSNorm/rotary/silu*mul/KV write/decode attention reading
                 and writing bfloat16; GEMMs on oneDNN at every row count
-  bf16          the same with the native packed small GEMM (VDPBF16PS) up to NATIVE_GEMM_MAX_ROWS rows (default)
+  bf16          the same with the native packed small GEMM (VDPBF16PS, or AMX tiles where the CPU has them) up to
+                native_gemm_max_rows(bfloat16) rows (default)
 """
 from __future__ import annotations
 
@@ -49,7 +50,6 @@ VARIANTS = {  # name -> (linear backend, ONEDNN_MIN_ROWS, native small ops, KV c
     "+bf16-kv": ("native", layers.ONEDNN_MIN_ROWS, True, "bfloat16"),
 }
 DEFAULT = "+native-gemm"
-DEFAULT_GEMM_ROWS = layers.NATIVE_GEMM_MAX_ROWS
 
 
 class LegacyBf16Attention:
@@ -77,12 +77,19 @@ class LegacyBf16Attention:
         return out
 
 
-BF16_VARIANTS = {  # name -> (model dtype, small ops in bf16 native, attention glue, NATIVE_GEMM_MAX_ROWS)
-    "fp32": ("float32", True, "new", layers.NATIVE_GEMM_MAX_ROWS),
+BF16_VARIANTS = {  # name -> (model dtype, small ops in bf16 native, attention glue, native GEMM rows; None: default)
+    "fp32": ("float32", True, "new", None),
     "bf16-before": ("bfloat16", False, "legacy", 0),
     "bf16-onednn": ("bfloat16", True, "new", 0),
-    "bf16": ("bfloat16", True, "new", layers.NATIVE_GEMM_MAX_ROWS),
+    "bf16": ("bfloat16", True, "new", None),
 }
+
+
+def set_native_gemm_rows(engine, rows: int | None) -> None:
+    """Every packed Linear of the engine's model takes the native small GEMM up to `rows` rows (None: its default)."""
+    for module in engine.runner.model.modules():
+        if isinstance(module, layers.Linear) and module._small_packed is not None:
+            module._native_max_rows = layers.native_gemm_max_rows(module._small_packed.dtype) if rows is None else rows
 
 
 def decoding_engine(model: str, batch: int, context: int, threads: int, kv_cache_dtype: str,
@@ -163,13 +170,12 @@ def bf16_suite(args) -> int:
                 for name, (dtype, native_small, glue, gemm_rows) in BF16_VARIANTS.items():
                     layers.NATIVE_DTYPES = (torch.float32, torch.bfloat16) if native_small else (torch.float32,)
                     attention.cpu_kernels = cpu_kernels if glue == "new" else (lambda: LegacyBf16Attention(kernels))
-                    layers.NATIVE_GEMM_MAX_ROWS = gemm_rows
+                    set_native_gemm_rows(engines[dtype], gemm_rows)
                     engines[dtype].step()  # the first step after a switch warms caches for the new path
                     results[name].append(step_ms(engines[dtype], args.steps))
         finally:
             layers.NATIVE_DTYPES = (torch.float32, torch.bfloat16)
             attention.cpu_kernels = cpu_kernels
-            layers.NATIVE_GEMM_MAX_ROWS = DEFAULT_GEMM_ROWS
         med = {name: float(np.median(v)) for name, v in results.items()}
         cells = " | ".join(f"{med[n]:.1f}" for n in BF16_VARIANTS)
         print(f"| {batch} | {cells} | {med['fp32'] / med['bf16']:.2f}x | {med['bf16-before'] / med['bf16']:.2f}x | "

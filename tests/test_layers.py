@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.model_executor.layers import (NATIVE_BF16_AMX_MAX_ROWS, NATIVE_GEMM_MAX_ROWS, NATIVE_INT8_MAX_ROWS,
-                                             ONEDNN_MIN_ROWS, Linear)
+from pagedserve.model_executor.layers import (NATIVE_BF16_AMX_MAX_ROWS, NATIVE_BF16_NO_TILES_MAX_ROWS,
+                                             NATIVE_GEMM_MAX_ROWS, NATIVE_INT8_MAX_ROWS, ONEDNN_MIN_ROWS, Linear)
 
 
 def _random_layer(k: int, n: int, rows: int, dtype: torch.dtype):
@@ -22,8 +22,9 @@ def _random_layer(k: int, n: int, rows: int, dtype: torch.dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", ["torch", "onednn", "native"])
-@pytest.mark.parametrize("rows", [1, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, NATIVE_BF16_AMX_MAX_ROWS,
-                                  NATIVE_BF16_AMX_MAX_ROWS + 1, 37, NATIVE_GEMM_MAX_ROWS, NATIVE_GEMM_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, NATIVE_BF16_NO_TILES_MAX_ROWS,
+                                  NATIVE_BF16_NO_TILES_MAX_ROWS + 1, NATIVE_BF16_AMX_MAX_ROWS,
+                                  NATIVE_BF16_AMX_MAX_ROWS + 1, NATIVE_GEMM_MAX_ROWS, NATIVE_GEMM_MAX_ROWS + 1])
 def test_linear_backends_match_f_linear(backend, rows, dtype):
     if backend != "torch" and not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
@@ -54,17 +55,20 @@ def test_native_backend_packs_where_the_kernel_runs(dtype):
     assert onednn._small_packed is None
 
 
-@pytest.mark.parametrize("flags, bf16_limit", [(frozenset({"avx512_bf16"}), NATIVE_GEMM_MAX_ROWS),
-                                               (frozenset({"avx512_bf16", "amx_bf16"}), NATIVE_BF16_AMX_MAX_ROWS)])
-def test_bf16_small_gemm_row_limit_follows_amx(flags, bf16_limit, monkeypatch):
-    """On an AMX CPU bfloat16 products above NATIVE_BF16_AMX_MAX_ROWS rows go to oneDNN (its tile kernels), float32
-    keeps the native kernel up to NATIVE_GEMM_MAX_ROWS; elsewhere both dtypes keep it up to NATIVE_GEMM_MAX_ROWS."""
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_small_gemm_row_limit_follows_amx(amx, monkeypatch):
+    """On an AMX CPU bfloat16 products above native_gemm_max_rows go to oneDNN: NATIVE_BF16_AMX_MAX_ROWS where the
+    kernel runs on the tiles, NATIVE_BF16_NO_TILES_MAX_ROWS where it cannot; float32 keeps the native kernel up to
+    NATIVE_GEMM_MAX_ROWS, and elsewhere both dtypes do."""
     from pagedserve.model_executor import layers
     from pagedserve.model_executor.kernels import cpu_kernels
 
     ops = cpu_kernels()
     if ops is None or not ops.native_small_gemm(torch.bfloat16):
         pytest.skip("this CPU's build has no bfloat16 small GEMM")
+    bf16_limit = NATIVE_GEMM_MAX_ROWS
+    if amx:
+        bf16_limit = NATIVE_BF16_AMX_MAX_ROWS if ops.amx_tiles() else NATIVE_BF16_NO_TILES_MAX_ROWS
     calls = []
 
     class Counting:  # the real kernels, counting the small GEMM's calls
@@ -75,7 +79,8 @@ def test_bf16_small_gemm_row_limit_follows_amx(flags, bf16_limit, monkeypatch):
             calls.append(x.shape[0])
             return ops.small_gemm(x, *args)
 
-    monkeypatch.setattr("pagedserve.model_executor.kernels.cpu_flags", lambda: flags)
+    monkeypatch.setattr("pagedserve.model_executor.kernels.cpu_flags",
+                        lambda: frozenset({"avx512_bf16", "amx_bf16"} if amx else {"avx512_bf16"}))
     monkeypatch.setattr(layers, "cpu_kernels", lambda: Counting())
     for dtype, limit in ((torch.bfloat16, bf16_limit), (torch.float32, NATIVE_GEMM_MAX_ROWS)):
         assert layers.native_gemm_max_rows(dtype) == limit
@@ -85,6 +90,32 @@ def test_bf16_small_gemm_row_limit_follows_amx(flags, bf16_limit, monkeypatch):
             calls.clear()
             layer(torch.randn(rows, 64).to(dtype))
             assert calls == ([rows] if rows <= limit else []), (dtype, rows)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 31, 32, 33, 64, 65])
+@pytest.mark.parametrize("k, n, bias", [(576, 960, False), (1536, 584, True), (64, 40, True), (96, 16, False)])
+def test_bf16_small_gemm_on_amx_tiles_and_vdpbf16ps(rows, k, n, bias):
+    """The bfloat16 small GEMM with and without AMX tiles (where the CPU and OS give them: 2+ rows, K % 32 == 0)
+    against a float32 product: row tiles of 16 and 32, odd block counts (584 = 36.5 x 16), bias."""
+    from pagedserve.model_executor.kernels import cpu_kernels
+
+    ops = cpu_kernels()
+    if ops is None or not ops.native_small_gemm(torch.bfloat16, k):
+        pytest.skip("this CPU's build has no bfloat16 small GEMM")
+    g = torch.Generator().manual_seed(rows * k)
+    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(rows, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    expected = x.float() @ w.float().T + (b.float() if bias else 0)
+    packed = ops.pack_small_gemm_weight(w)
+    tiles = ops.amx_tiles()
+    try:
+        for use_tiles in ((True, False) if tiles else (False,)):
+            assert ops.set_amx_tiles(use_tiles) == use_tiles
+            y = ops.small_gemm(x, packed, n, b)
+            assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+            torch.testing.assert_close(y.float(), expected, atol=0.05 * expected.abs().max().item(), rtol=2e-2)
+    finally:
+        ops.set_amx_tiles(True)
 
 
 def _native_vs_torch(fn, monkeypatch):

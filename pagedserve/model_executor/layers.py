@@ -63,19 +63,24 @@ ONEDNN_MIN_ROWS = 2
 # Measured on AMD Zen 4 (BENCHMARKS.md section 6, "small-M GEMM"): the native kernel 1.2-1.9x faster than oneDNN
 # from 1 to 32 rows in float32 and bfloat16, level with it (within 5%) from 64 to 2048 rows.
 NATIVE_GEMM_MAX_ROWS = 128
-# On CPUs with AMX-BF16, oneDNN runs bfloat16 products on the tile units, which the VDPBF16PS kernel cannot match
-# beyond a few rows. Measured on an Intel Xeon with AMX (BENCHMARKS.md section 6, "small-M GEMM on AMX"): native
-# 1.3-1.6x faster at 1-6 rows, level at 8, 0.4x at 32, 0.17x at 128; so bfloat16 hands over to oneDNN above this.
-NATIVE_BF16_AMX_MAX_ROWS = 6
-
-
-def native_gemm_max_rows(dtype: torch.dtype) -> int:
-    """Rows up to which the native small GEMM runs a `dtype` product (float32 / bfloat16), oneDNN above."""
-    return NATIVE_BF16_AMX_MAX_ROWS if bf16_on_amx(dtype) else NATIVE_GEMM_MAX_ROWS
+# On CPUs with AMX-BF16 the native kernel runs bfloat16 products of 2+ rows on the tiles (small_gemm.cpp), which
+# streamed the weights 1.3-1.5x faster than oneDNN's AMX kernels at 2-32 rows on an Intel Xeon and level or behind
+# from 64 (Qwen3's shape); where the OS denies the tiles, the VDPBF16PS kernel against oneDNN's tiles won only up to
+# 6 rows (1.3-1.6x; 0.4x at 32). BENCHMARKS.md section 6, "Eighth pass".
+NATIVE_BF16_AMX_MAX_ROWS = 32
+NATIVE_BF16_NO_TILES_MAX_ROWS = 6
 # The same for int8 weights (the kernel's VPDPBUSD path) against fbgemm's dynamic int8: measured on AMD Zen 4
 # (BENCHMARKS.md section 6, "int8 weights on VNNI"), the native kernel 1.2-1.5x faster at 1-8 rows, level at 16
 # (SmolLM2 1.06x, Qwen3 0.96x), behind from 32 rows (0.73-0.91x), where fbgemm's kernels reach more of the VNNI peak.
 NATIVE_INT8_MAX_ROWS = 16
+
+
+def native_gemm_max_rows(dtype: torch.dtype) -> int:
+    """Rows up to which the native small GEMM runs a `dtype` product (float32 / bfloat16), oneDNN above."""
+    if not bf16_on_amx(dtype):
+        return NATIVE_GEMM_MAX_ROWS
+    ops = cpu_kernels()
+    return NATIVE_BF16_AMX_MAX_ROWS if ops is not None and ops.amx_tiles() else NATIVE_BF16_NO_TILES_MAX_ROWS
 
 
 class Linear(nn.Module):
@@ -107,18 +112,17 @@ class Linear(nn.Module):
         self._packed = None
         self._small_packed = None  # the native small GEMM's packed weight, where the kernel runs this dtype
         self._int8_scale = self._int8_shift = None  # int8 on the native kernel: per-column scales and shifts
-        self._amx_bf16 = False  # a bfloat16 small GEMM on an AMX CPU: its own row limit (native_gemm_max_rows)
+        self._native_max_rows = NATIVE_GEMM_MAX_ROWS  # native_gemm_max_rows(dtype) when the weight is packed
 
     def set_backend(self, backend: str) -> None:
         w = self.weight.detach()
         self._small_packed = self._int8_scale = self._int8_shift = None
-        self._amx_bf16 = False
         if backend in ("onednn", "native"):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
             ops = native_ops(w) if backend == "native" else None
             if ops is not None and ops.native_small_gemm(w.dtype, w.shape[1]):
                 self._small_packed = ops.pack_small_gemm_weight(w)
-                self._amx_bf16 = bf16_on_amx(w.dtype)
+                self._native_max_rows = native_gemm_max_rows(w.dtype)
         elif backend == "int8":
             scales = w.abs().amax(dim=1).clamp(min=1e-8).double() / 127.0
             with warnings.catch_warnings():  # torch flags quantized dtypes as deprecated; fbgemm still runs them
@@ -151,8 +155,7 @@ class Linear(nn.Module):
                 return cpu_kernels().small_gemm_int8(x, self._small_packed, self._int8_scale, self._int8_shift,
                                                      self.out_features, self.bias)
             return torch.ops.quantized.linear_dynamic(x.float(), self._packed, True).to(x.dtype)
-        if (self._small_packed is not None and x.dtype == self._small_packed.dtype
-                and rows <= (NATIVE_BF16_AMX_MAX_ROWS if self._amx_bf16 else NATIVE_GEMM_MAX_ROWS)):
+        if self._small_packed is not None and rows <= self._native_max_rows and x.dtype == self._small_packed.dtype:
             return cpu_kernels().small_gemm(x, self._small_packed, self.out_features, self.bias)
         if self.backend in ("onednn", "native"):
             if rows >= ONEDNN_MIN_ROWS or x.dtype != torch.float32:  # bf16: oneDNN at every M (see above)

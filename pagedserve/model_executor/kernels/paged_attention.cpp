@@ -885,6 +885,8 @@ const char* kernel_isa();
 // small_gemm.cpp
 bool native_small_gemm(at::ScalarType dtype, int64_t k);
 torch::Tensor pack_small_gemm_weight(torch::Tensor weight);
+bool amx_tiles();
+bool set_amx_tiles(bool enable);
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
 torch::Tensor small_gemm_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor col_scale, torch::Tensor col_shift,
                               int64_t n, c10::optional<torch::Tensor> bias);
@@ -911,5 +913,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm_int8", &small_gemm_int8, "x W^T (+ b) on an int8 weight packed by pack_small_gemm_weight, x "
         "quantized per row on the fly", py::arg("x"), py::arg("packed"), py::arg("col_scale"), py::arg("col_shift"),
         py::arg("n"), py::arg("bias") = py::none());
+  m.def("amx_tiles", &amx_tiles, "whether bfloat16 small_gemm calls of 2+ rows (K % 32 == 0) run on AMX tiles");
+  m.def("set_amx_tiles", &set_amx_tiles, "turn the AMX path on or off where available; returns amx_tiles()");
   m.def("isa", &kernel_isa, "the instruction-set level this build targets");
 }
