@@ -147,11 +147,22 @@ def test_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, heads, k
                                                    (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)])
 @pytest.mark.parametrize("n, first, threads", [(37, 0, 1), (20, 45, 2), (1, 16, 1), (70, 3, 2)])
 @pytest.mark.parametrize("heads, kvh, d, bs", [(9, 3, 64, 16), (4, 2, 128, 8), (6, 6, 48, 4), (5, 1, 32, 16)])
-def test_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, heads, kvh, d, bs):
+@pytest.mark.parametrize("amx", [True, False])
+def test_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, heads, kvh, d, bs, amx):
     """A prefill chunk of n tokens after `first` cached ones, causal over the paged cache (tiles of 32 query tokens
     and chunks of 16 keys cut at odd places); built on AVX-512 for head_dim % 16 == 0 only. In bfloat16 with a
     bfloat16 cache and head_dim % 32 == 0 the rows go four at a time (5 heads per KV head: a tile's rows end in
-    blocks of 1-3)."""
+    blocks of 1-3), or 16 at a time on AMX tiles where the CPU has them (amx=False keeps the vector path there)."""
+    if amx and not ops.amx_tiles():
+        pytest.skip("no AMX tiles on this CPU (the amx=False case runs the vector path)")
+    ops.set_amx_tiles(amx)
+    try:
+        _check_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, heads, kvh, d, bs)
+    finally:
+        ops.set_amx_tiles(True)
+
+
+def _check_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, heads, kvh, d, bs):
     assert ops.native_prefill(d) == (ops.isa().startswith("avx512") and d % 16 == 0)
     assert not ops.native_prefill(40)
     if not ops.native_prefill(d):

@@ -12,11 +12,11 @@ position - causal, since every K/V of the step is written first.
   * decodes: on CPU, a native kernel reads each row's blocks in place through its block table
     (kernels/paged_attention.cpp); elsewhere, one batched SDPA over blocks gathered through the
     padded block table;
-  * prefill chunks: on CPU with AVX-512 (head_dim % 16 == 0), except bfloat16 on CPUs with AMX, one native
-    call per chunk reads the chunk's whole context, its own new K/V included, from the cache through its block
-    table (causal with an offset; kernels/paged_attention.cpp); elsewhere one SDPA per chunk: a chunk with no earlier
-    context attends to its own new K/V (causal), a later chunk gathers its context through its block
-    table (causal with an offset).
+  * prefill chunks: on CPU with AVX-512 (head_dim % 16 == 0), one native call per chunk reads the
+    chunk's whole context, its own new K/V included, from the cache through its block table (causal
+    with an offset; kernels/paged_attention.cpp; bfloat16 on AMX tiles where the CPU has them); elsewhere
+    one SDPA per chunk: a chunk with no earlier context attends to its own new K/V (causal), a later chunk
+    gathers its context through its block table (causal with an offset).
 On CUDA, when Triton imports, all of this is Triton kernels reading the cache in place instead
 (triton_attention.py); PAGEDSERVE_ATTENTION_BACKEND=torch keeps the path above, =triton forces Triton (on a CPU
 only useful under TRITON_INTERPRET=1, for tests).
@@ -30,7 +30,7 @@ from functools import cache, cached_property
 import torch
 import torch.nn.functional as F
 
-from pagedserve.model_executor.kernels import bf16_on_amx, cpu_kernels
+from pagedserve.model_executor.kernels import cpu_kernels
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the native kernels read and write (any KV cache dtype)
 
@@ -119,9 +119,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
                                            scale=scale, enable_gqa=True)
         out[:d] = o.squeeze(2)
-    # On an AMX CPU PyTorch's flash attention runs bfloat16 prefill products on the tile units (oneDNN brgemm):
-    # there SDPA (gather included) took 0.64x the native VDPBF16PS kernel's time (BENCHMARKS.md section 6, AMX).
-    native_prefill = kernels is not None and kernels.native_prefill(head_dim) and not bf16_on_amx(q.dtype)
+    native_prefill = kernels is not None and kernels.native_prefill(head_dim)
     for span in meta.prefills:
         sl = slice(span.start, span.start + span.num_tokens)
         if native_prefill:  # reads the chunk's context (its own K/V included) from the cache in place

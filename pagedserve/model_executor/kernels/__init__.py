@@ -96,7 +96,7 @@ def has_bf16_compute() -> bool:
 
 def bf16_on_amx(dtype) -> bool:
     """True for bfloat16 on a CPU with AMX-BF16, where oneDNN runs bfloat16 matrix products on the tile units: the
-    library beats the VDPBF16PS kernels there for all but the smallest products (layers.py, attention.py)."""
+    library's tile kernels beat the VDPBF16PS small GEMM there above a few rows (layers.py)."""
     import torch
 
     return dtype == torch.bfloat16 and "amx_bf16" in cpu_flags()

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
@@ -584,21 +585,94 @@ inline void prefill_rows_bf16(const uint32_t* const* q, const int64_t* visible, 
   accumulate_pairs<NR, 2 * kPairs>(acc, alpha, pp, vp, d, (most + 1) / 2);
 }
 
+// The same step for 16 rows at once on AMX tiles (CPUs with AMX-BF16, ps::amx_tiles()). The pair layouts built
+// for VDPBF16PS are already TDPBF16PS's B tiles: kp (16 dim pairs x 16 keys per 32 dims) for the scores, and the
+// interleaved values (16 key pairs x 16 dims, a row every d/32 * 2 vectors) for the value sums. q: the 16 rows'
+// queries, contiguous (d apart); the scores go through memory to the same online-softmax step as the vector path;
+// each 16 x 16 block of value sums is rescaled into acc by AVX-512 (a tile cannot be scaled in place). Tiles (all
+// 16 x 64 bytes, amx_prefill_config): 0, 1 the two chunks' scores, 2 the queries then the softmax weights, 3, 4
+// the chunks' keys, 5 a block of value sums, 6 its values. Rows past `rows` are padding: computed, never used.
+__attribute__((target("amx-tile,amx-bf16"))) void prefill_block_amx(const bf16* q, const int64_t* visible, int64_t rows,
+                                                                     const __m512i* kp, const __m512i* vp, int64_t d,
+                                                                     float scale, float* acc, float* m, float* l) {
+  alignas(64) float scores[16][2 * kChunk];
+  alignas(64) bf16 p[16][2 * kChunk];
+  alignas(64) float sums[16][16];
+  const int64_t blocks = d / 32;
+  const uint32_t* kt = reinterpret_cast<const uint32_t*>(kp);
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t b = 0; b < blocks; ++b) {
+    _tile_loadd(2, q + 32 * b, d * sizeof(bf16));
+    _tile_loadd(3, kt + 16 * kChunk * b, 64);
+    _tile_loadd(4, kt + (d / 2 + 16 * b) * kChunk, 64);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+  }
+  _tile_stored(0, &scores[0][0], sizeof scores[0]);
+  _tile_stored(1, &scores[0][kChunk], sizeof scores[0]);
+  float alpha[16];
+  for (int64_t r = 0; r < 16; ++r) {
+    __m512 p0 = _mm512_setzero_ps(), p1 = _mm512_setzero_ps();
+    alpha[r] = 1.f;
+    if (r < rows) {
+      const int64_t v0 = std::min(visible[r], kChunk), v1 = visible[r] - v0;
+      p0 = _mm512_load_ps(&scores[r][0]);
+      p1 = _mm512_load_ps(&scores[r][kChunk]);
+      softmax_update2(p0, static_cast<__mmask16>((1u << v0) - 1), p1, static_cast<__mmask16>((1u << v1) - 1), scale,
+                      m[r], l[r], alpha[r]);
+    }
+    _mm256_store_si256(reinterpret_cast<__m256i*>(&p[r][0]), (__m256i)_mm512_cvtneps_pbh(p0));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(&p[r][kChunk]), (__m256i)_mm512_cvtneps_pbh(p1));
+  }
+  _tile_loadd(2, &p[0][0], sizeof p[0]);
+  for (int64_t c = 0; c < 2 * blocks; ++c) {  // c = 2 b + {lo, hi}: dims 32 b + 16 (c % 2) .. in pair order
+    _tile_zero(5);
+    _tile_loadd(6, vp + c, blocks * 2 * sizeof(__m512i));
+    _tile_dpbf16ps(5, 2, 6);
+    _tile_stored(5, &sums[0][0], sizeof sums[0]);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* a = acc + r * d + 16 * c;
+      _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), _mm512_set1_ps(alpha[r]), _mm512_load_ps(sums[r])));
+    }
+  }
+}
+
+// The tile shapes of prefill_block_amx, loaded by each task; released at the task's end.
+struct AmxPrefillTiles {
+  __attribute__((target("amx-tile"))) AmxPrefillTiles() {
+    ps::TileConfig cfg;
+    for (int t = 0; t < 7; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    ps::load_tile_config(cfg);
+  }
+  __attribute__((target("amx-tile"))) ~AmxPrefillTiles() { _tile_release(); }
+};
+
 // prefill_kernel on the bfloat16 path: per step of two key chunks and per tile, the keys transposed into pairs and
-// the values interleaved once, then the tile's (token, head) rows four at a time (prefill_rows_bf16).
+// the values interleaved once, then the tile's (token, head) rows four at a time (prefill_rows_bf16), or 16 at a
+// time on AMX tiles (prefill_block_amx).
 void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, const bf16* v_cache,
                          const int64_t* table, int64_t n, int64_t first, bf16* out, int64_t out_stride, const Shape& s,
                          float scale) {
   const int64_t d = s.head_dim, group = s.num_heads / s.num_kv_heads, row = s.num_kv_heads * d;
-  const int64_t max_rows = kPrefillTile * group, blocks = d / 32;
+  const int64_t max_rows = (kPrefillTile * group + 15) / 16 * 16, blocks = d / 32;  // whole tiles of 16 rows
+  const bool tiles = ps::amx_tiles();
   for_each_prefill_tile(n, s.num_kv_heads, [&] {
     return [&, acc = std::vector<float>(max_rows * d), m = std::vector<float>(max_rows),
             l = std::vector<float>(max_rows), kp = std::vector<__m512i>(d),
-            vp = std::vector<__m512i>(2 * kPairs * 2 * d / 32)](int64_t kvh, int64_t a, int64_t b) mutable {
+            vp = std::vector<__m512i>(2 * kPairs * 2 * d / 32),
+            qt = std::vector<bf16>(tiles ? max_rows * d : 0)](int64_t kvh, int64_t a, int64_t b) mutable {
       const int64_t rows = (b - a) * group;
       std::fill(acc.begin(), acc.begin() + rows * d, 0.f);
       std::fill(m.begin(), m.begin() + rows, kNoScore);
       std::fill(l.begin(), l.begin() + rows, 0.f);
+      std::optional<AmxPrefillTiles> amx;
+      if (tiles) {  // the tile's query rows, contiguous for the tile loads (padding rows zero)
+        amx.emplace();
+        for (int64_t r = 0; r < rows; ++r)
+          std::memcpy(&qt[r * d], q + (a + r / group) * q_stride + (kvh * group + r % group) * d, d * sizeof(bf16));
+        std::fill(qt.begin() + rows * d, qt.begin() + (rows + 15) / 16 * 16 * d, bf16{0});
+      }
       uint32_t* kt = reinterpret_cast<uint32_t*>(kp.data());
       const bf16* first_keys[kChunk];
       const bf16* first_values[kChunk];
@@ -616,7 +690,19 @@ void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, c
         interleave_value_pairs(first_values, kvh * d, d, (n0 + 1) / 2, vp.data());
         if (n1 > 0) interleave_value_pairs(w.values(), kvh * d, d, (n1 + 1) / 2, vp.data() + kPairs * blocks * 2);
         // the tile's rows that see this step: r = (t - a) * group + g for its tokens t from max(a, c0 - first)
-        for (int64_t r = (std::max(a, c0 - first) - a) * group; r < rows; r += 4) {
+        const int64_t r_first = (std::max(a, c0 - first) - a) * group;
+        if (tiles) {
+          for (int64_t r0 = r_first / 16 * 16; r0 < rows; r0 += 16) {
+            int64_t visible[16];
+            for (int64_t i = 0; i < 16; ++i)  // rows before the step's first key see none of it
+              visible[i] = std::clamp<int64_t>(first + a + (r0 + i) / group - c0 + 1, 0, n0 + n1);
+            prefill_block_amx(&qt[r0 * d], visible, std::min<int64_t>(16, rows - r0), kp.data(), vp.data(), d, scale,
+                              acc.data() + r0 * d, m.data() + r0, l.data() + r0);
+          }
+          if (n1 == 0) break;
+          continue;
+        }
+        for (int64_t r = r_first; r < rows; r += 4) {
           const int nr = static_cast<int>(std::min<int64_t>(4, rows - r));
           const uint32_t* qr[4];
           int64_t visible[4];
@@ -885,7 +971,6 @@ const char* kernel_isa();
 // small_gemm.cpp
 bool native_small_gemm(at::ScalarType dtype, int64_t k);
 torch::Tensor pack_small_gemm_weight(torch::Tensor weight);
-bool amx_tiles();
 bool set_amx_tiles(bool enable);
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
 torch::Tensor small_gemm_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor col_scale, torch::Tensor col_shift,
@@ -913,7 +998,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm_int8", &small_gemm_int8, "x W^T (+ b) on an int8 weight packed by pack_small_gemm_weight, x "
         "quantized per row on the fly", py::arg("x"), py::arg("packed"), py::arg("col_scale"), py::arg("col_shift"),
         py::arg("n"), py::arg("bias") = py::none());
-  m.def("amx_tiles", &amx_tiles, "whether bfloat16 small_gemm calls of 2+ rows (K % 32 == 0) run on AMX tiles");
+  m.def("amx_tiles", &ps::amx_tiles,
+        "whether bfloat16 small_gemm calls of 2+ rows (K % 32 == 0) and bfloat16 prefill attention run on AMX tiles");
   m.def("set_amx_tiles", &set_amx_tiles, "turn the AMX path on or off where available; returns amx_tiles()");
   m.def("isa", &kernel_isa, "the instruction-set level this build targets");
 }

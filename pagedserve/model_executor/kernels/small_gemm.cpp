@@ -187,16 +187,10 @@ void small_gemm_kernel(const typename Packed<W>::X* x, int64_t rows, const W* w,
 // above, [N/16][K/2][16][2], is already the B-tile layout of TDPBF16PS: the tile of block b and k pairs [p, p + 16)
 // is 1 KiB at stride 64 bytes. Per pair of blocks (32 columns) a thread keeps 2 x 2 accumulator tiles (up to 32
 // rows), loads each weight tile once for all rows and each x tile (16 rows x 32 k) once for both blocks. On an
-// Intel Xeon this streamed the decoder's weights 1.5-1.8x faster than oneDNN's AMX kernels at 4-32 rows and
-// matched the VDPBF16PS path at 1 row (BENCHMARKS.md section 6, "AMX tiles").
+// Intel Xeon this streamed the decoder's weights 1.3-1.5x faster than oneDNN's AMX kernels at 2-32 rows (one
+// row keeps the VDPBF16PS path, as fast there; BENCHMARKS.md section 6, "Eighth pass").
 namespace amx {
 constexpr int64_t kRows = 32;  // rows per pass: two 16-row tiles
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Whether the CPU has AMX-BF16 and the OS lets this process use the tiles (Linux wants each process to ask once).
 bool available() {
@@ -261,12 +255,12 @@ __attribute__((target("amx-tile,amx-bf16"))) void thread_blocks(const bf16* x, i
   for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
     const int64_t pass_rows = std::min(kRows, rows - m0), r0 = std::min<int64_t>(16, pass_rows),
                   r1 = pass_rows - r0;
-    TileConfig cfg;
+    ps::TileConfig cfg;
     for (int t : {0, 1, 4}) cfg.rows[t] = static_cast<uint8_t>(r0), cfg.colsb[t] = 64;
     if (r1 > 0)
       for (int t : {2, 3, 5}) cfg.rows[t] = static_cast<uint8_t>(r1), cfg.colsb[t] = 64;
     for (int t : {6, 7}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-    _tile_loadconfig(&cfg);
+    ps::load_tile_config(cfg);
     if (r1 > 0) pass<2>(x, m0, pass_rows, w, out, n, k, b0, b1);
     else pass<1>(x, m0, pass_rows, w, out, n, k, b0, b1);
   }
@@ -327,6 +321,7 @@ int64_t k_step(at::ScalarType dtype) { return dtype == torch::kFloat ? 1 : dtype
 // in pairs, int8 in quads.
 bool native_small_gemm(at::ScalarType dtype, int64_t k) { return supports(dtype) && k % k_step(dtype) == 0; }
 
+namespace ps {
 // Whether bfloat16 small_gemm calls of more than one row (K a multiple of 32) run on AMX tiles.
 bool amx_tiles() {
 #if defined(__AVX512BF16__)
@@ -335,6 +330,7 @@ bool amx_tiles() {
   return false;
 #endif
 }
+}  // namespace ps
 
 // Turns the AMX path on or off (where available); returns amx_tiles() after the change.
 bool set_amx_tiles(bool enable) {
@@ -343,7 +339,7 @@ bool set_amx_tiles(bool enable) {
 #else
   (void)enable;
 #endif
-  return amx_tiles();
+  return ps::amx_tiles();
 }
 
 // [N, K] -> the packed blocks above (zero columns pad N to a multiple of 16). K a multiple of the dtype's k step.
@@ -389,7 +385,7 @@ torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::
   if (x.scalar_type() == torch::kFloat) run(static_cast<float*>(nullptr));
 #if defined(__AVX512BF16__)
   // One row: the VDPBF16PS path streams the weights as fast (a tile would use 1 of its 16 rows).
-  else if (xc.size(0) > 1 && xc.size(1) % 32 == 0 && amx_tiles())
+  else if (xc.size(0) > 1 && xc.size(1) % 32 == 0 && ps::amx_tiles())
     amx::gemm(ps::ptr<bf16>(xc), xc.size(0), ps::ptr<bf16>(packed),
               FloatOut<bf16>{ps::ptr<bf16>(y), has_bias ? ps::ptr<bf16>(bc) : nullptr, n}, n, xc.size(1));
   else run(static_cast<bf16*>(nullptr));  // supports() let only float32 and bfloat16 through

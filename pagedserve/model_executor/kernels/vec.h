@@ -119,6 +119,26 @@ inline __m512 reduce16x16(const __m512* v) {
 
 inline bool is_act_dtype(at::ScalarType t) { return t == torch::kFloat || t == torch::kBFloat16; }
 
+// AMX tile shapes for LDTILECFG (palette 1): rows and bytes per row of each of the 8 tile registers.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+#if defined(__AVX512BF16__)
+// LDTILECFG. The compiler does not know the instruction reads all 64 bytes of cfg: without the barrier GCC 12
+// dropped the stores of rows and colsb as dead, and the first tile instruction faulted.
+__attribute__((target("amx-tile"))) inline void load_tile_config(const TileConfig& cfg) {
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+#endif
+
+// Whether this build and CPU run bfloat16 products on AMX tiles: the small GEMM (2+ rows) and prefill attention
+// (defined in small_gemm.cpp; set_amx_tiles turns both off).
+bool amx_tiles();
+
 inline const char* isa_name() {
 #if defined(__AVX512BF16__)
   return "avx512bf16";
