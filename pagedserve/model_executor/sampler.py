@@ -141,7 +141,7 @@ def processed_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[
 
 def greedy_ids_of(logits: torch.Tensor) -> torch.Tensor:
     """[N] each row's argmax (the first index on ties). max(dim) gives the same indices as argmax: on CPU its kernel
-    took 0.38-0.55x argmax's time on [16-256, 49152-151936] float32 logits (1-2.6 ms of a decode step saved at
+    took 0.38-0.55x argmax's time on [16-256, 49152-151936] float32 logits (1.1-1.6 ms of a decode step saved at
     16-32 rows; BENCHMARKS.md section 6, "Eighth pass")."""
     return logits.max(dim=-1).indices
 

@@ -11,8 +11,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <optional>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -590,7 +590,7 @@ inline void prefill_rows_bf16(const uint32_t* const* q, const int64_t* visible, 
 // interleaved values (16 key pairs x 16 dims, a row every d/32 * 2 vectors) for the value sums. q: the 16 rows'
 // queries, contiguous (d apart); the scores go through memory to the same online-softmax step as the vector path;
 // each 16 x 16 block of value sums is rescaled into acc by AVX-512 (a tile cannot be scaled in place). Tiles (all
-// 16 x 64 bytes, amx_prefill_config): 0, 1 the two chunks' scores, 2 the queries then the softmax weights, 3, 4
+// 16 x 64 bytes, AmxPrefillTiles): 0, 1 the two chunks' scores, 2 the queries then the softmax weights, 3, 4
 // the chunks' keys, 5 a block of value sums, 6 its values. Rows past `rows` are padding: computed, never used.
 __attribute__((target("amx-tile,amx-bf16"))) void prefill_block_amx(const bf16* q, const int64_t* visible, int64_t rows,
                                                                      const __m512i* kp, const __m512i* vp, int64_t d,
