@@ -79,8 +79,7 @@ def test_bf16_small_gemm_row_limit_follows_amx(amx, monkeypatch):
             calls.append(x.shape[0])
             return ops.small_gemm(x, *args)
 
-    monkeypatch.setattr("pagedserve.model_executor.kernels.cpu_flags",
-                        lambda: frozenset({"avx512_bf16", "amx_bf16"} if amx else {"avx512_bf16"}))
+    monkeypatch.setattr(layers, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"} if amx else {"avx512_bf16"}))
     monkeypatch.setattr(layers, "cpu_kernels", lambda: Counting())
     for dtype, limit in ((torch.bfloat16, bf16_limit), (torch.float32, NATIVE_GEMM_MAX_ROWS)):
         assert layers.native_gemm_max_rows(dtype) == limit

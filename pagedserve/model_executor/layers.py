@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.model_executor.kernels import bf16_on_amx, cpu_kernels
+from pagedserve.model_executor.kernels import cpu_flags, cpu_kernels
 
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
@@ -77,7 +77,7 @@ NATIVE_INT8_MAX_ROWS = 16
 
 def native_gemm_max_rows(dtype: torch.dtype) -> int:
     """Rows up to which the native small GEMM runs a `dtype` product (float32 / bfloat16), oneDNN above."""
-    if not bf16_on_amx(dtype):
+    if dtype != torch.bfloat16 or "amx_bf16" not in cpu_flags():
         return NATIVE_GEMM_MAX_ROWS
     ops = cpu_kernels()
     return NATIVE_BF16_AMX_MAX_ROWS if ops is not None and ops.amx_tiles() else NATIVE_BF16_NO_TILES_MAX_ROWS

@@ -94,14 +94,6 @@ def has_bf16_compute() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-def bf16_on_amx(dtype) -> bool:
-    """True for bfloat16 on a CPU with AMX-BF16, where oneDNN runs bfloat16 matrix products on the tile units: the
-    library's tile kernels beat the VDPBF16PS small GEMM there above a few rows (layers.py)."""
-    import torch
-
-    return dtype == torch.bfloat16 and "amx_bf16" in cpu_flags()
-
-
 def build_flags(isa: str) -> list[str]:
     return [*BASE_CFLAGS, *ISA_LEVELS[isa][1]]
 
