@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -408,13 +409,116 @@ inline void unpermute_values(float* a, int64_t d) {
   }
 }
 
+// Decode attention on AMX tiles, per KV head and step of two 16-key chunks (VDPBF16PS takes ~2 cycles on these
+// CPUs, and the vector path spends most of its time in it):
+// - scores[key][g] = k_key . q_g for its G query heads, one TDPBF16PS per chunk and 32 dims: the keys an A tile
+//   straight from the cache (16 rows at the token stride), the queries a B tile of dim pairs built once per task.
+//   It replaces G reduction trees of 16 x d/32 VDPBF16PS.
+// - value sums: the G rows of softmax weights in pairs (pp) are an A tile, the interleaved values (vp) B tiles of
+//   16 token pairs x 16 dims, as in prefill_block_amx.
+// Tiles: 0 the scores (16 x G floats), 1 the keys (16 x 32 dims), 2 the queries (16 dim pairs x G heads), 3 the
+// weights (G x 16 pairs), 4 and 7 values, 5 and 6 their sums (G x 16 dims). Loaded by each task, released at its end.
+struct AmxDecodeTiles {
+  __attribute__((target("amx-tile"))) explicit AmxDecodeTiles(int group) {
+    const auto g = static_cast<uint8_t>(group);
+    ps::TileConfig cfg;
+    for (int t : {0, 2}) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(4 * group);
+    for (int t : {1, 4, 7}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    for (int t : {3, 5, 6}) cfg.rows[t] = g, cfg.colsb[t] = 64;
+    ps::load_tile_config(cfg);
+  }
+  __attribute__((target("amx-tile"))) ~AmxDecodeTiles() { _tile_release(); }
+};
+
+// The G query heads of each KV head as B tiles: qp[((kv * d/32 + b) * 16 + j) * G + g] = dims 32b + 2j, +1 of head
+// kv * G + g.
+template <int G>
+void query_pair_tiles(const bf16* q, int64_t num_kv_heads, int64_t d, uint32_t* qp) {
+  for (int64_t kv = 0; kv < num_kv_heads; ++kv)
+    for (int g = 0; g < G; ++g) {
+      const uint32_t* pairs = reinterpret_cast<const uint32_t*>(q + (kv * G + g) * d);
+      for (int64_t p = 0; p < d / 2; ++p) qp[((kv * d / 32 + p / 16) * 16 + p % 16) * G + g] = pairs[p];
+    }
+}
+
+// One chunk's scores for one KV head (keys: the chunk's 16 key rows at `stride` bytes, this head's dims first;
+// qp: its query tiles) into scores[16][G].
+template <int G>
+__attribute__((target("amx-tile,amx-bf16"))) void score_chunk_amx(const bf16* keys, int64_t stride, const uint32_t* qp,
+                                                                   int64_t d, float* scores) {
+  _tile_zero(0);
+  for (int64_t b = 0; b < d / 32; ++b) {
+    _tile_loadd(1, keys + 32 * b, stride);
+    _tile_loadd(2, qp + b * 16 * G, 4 * G);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  _tile_stored(0, scores, 4 * G);
+}
+
+// Column g of a dense [16][G] float matrix (c: 16 G floats, readable 16 past them): lane i = c[i G + g].
+template <int G>
+inline __m512 score_column(const float* c, int g) {
+  const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
+                                                                           1, 0), _mm512_set1_epi32(G)),
+                                       _mm512_set1_epi32(g));
+  __m512 r = _mm512_permutex2var_ps(_mm512_loadu_ps(c), idx, _mm512_loadu_ps(c + 16));
+  for (int j = 2; j < G; j += 2) {  // elements [16 j, 16 j + 32): lanes whose index lies there
+    const __mmask16 here = _mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32(16 * j)) &
+                           _mm512_cmplt_epi32_mask(idx, _mm512_set1_epi32(16 * j + 32));
+    r = _mm512_mask_mov_ps(r, here, _mm512_permutex2var_ps(_mm512_loadu_ps(c + 16 * j), idx,
+                                                           _mm512_loadu_ps(c + 16 * j + 16)));
+  }
+  return r;
+}
+
+// accumulate_pairs on AMX tiles (G rows; the value pairs of the step's first `pairs` token pairs in vp; the rest are
+// zeroed here, since they multiply weights of 0 and must not be NaN).
+template <int G>
+__attribute__((target("amx-tile,amx-bf16"))) void accumulate_pairs_amx(float* const* acc, const float* alpha,
+                                                                        const uint32_t (*pp)[2 * kPairs], __m512i* vp,
+                                                                        int64_t d, int64_t pairs) {
+  const int64_t blocks = d / 32, stride = blocks * 2 * static_cast<int64_t>(sizeof(__m512i));
+  std::fill(vp + pairs * blocks * 2, vp + 2 * kPairs * blocks * 2, _mm512_setzero_si512());
+  alignas(64) float sums[2][G][16];
+  _tile_loadd(3, pp, sizeof pp[0]);
+  for (int64_t c = 0; c < 2 * blocks; c += 2) {  // c = 2 b + {lo, hi}: dims 32 b + 16 (c % 2) .. in pair order
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_loadd(4, vp + c, stride);
+    _tile_loadd(7, vp + c + 1, stride);
+    _tile_dpbf16ps(5, 3, 4);
+    _tile_dpbf16ps(6, 3, 7);
+    _tile_stored(5, sums[0], sizeof sums[0][0]);
+    _tile_stored(6, sums[1], sizeof sums[0][0]);
+    for (int g = 0; g < G; ++g) {
+      const __m512 al = _mm512_set1_ps(alpha[g]);
+      for (int j = 0; j < 2; ++j) {
+        float* a = acc[g] + 16 * (c + j);
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), al, _mm512_load_ps(sums[j][g])));
+      }
+    }
+  }
+}
+
+// A chunk's key rows for score_chunk_amx: in place when its 16 rows lie at one stride (a whole chunk inside a
+// block), else copied (lanes past the chunk repeat its first key) into scratch [16][d].
+inline std::pair<const bf16*, int64_t> chunk_key_rows(const bf16* const* keys, int64_t n, int64_t offset, int64_t row,
+                                                      int64_t d, bf16* scratch) {
+  if (n == kChunk && keys[kChunk - 1] - keys[0] == (kChunk - 1) * row)
+    return {keys[0] + offset, row * static_cast<int64_t>(sizeof(bf16))};
+  for (int64_t i = 0; i < kChunk; ++i) std::memcpy(scratch + i * d, keys[i] + offset, d * sizeof(bf16));
+  return {scratch, d * static_cast<int64_t>(sizeof(bf16))};
+}
+
 // `attend` on the bfloat16 path with G query heads per KV head: the tokens in steps of two 16-token chunks with an
 // online softmax (one update per 32 keys: softmax_update2), per KV head: its G query heads are scored (one
-// reduction tree per chunk), then its values are interleaved once per step and summed for all G heads together -
-// no value widened to float32 or read twice.
+// reduction tree per chunk, or on AMX tiles with `tiles`), then its values are interleaved once per step and summed
+// for all G heads together - no value widened to float32 or read twice.
 template <int G>
-void attend_bf16_grouped(const bf16* q, float scale, const bf16* k_cache, const bf16* v_cache, const int64_t* table,
-                         int64_t t0, int64_t t1, const Shape& s, float* acc, float* m, float* l) {
+__attribute__((target("amx-tile,amx-bf16"))) void attend_bf16_grouped(const bf16* q, float scale, const bf16* k_cache,
+                                                                       const bf16* v_cache, const int64_t* table,
+                                                                       int64_t t0, int64_t t1, const Shape& s,
+                                                                       bool tiles, float* acc, float* m, float* l) {
   const int64_t heads = s.num_heads, d = s.head_dim, row = s.num_kv_heads * d, blocks = d / 32;
   std::fill(acc, acc + heads * d, 0.f);
   std::fill(l, l + heads, 0.f);
@@ -425,6 +529,14 @@ void attend_bf16_grouped(const bf16* q, float scale, const bf16* k_cache, const 
   float* rows[G];
   const bf16* first_keys[kChunk];
   const bf16* first_values[kChunk];
+  std::optional<AmxDecodeTiles> amx;
+  std::vector<uint32_t> qp(tiles ? heads * d / 2 : 0);
+  alignas(64) float scores[2][kChunk * G + 16];  // score_column reads up to 16 floats past a chunk's
+  alignas(64) bf16 scratch[kChunk * kMaxDim];
+  if (tiles) {
+    amx.emplace(G);
+    query_pair_tiles<G>(q, s.num_kv_heads, d, qp.data());
+  }
   for (ChunkWalker<bf16> w(k_cache, v_cache, table, s.block_size, row, t0, t1, 0, row); !w.done(); w.advance()) {
     const auto [n0, n1] = w.take_two(first_keys, first_values);
     const bool two = n1 > 0;
@@ -432,10 +544,20 @@ void attend_bf16_grouped(const bf16* q, float scale, const bf16* k_cache, const 
     // an odd count pairs the last token with a masked (p = 0) lane
     const int64_t pairs0 = (n0 + 1) / 2, pairs = two ? kPairs + (n1 + 1) / 2 : pairs0;
     for (int64_t kv = 0; kv < s.num_kv_heads; ++kv) {
+      if (tiles) {
+        const uint32_t* qkv = qp.data() + kv * d / 2 * G;
+        const auto [k0, stride0] = chunk_key_rows(first_keys, n0, kv * d, row, d, scratch);
+        score_chunk_amx<G>(k0, stride0, qkv, d, scores[0]);
+        if (two) {
+          const auto [k1, stride1] = chunk_key_rows(w.keys(), n1, kv * d, row, d, scratch);
+          score_chunk_amx<G>(k1, stride1, qkv, d, scores[1]);
+        }
+      }
       for (int g = 0; g < G; ++g) {
         const int64_t h = kv * G + g;
-        __m512 sc0 = score_chunk_bf16(q + h * d, first_keys, kv * d, d);
-        __m512 sc1 = two ? score_chunk_bf16(q + h * d, w.keys(), kv * d, d) : _mm512_setzero_ps();
+        __m512 sc0 = tiles ? score_column<G>(scores[0], g) : score_chunk_bf16(q + h * d, first_keys, kv * d, d);
+        __m512 sc1 = !two ? _mm512_setzero_ps()
+                          : tiles ? score_column<G>(scores[1], g) : score_chunk_bf16(q + h * d, w.keys(), kv * d, d);
         softmax_update2(sc0, valid0, sc1, valid1, scale, m[h], l[h], alpha[g]);
         _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g]), (__m256i)_mm512_cvtneps_pbh(sc0));
         _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g] + kPairs), (__m256i)_mm512_cvtneps_pbh(sc1));
@@ -443,7 +565,10 @@ void attend_bf16_grouped(const bf16* q, float scale, const bf16* k_cache, const 
       }
       interleave_value_pairs(first_values, kv * d, d, pairs0, vp);
       if (two) interleave_value_pairs(w.values(), kv * d, d, pairs - kPairs, vp + kPairs * blocks * 2);
-      accumulate_pairs<G, 2 * kPairs>(rows, alpha, pp, vp, d, pairs);
+      if (tiles)
+        accumulate_pairs_amx<G>(rows, alpha, pp, vp, d, pairs);
+      else
+        accumulate_pairs<G, 2 * kPairs>(rows, alpha, pp, vp, d, pairs);
     }
     if (!two) break;
   }
@@ -456,9 +581,10 @@ inline bool bf16_path(int64_t head_dim) { return head_dim % 32 == 0 && head_dim 
 inline bool attend_bf16(const bf16* q, float scale, const bf16* k_cache, const bf16* v_cache, const int64_t* table,
                         int64_t t0, int64_t t1, const Shape& s, float* acc, float* m, float* l) {
   if (!bf16_path(s.head_dim)) return false;
+  const bool tiles = ps::amx_tiles();
   switch (s.num_heads / s.num_kv_heads) {
 #define PS_GROUP(G) \
-  case G: attend_bf16_grouped<G>(q, scale, k_cache, v_cache, table, t0, t1, s, acc, m, l); return true;
+  case G: attend_bf16_grouped<G>(q, scale, k_cache, v_cache, table, t0, t1, s, tiles, acc, m, l); return true;
     PS_GROUP(1) PS_GROUP(2) PS_GROUP(3) PS_GROUP(4) PS_GROUP(5) PS_GROUP(6) PS_GROUP(7) PS_GROUP(8)
 #undef PS_GROUP
     default: return false;
@@ -999,7 +1125,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "quantized per row on the fly", py::arg("x"), py::arg("packed"), py::arg("col_scale"), py::arg("col_shift"),
         py::arg("n"), py::arg("bias") = py::none());
   m.def("amx_tiles", &ps::amx_tiles,
-        "whether bfloat16 small_gemm calls of 2+ rows (K % 32 == 0) and bfloat16 prefill attention run on AMX tiles");
+        "whether bfloat16 small_gemm calls of 2+ rows (K % 32 == 0) and bfloat16 prefill and decode attention run "
+        "on AMX tiles");
   m.def("set_amx_tiles", &set_amx_tiles, "turn the AMX path on or off where available; returns amx_tiles()");
   m.def("isa", &kernel_isa, "the instruction-set level this build targets");
 }
