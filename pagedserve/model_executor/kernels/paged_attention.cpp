@@ -416,15 +416,16 @@ inline void unpermute_values(float* a, int64_t d) {
 //   It replaces G reduction trees of 16 x d/32 VDPBF16PS.
 // - value sums: the G rows of softmax weights in pairs (pp) are an A tile, the interleaved values (vp) B tiles of
 //   16 token pairs x 16 dims, as in prefill_block_amx.
-// Tiles: 0 the scores (16 x G floats), 1 the keys (16 x 32 dims), 2 the queries (16 dim pairs x G heads), 3 the
-// weights (G x 16 pairs), 4 and 7 values, 5 and 6 their sums (G x 16 dims). Loaded by each task, released at its end.
+// Tiles: 0 and 6 the two chunks' scores (16 x G floats), 1 and 4 their keys (16 x 32 dims), 2 the queries (16 dim
+// pairs x G heads); 3 the weights (G x 16 pairs), 4 and 7 values, 5 their sums (G x 16 dims). Loaded by each task,
+// released at its end.
 struct AmxDecodeTiles {
   __attribute__((target("amx-tile"))) explicit AmxDecodeTiles(int group) {
     const auto g = static_cast<uint8_t>(group);
     ps::TileConfig cfg;
-    for (int t : {0, 2}) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(4 * group);
+    for (int t : {0, 2, 6}) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(4 * group);
     for (int t : {1, 4, 7}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-    for (int t : {3, 5, 6}) cfg.rows[t] = g, cfg.colsb[t] = 64;
+    for (int t : {3, 5}) cfg.rows[t] = g, cfg.colsb[t] = 64;
     ps::load_tile_config(cfg);
   }
   __attribute__((target("amx-tile"))) ~AmxDecodeTiles() { _tile_release(); }
@@ -441,18 +442,26 @@ void query_pair_tiles(const bf16* q, int64_t num_kv_heads, int64_t d, uint32_t* 
     }
 }
 
-// One chunk's scores for one KV head (keys: the chunk's 16 key rows at `stride` bytes, this head's dims first;
-// qp: its query tiles) into scores[16][G].
+// A step's scores for one KV head: both chunks (keys0/keys1: their 16 key rows at stride0/stride1 bytes, this
+// head's dims first; keys1 null when there is no second chunk; qp: the head's query tiles) into scores[c][16][G].
 template <int G>
-__attribute__((target("amx-tile,amx-bf16"))) void score_chunk_amx(const bf16* keys, int64_t stride, const uint32_t* qp,
-                                                                   int64_t d, float* scores) {
+__attribute__((target("amx-tile,amx-bf16"))) void score_chunks_amx(const bf16* keys0, int64_t stride0,
+                                                                    const bf16* keys1, int64_t stride1,
+                                                                    const uint32_t* qp, int64_t d, float* scores0,
+                                                                    float* scores1) {
   _tile_zero(0);
+  _tile_zero(6);
   for (int64_t b = 0; b < d / 32; ++b) {
-    _tile_loadd(1, keys + 32 * b, stride);
     _tile_loadd(2, qp + b * 16 * G, 4 * G);
+    _tile_loadd(1, keys0 + 32 * b, stride0);
     _tile_dpbf16ps(0, 1, 2);
+    if (keys1 != nullptr) {
+      _tile_loadd(4, keys1 + 32 * b, stride1);
+      _tile_dpbf16ps(6, 4, 2);
+    }
   }
-  _tile_stored(0, scores, 4 * G);
+  _tile_stored(0, scores0, 4 * G);
+  if (keys1 != nullptr) _tile_stored(6, scores1, 4 * G);
 }
 
 // Column g of a dense [16][G] float matrix (c: 16 G floats, readable 16 past them): lane i = c[i G + g].
@@ -483,13 +492,13 @@ __attribute__((target("amx-tile,amx-bf16"))) void accumulate_pairs_amx(float* co
   _tile_loadd(3, pp, sizeof pp[0]);
   for (int64_t c = 0; c < 2 * blocks; c += 2) {  // c = 2 b + {lo, hi}: dims 32 b + 16 (c % 2) .. in pair order
     _tile_zero(5);
-    _tile_zero(6);
     _tile_loadd(4, vp + c, stride);
-    _tile_loadd(7, vp + c + 1, stride);
     _tile_dpbf16ps(5, 3, 4);
-    _tile_dpbf16ps(6, 3, 7);
     _tile_stored(5, sums[0], sizeof sums[0][0]);
-    _tile_stored(6, sums[1], sizeof sums[0][0]);
+    _tile_zero(5);
+    _tile_loadd(7, vp + c + 1, stride);
+    _tile_dpbf16ps(5, 3, 7);
+    _tile_stored(5, sums[1], sizeof sums[0][0]);
     for (int g = 0; g < G; ++g) {
       const __m512 al = _mm512_set1_ps(alpha[g]);
       for (int j = 0; j < 2; ++j) {
@@ -531,8 +540,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void attend_bf16_grouped(const bf16
   const bf16* first_values[kChunk];
   std::optional<AmxDecodeTiles> amx;
   std::vector<uint32_t> qp(tiles ? heads * d / 2 : 0);
-  alignas(64) float scores[2][kChunk * G + 16];  // score_column reads up to 16 floats past a chunk's
-  alignas(64) bf16 scratch[kChunk * kMaxDim];
+  constexpr int64_t kScores = kChunk * G + 16;  // one chunk's scores [16][G]: score_column reads 16 floats past them
+  std::vector<float> scores(tiles ? s.num_kv_heads * 2 * kScores : 0);
+  alignas(64) bf16 scratch[2][kChunk * kMaxDim];
   if (tiles) {
     amx.emplace(G);
     query_pair_tiles<G>(q, s.num_kv_heads, d, qp.data());
@@ -543,21 +553,22 @@ __attribute__((target("amx-tile,amx-bf16"))) void attend_bf16_grouped(const bf16
     const __mmask16 valid0 = static_cast<__mmask16>((1u << n0) - 1), valid1 = static_cast<__mmask16>((1u << n1) - 1);
     // an odd count pairs the last token with a masked (p = 0) lane
     const int64_t pairs0 = (n0 + 1) / 2, pairs = two ? kPairs + (n1 + 1) / 2 : pairs0;
-    for (int64_t kv = 0; kv < s.num_kv_heads; ++kv) {
-      if (tiles) {
-        const uint32_t* qkv = qp.data() + kv * d / 2 * G;
-        const auto [k0, stride0] = chunk_key_rows(first_keys, n0, kv * d, row, d, scratch);
-        score_chunk_amx<G>(k0, stride0, qkv, d, scores[0]);
-        if (two) {
-          const auto [k1, stride1] = chunk_key_rows(w.keys(), n1, kv * d, row, d, scratch);
-          score_chunk_amx<G>(k1, stride1, qkv, d, scores[1]);
-        }
+    if (tiles)  // every KV head's scores first: the tile products back to back
+      for (int64_t kv = 0; kv < s.num_kv_heads; ++kv) {
+        const auto [k0, stride0] = chunk_key_rows(first_keys, n0, kv * d, row, d, scratch[0]);
+        const auto [k1, stride1] = two ? chunk_key_rows(w.keys(), n1, kv * d, row, d, scratch[1])
+                                       : std::pair<const bf16*, int64_t>{nullptr, 0};
+        score_chunks_amx<G>(k0, stride0, k1, stride1, qp.data() + kv * d / 2 * G, d, &scores[2 * kv * kScores],
+                            &scores[(2 * kv + 1) * kScores]);
       }
+    for (int64_t kv = 0; kv < s.num_kv_heads; ++kv) {
       for (int g = 0; g < G; ++g) {
         const int64_t h = kv * G + g;
-        __m512 sc0 = tiles ? score_column<G>(scores[0], g) : score_chunk_bf16(q + h * d, first_keys, kv * d, d);
+        __m512 sc0 = tiles ? score_column<G>(&scores[2 * kv * kScores], g)
+                           : score_chunk_bf16(q + h * d, first_keys, kv * d, d);
         __m512 sc1 = !two ? _mm512_setzero_ps()
-                          : tiles ? score_column<G>(scores[1], g) : score_chunk_bf16(q + h * d, w.keys(), kv * d, d);
+                   : tiles ? score_column<G>(&scores[(2 * kv + 1) * kScores], g)
+                           : score_chunk_bf16(q + h * d, w.keys(), kv * d, d);
         softmax_update2(sc0, valid0, sc1, valid1, scale, m[h], l[h], alpha[g]);
         _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g]), (__m256i)_mm512_cvtneps_pbh(sc0));
         _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g] + kPairs), (__m256i)_mm512_cvtneps_pbh(sc1));
