@@ -247,14 +247,27 @@ def _quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, n, k", [(1, 163, 100), (1, 1536, 576), (3, 5, 32), (8, 64, 36), (9, 49, 4),
-                                        (13, 200, 64), (40, 33, 96)])
+                                        (13, 200, 64), (40, 33, 96), (20, 1536, 576), (40, 70, 128)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_small_gemm_int8(ops, dtype, rows, n, k, bias):
+@pytest.mark.parametrize("amx", [True, False])
+def test_small_gemm_int8(ops, dtype, rows, n, k, bias, amx):
     """The VNNI int8 path: x quantized per row (round(x / s) with s = max|x| / 127), then exact integer sums,
-    scaled back by the row's and the column's scales. Reference: the same quantization in float64."""
+    scaled back by the row's and the column's scales. Reference: the same quantization in float64. On AMX CPUs 2+
+    rows with K % 64 == 0 run on AMX-INT8 tiles (one or two 16-row tiles per pass of up to 32 rows; an odd number
+    of column blocks); amx=False keeps VNNI there."""
     if not ops.native_small_gemm(torch.int8):
         assert ops.isa() != "avx512bf16"  # every AVX512-BF16 CPU has VNNI; the int8 Linear stays on fbgemm elsewhere
         return
+    if amx and not ops.amx_tiles():
+        pytest.skip("no AMX tiles in this build or on this CPU (the amx=False case runs the VNNI path)")
+    ops.set_amx_tiles(amx)
+    try:
+        _check_small_gemm_int8(ops, dtype, rows, n, k, bias)
+    finally:
+        ops.set_amx_tiles(True)
+
+
+def _check_small_gemm_int8(ops, dtype, rows, n, k, bias):
     g = torch.Generator().manual_seed(rows * n * k + 1)
     x = torch.randn(rows, k, generator=g).to(dtype)
     if rows >= 3:

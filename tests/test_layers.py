@@ -59,7 +59,8 @@ def test_native_backend_packs_where_the_kernel_runs(dtype):
 def test_bf16_small_gemm_row_limit_follows_amx(amx, monkeypatch):
     """On an AMX CPU bfloat16 products above native_gemm_max_rows go to oneDNN: NATIVE_BF16_AMX_MAX_ROWS where the
     kernel runs on the tiles, NATIVE_BF16_NO_TILES_MAX_ROWS where it cannot; float32 keeps the native kernel up to
-    NATIVE_GEMM_MAX_ROWS, and elsewhere both dtypes do."""
+    NATIVE_GEMM_MAX_ROWS, and elsewhere both dtypes do. int8 weights run the native kernel at every row count where
+    it runs on AMX-INT8 tiles, else up to NATIVE_INT8_MAX_ROWS (fbgemm above)."""
     from pagedserve.model_executor import layers
     from pagedserve.model_executor.kernels import cpu_kernels
 
@@ -79,7 +80,12 @@ def test_bf16_small_gemm_row_limit_follows_amx(amx, monkeypatch):
             calls.append(x.shape[0])
             return ops.small_gemm(x, *args)
 
-    monkeypatch.setattr(layers, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"} if amx else {"avx512_bf16"}))
+        def small_gemm_int8(self, x, *args):
+            calls.append(x.shape[0])
+            return ops.small_gemm_int8(x, *args)
+
+    flags = {"avx512_bf16", "amx_bf16", "amx_int8"} if amx else {"avx512_bf16"}
+    monkeypatch.setattr(layers, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.setattr(layers, "cpu_kernels", lambda: Counting())
     for dtype, limit in ((torch.bfloat16, bf16_limit), (torch.float32, NATIVE_GEMM_MAX_ROWS)):
         assert layers.native_gemm_max_rows(dtype) == limit
@@ -89,6 +95,14 @@ def test_bf16_small_gemm_row_limit_follows_amx(amx, monkeypatch):
             calls.clear()
             layer(torch.randn(rows, 64).to(dtype))
             assert calls == ([rows] if rows <= limit else []), (dtype, rows)
+    int8_limit = layers.NATIVE_INT8_AMX_MAX_ROWS if amx and ops.amx_tiles() else NATIVE_INT8_MAX_ROWS
+    assert layers.native_gemm_max_rows(torch.int8) == int8_limit
+    layer, _, _ = _random_layer(64, 48, 1, torch.float32)
+    layer.set_backend("int8")
+    for rows in (1, NATIVE_INT8_MAX_ROWS, NATIVE_INT8_MAX_ROWS + 1, 300):
+        calls.clear()
+        layer(torch.randn(rows, 64))
+        assert calls == ([rows] if rows <= int8_limit else []), ("int8", rows)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 31, 32, 33, 64, 65])
@@ -170,6 +184,7 @@ def test_int8_backend_close_to_float_on_both_kernels(rows, dtype):
 
     layer, x, expected = _random_layer(128, 163, rows, dtype)
     layer.set_backend("int8")
+    layer._native_max_rows = NATIVE_INT8_MAX_ROWS  # fbgemm above it, also on AMX CPUs (whose limit is none)
     ops = cpu_kernels()
     assert (layer._small_packed is not None) == (ops is not None and ops.native_small_gemm(torch.int8, 128))
     y = layer(x)

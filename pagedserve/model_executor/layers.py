@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 
 import torch
@@ -73,11 +74,19 @@ NATIVE_BF16_NO_TILES_MAX_ROWS = 6
 # (BENCHMARKS.md section 6, "int8 weights on VNNI"), the native kernel 1.2-1.5x faster at 1-8 rows, level at 16
 # (SmolLM2 1.06x, Qwen3 0.96x), behind from 32 rows (0.73-0.91x), where fbgemm's kernels reach more of the VNNI peak.
 NATIVE_INT8_MAX_ROWS = 16
+# On CPUs with AMX-INT8 the kernel runs 2+ rows on the tiles (TDPBUSD): 2.3-2.9x fbgemm from 16 to 128 rows on both
+# shapes and 4.4x at a 2048-row prefill chunk (Intel Xeon, BENCHMARKS.md section 6, "Ninth pass"), so every product.
+NATIVE_INT8_AMX_MAX_ROWS = sys.maxsize
 
 
 def native_gemm_max_rows(dtype: torch.dtype) -> int:
-    """Rows up to which the native small GEMM runs a `dtype` product (float32 / bfloat16), oneDNN above."""
-    if dtype != torch.bfloat16 or "amx_bf16" not in cpu_flags():
+    """Rows up to which the native small GEMM runs a `dtype` product (float32 / bfloat16: oneDNN above; int8 weights:
+    fbgemm above)."""
+    flags = cpu_flags()
+    if dtype == torch.int8:
+        tiles = "amx_int8" in flags and (ops := cpu_kernels()) is not None and ops.amx_tiles()
+        return NATIVE_INT8_AMX_MAX_ROWS if tiles else NATIVE_INT8_MAX_ROWS
+    if dtype != torch.bfloat16 or "amx_bf16" not in flags:
         return NATIVE_GEMM_MAX_ROWS
     ops = cpu_kernels()
     return NATIVE_BF16_AMX_MAX_ROWS if ops is not None and ops.amx_tiles() else NATIVE_BF16_NO_TILES_MAX_ROWS
@@ -98,9 +107,9 @@ class Linear(nn.Module):
         "onednn"). Where the kernel does not run this dtype (AVX2-only CPUs, bfloat16 without AVX512-BF16, an odd
         K in bfloat16) it is "onednn";
       * "int8": weight-only int8, per-output-channel scales, activations quantized per call - a quarter of the
-        weight bytes, for memory-bound decode. Up to NATIVE_INT8_MAX_ROWS rows the native kernel (AVX512-VNNI,
-        activations quantized per row), above it fbgemm's dynamic quantization (per tensor); both keep their
-        packed int8 copy.
+        weight bytes, for memory-bound decode. Up to `native_gemm_max_rows(torch.int8)` rows the native kernel
+        (AVX512-VNNI or AMX-INT8, activations quantized per row), above it fbgemm's dynamic quantization (per
+        tensor); both keep their packed int8 copy.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -137,6 +146,7 @@ class Linear(nn.Module):
                 self._small_packed = ops.pack_small_gemm_weight(q)
                 self._int8_scale = scales.float()
                 self._int8_shift = 128 * q.sum(dim=1, dtype=torch.int32)  # takes back the kernel's +128 on x
+                self._native_max_rows = native_gemm_max_rows(torch.int8)
         elif backend != "torch":
             raise ValueError(f"unknown linear backend {backend!r}")
         self.backend = backend
@@ -151,7 +161,7 @@ class Linear(nn.Module):
             return self.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
         rows = x.shape[0]
         if self.backend == "int8":
-            if self._small_packed is not None and rows <= NATIVE_INT8_MAX_ROWS:
+            if self._small_packed is not None and rows <= self._native_max_rows:
                 return cpu_kernels().small_gemm_int8(x, self._small_packed, self._int8_scale, self._int8_shift,
                                                      self.out_features, self.bias)
             return torch.ops.quantized.linear_dynamic(x.float(), self._packed, True).to(x.dtype)

@@ -191,7 +191,7 @@ void small_gemm_kernel(const typename Packed<W>::X* x, int64_t rows, const W* w,
 // row keeps the VDPBF16PS path, as fast there; BENCHMARKS.md section 6, "Eighth pass").
 namespace amx {
 constexpr int64_t kRows = 32;  // rows per pass: two 16-row tiles
-constexpr int64_t kPrefetchSteps = 4;  // weight tiles (32 k each) prefetched ahead
+constexpr int64_t kPrefetchSteps = 4;  // weight tiles prefetched ahead
 
 // Whether the CPU has AMX-BF16 and the OS lets this process use the tiles (Linux wants each process to ask once).
 bool available() {
@@ -203,14 +203,57 @@ bool available() {
   }();
   return ok;
 }
+// AMX-INT8 too (every CPU with AMX-BF16 so far has it; checked all the same).
+bool int8_available() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    return available() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 25) & 1);
+  }();
+  return ok;
+}
 std::atomic<bool> enabled{true};  // set_amx_tiles(False) keeps the VDPBF16PS path (tests run both on AMX CPUs)
 
+// The two weight types on tiles: bfloat16 x bfloat16 -> float32 (TDPBF16PS) and the int8 path's unsigned
+// activation bytes x int8 weights -> int32 (TDPBUSD). A tile row is 64 bytes: 32 k in bfloat16, 64 in int8.
+template <typename W>
+struct Tiles;
+template <>
+struct Tiles<bf16> {
+  using X = bf16;
+  using Acc = float;
+  __attribute__((target("amx-tile,amx-bf16"))) static void dot(int c, int a, int b) {
+    switch (c * 64 + a * 8 + b) {  // the tile numbers are immediates
+      case 0 * 64 + 4 * 8 + 6: _tile_dpbf16ps(0, 4, 6); break;
+      case 1 * 64 + 4 * 8 + 7: _tile_dpbf16ps(1, 4, 7); break;
+      case 2 * 64 + 5 * 8 + 6: _tile_dpbf16ps(2, 5, 6); break;
+      default: _tile_dpbf16ps(3, 5, 7); break;
+    }
+  }
+  static __m512 load(const float* acc) { return _mm512_load_ps(acc); }
+};
+template <>
+struct Tiles<int8_t> {
+  using X = uint8_t;
+  using Acc = int32_t;
+  __attribute__((target("amx-tile,amx-int8"))) static void dot(int c, int a, int b) {
+    switch (c * 64 + a * 8 + b) {
+      case 0 * 64 + 4 * 8 + 6: _tile_dpbusd(0, 4, 6); break;
+      case 1 * 64 + 4 * 8 + 7: _tile_dpbusd(1, 4, 7); break;
+      case 2 * 64 + 5 * 8 + 6: _tile_dpbusd(2, 5, 6); break;
+      default: _tile_dpbusd(3, 5, 7); break;
+    }
+  }
+  static __m512i load(const int32_t* acc) { return _mm512_load_si512(acc); }
+};
+
 // Tiles: accumulators C[m][j] = tmm(2m + j), x rows A[m] = tmm(4 + m), weights B[j] = tmm(6 + j). MT row tiles.
-template <int MT>
-__attribute__((target("amx-tile,amx-bf16"))) void pass(const bf16* x, int64_t m0, int64_t rows, const bf16* w,
-                                                        const FloatOut<bf16>& out, int64_t n, int64_t k,
-                                                        int64_t b0, int64_t b1) {
-  alignas(64) float acc[kRows][32];
+template <typename W, int MT, typename Out>
+__attribute__((target("amx-tile,amx-bf16,amx-int8"))) void pass(const typename Tiles<W>::X* x, int64_t m0,
+                                                                 int64_t rows, const W* w, const Out& out, int64_t n,
+                                                                 int64_t k, int64_t b0, int64_t b1) {
+  using T = Tiles<W>;
+  constexpr int64_t kTileK = 64 / sizeof(typename T::X);
+  alignas(64) typename T::Acc acc[kRows][32];
   const int64_t block_elems = k * kBlock;
   for (int64_t b = b0; b < b1; b += 2) {
     const bool two = b + 1 < b1;
@@ -220,25 +263,27 @@ __attribute__((target("amx-tile,amx-bf16"))) void pass(const bf16* x, int64_t m0
       _tile_zero(2);
       _tile_zero(3);
     }
-    const bf16* w0 = w + b * block_elems;
-    const bf16* w1 = w0 + block_elems;
-    for (int64_t kk = 0; kk < k; kk += 32) {
+    const W* w0 = w + b * block_elems;
+    const W* w1 = w0 + block_elems;
+    for (int64_t kk = 0; kk < k; kk += kTileK) {
       // Two row tiles: the weights' next tiles into L2 ahead of use, since the tile loads do not overlap their
-      // misses with the products (24-32 rows: 1.06-1.14x; with one row tile it cost 4-9%).
+      // misses with the products (bf16, 24-32 rows: 1.06-1.14x; with one row tile it cost 4-9%).
       for (int64_t line = 0; line < (MT == 2 ? 16 : 0); ++line) {
-        _mm_prefetch(reinterpret_cast<const char*>(w0 + (kk + kPrefetchSteps * 32) * kBlock) + 64 * line, _MM_HINT_T1);
-        if (two) _mm_prefetch(reinterpret_cast<const char*>(w1 + (kk + kPrefetchSteps * 32) * kBlock) + 64 * line,
-                              _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(w0 + (kk + kPrefetchSteps * kTileK) * kBlock) + 64 * line,
+                     _MM_HINT_T1);
+        if (two)
+          _mm_prefetch(reinterpret_cast<const char*>(w1 + (kk + kPrefetchSteps * kTileK) * kBlock) + 64 * line,
+                       _MM_HINT_T1);
       }
-      _tile_loadd(4, x + m0 * k + kk, k * sizeof(bf16));
-      if (MT == 2) _tile_loadd(5, x + (m0 + 16) * k + kk, k * sizeof(bf16));
+      _tile_loadd(4, x + m0 * k + kk, k * sizeof(typename T::X));
+      if (MT == 2) _tile_loadd(5, x + (m0 + 16) * k + kk, k * sizeof(typename T::X));
       _tile_loadd(6, w0 + kk * kBlock, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      if (MT == 2) _tile_dpbf16ps(2, 5, 6);
+      T::dot(0, 4, 6);
+      if (MT == 2) T::dot(2, 5, 6);
       if (two) {
         _tile_loadd(7, w1 + kk * kBlock, 64);
-        _tile_dpbf16ps(1, 4, 7);
-        if (MT == 2) _tile_dpbf16ps(3, 5, 7);
+        T::dot(1, 4, 7);
+        if (MT == 2) T::dot(3, 5, 7);
       }
     }
     _tile_stored(0, &acc[0][0], sizeof acc[0]);
@@ -250,15 +295,15 @@ __attribute__((target("amx-tile,amx-bf16"))) void pass(const bf16* x, int64_t m0
     for (int64_t j = 0; j < (two ? 2 : 1); ++j) {
       const int64_t col = (b + j) * kBlock, valid = std::min<int64_t>(kBlock, n - col);
       const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-      for (int64_t r = 0; r < rows; ++r) out(m0 + r, col, _mm512_load_ps(&acc[r][16 * j]), mask);
+      for (int64_t r = 0; r < rows; ++r) out(m0 + r, col, T::load(&acc[r][16 * j]), mask);
     }
   }
 }
 
 // One thread's block pairs [p0, p1), every row, in passes of up to kRows rows (each pass its own tile shapes).
-__attribute__((target("amx-tile,amx-bf16"))) void thread_blocks(const bf16* x, int64_t rows, const bf16* w,
-                                                                 const FloatOut<bf16>& out, int64_t n, int64_t k,
-                                                                 int64_t p0, int64_t p1) {
+template <typename W, typename Out>
+__attribute__((target("amx-tile"))) void thread_blocks(const typename Tiles<W>::X* x, int64_t rows, const W* w,
+                                                       const Out& out, int64_t n, int64_t k, int64_t p0, int64_t p1) {
   const int64_t blocks = (n + kBlock - 1) / kBlock, b0 = 2 * p0, b1 = std::min(blocks, 2 * p1);
   for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
     const int64_t pass_rows = std::min(kRows, rows - m0), r0 = std::min<int64_t>(16, pass_rows),
@@ -269,15 +314,17 @@ __attribute__((target("amx-tile,amx-bf16"))) void thread_blocks(const bf16* x, i
       for (int t : {2, 3, 5}) cfg.rows[t] = static_cast<uint8_t>(r1), cfg.colsb[t] = 64;
     for (int t : {6, 7}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     ps::load_tile_config(cfg);
-    if (r1 > 0) pass<2>(x, m0, pass_rows, w, out, n, k, b0, b1);
-    else pass<1>(x, m0, pass_rows, w, out, n, k, b0, b1);
+    if (r1 > 0) pass<W, 2>(x, m0, pass_rows, w, out, n, k, b0, b1);
+    else pass<W, 1>(x, m0, pass_rows, w, out, n, k, b0, b1);
   }
   _tile_release();
 }
 
-void gemm(const bf16* x, int64_t rows, const bf16* w, const FloatOut<bf16>& out, int64_t n, int64_t k) {
+// x [rows, k] times the packed weight w on tiles (k a multiple of a tile row: 32 in bfloat16, 64 in int8).
+template <typename W, typename Out>
+void gemm(const typename Tiles<W>::X* x, int64_t rows, const W* w, const Out& out, int64_t n, int64_t k) {
   const int64_t pairs = ((n + kBlock - 1) / kBlock + 1) / 2;
-  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) { thread_blocks(x, rows, w, out, n, k, p0, p1); });
+  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) { thread_blocks<W>(x, rows, w, out, n, k, p0, p1); });
 }
 }  // namespace amx
 
@@ -394,8 +441,8 @@ torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::
 #if defined(__AVX512BF16__)
   // One row: the VDPBF16PS path streams the weights as fast (a tile would use 1 of its 16 rows).
   else if (xc.size(0) > 1 && xc.size(1) % 32 == 0 && ps::amx_tiles())
-    amx::gemm(ps::ptr<bf16>(xc), xc.size(0), ps::ptr<bf16>(packed),
-              FloatOut<bf16>{ps::ptr<bf16>(y), has_bias ? ps::ptr<bf16>(bc) : nullptr, n}, n, xc.size(1));
+    amx::gemm<bf16>(ps::ptr<bf16>(xc), xc.size(0), ps::ptr<bf16>(packed),
+                    FloatOut<bf16>{ps::ptr<bf16>(y), has_bias ? ps::ptr<bf16>(bc) : nullptr, n}, n, xc.size(1));
   else run(static_cast<bf16*>(nullptr));  // supports() let only float32 and bfloat16 through
 #endif
 #endif
@@ -425,7 +472,11 @@ torch::Tensor small_gemm_int8(torch::Tensor x, torch::Tensor packed, torch::Tens
     quantize_rows(ps::ptr<T>(xc), rows, k, xq.get(), row_scale.data());
     const Int8Out<T> out{ps::ptr<T>(y), has_bias ? ps::ptr<T>(bc) : nullptr, n, row_scale.data(),
                          ps::ptr<float>(col_scale), ps::ptr<int32_t>(col_shift)};
-    small_gemm_kernel<int8_t>(xq.get(), rows, ps::ptr<int8_t>(packed), out, n, k);
+    // Two rows or more on AMX-INT8 tiles where the CPU has them: the packed int8 layout is TDPBUSD's B tiles.
+    if (rows > 1 && k % 64 == 0 && ps::amx_tiles() && amx::int8_available())
+      amx::gemm<int8_t>(xq.get(), rows, ps::ptr<int8_t>(packed), out, n, k);
+    else
+      small_gemm_kernel<int8_t>(xq.get(), rows, ps::ptr<int8_t>(packed), out, n, k);
   });
 #endif
   return y;
