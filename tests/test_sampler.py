@@ -73,12 +73,19 @@ def test_greedy_takes_the_first_of_tied_maxima() -> None:
     assert out.sampled_token_ids.tolist() == [7, 12, 0]
 
 
-def test_sampler_does_not_modify_input_logits() -> None:
+@pytest.mark.parametrize("params, banned", [
+    (SamplingParams(temperature=0.7, top_k=5, top_p=0.8, repetition_penalty=1.5), {0: [3]}),
+    (SamplingParams(temperature=0.0, repetition_penalty=1.5), {}),  # greedy with a penalty: copied
+    (SamplingParams(temperature=0.0), {1: [4]}),  # greedy with a ban: copied
+    (SamplingParams(temperature=0.0), {}),  # plain greedy: read in place, never written
+])
+def test_sampler_does_not_modify_input_logits(params, banned) -> None:
     logits = torch.randn(4, 30, generator=seeded(1))
     original = logits.clone()
-    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.8, repetition_penalty=1.5)
-    sampler(logits, metadata([params] * 4, output_token_ids=[[1, 2]] * 4, banned_token_ids={0: [3]}))
+    out = sampler(logits, metadata([params] * 4, output_token_ids=[[1, 2]] * 4, banned_token_ids=banned))
     assert torch.equal(logits, original)
+    for row, ids in banned.items():  # the ban applied to the copy
+        assert out.sampled_token_ids[row].item() not in ids
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])

@@ -129,8 +129,11 @@ class Sampler:
 def processed_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(a float32 copy of logits after penalties, bans and structured-output masks; the raw logprobs when any row
     asked for logprobs)."""
-    # A float32 copy: the steps after this work in place, and bf16 is too coarse for top-p/min-p cut-offs.
-    logits = logits.to(torch.float32, copy=True)
+    # A float32 copy where the steps after this work in place (bf16 is too coarse for top-p/min-p cut-offs); greedy
+    # rows with nothing to apply read float32 logits as they are (a 6 MB copy less per step at 32 x 49152).
+    in_place = (not metadata.all_greedy or metadata.repetition_penalty is not None or bool(metadata.banned_token_ids)
+                or metadata.token_mask_bias is not None)
+    logits = logits.to(torch.float32, copy=in_place)
     raw_logprobs = None if metadata.max_num_logprobs is None else torch.log_softmax(logits, dim=-1)
     logits = apply_penalties(logits, metadata)
     logits = apply_banned_tokens(logits, metadata.banned_token_ids)
