@@ -114,14 +114,14 @@ def test_write_kv(ops, src_dtype, cache_dtype):
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_seqs, threads", [(1, 2), (4, 2), (3, 1)])
 @pytest.mark.parametrize("heads, kvh, d, bs", [(9, 3, 64, 16), (4, 2, 128, 8), (6, 6, 48, 16), (4, 1, 40, 4),
-                                              (16, 2, 32, 16), (9, 1, 32, 8)])
+                                              (16, 2, 32, 16), (9, 1, 32, 8), (4, 4, 64, 16), (10, 2, 32, 32)])
 @pytest.mark.parametrize("amx", [True, False])
 def test_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, heads, kvh, d, bs, amx):
     """Head sizes: SmolLM2's and Qwen3's (the AVX-512 path, VDPBF16PS for d % 32 == 0; in bfloat16 with a bfloat16
     cache the grouped path that sums values in bfloat16 pairs, on AMX tiles where the CPU has them), 48 (16-wide
-    tail of the value sums), 40 (not a multiple of 16: the portable path); query heads per KV head up to 8 (the
-    grouped path's largest) and 9 (past it); block sizes that split the 16-token chunks (the tile path copies
-    their keys) and block tables in random order."""
+    tail of the value sums), 40 (not a multiple of 16: the portable path); query heads per KV head 1, 2, 3, 5 and 8
+    (the grouped path's largest) and 9 (past it); block sizes that split the 16-token chunks (the tile path copies
+    their keys) or hold two, and block tables in random order."""
     if amx and not ops.amx_tiles():
         pytest.skip("no AMX tiles in this build or on this CPU (the amx=False case runs the vector path)")
     ops.set_amx_tiles(amx)
