@@ -214,46 +214,26 @@ bool int8_available() {
 std::atomic<bool> enabled{true};  // set_amx_tiles(False) keeps the VDPBF16PS path (tests run both on AMX CPUs)
 
 // The two weight types on tiles: bfloat16 x bfloat16 -> float32 (TDPBF16PS) and the int8 path's unsigned
-// activation bytes x int8 weights -> int32 (TDPBUSD). A tile row is 64 bytes: 32 k in bfloat16, 64 in int8.
+// activation bytes (Packed<int8_t>::X) x int8 weights -> int32 (TDPBUSD). A tile row is 64 bytes: 32 k in bfloat16,
+// 64 in int8. The tile numbers must be literals (GCC's tile intrinsics are asm macros), hence a macro.
+#define PS_TILE_DOT(W, C, A, B)                                     \
+  do {                                                              \
+    if constexpr (std::is_same_v<W, bf16>) _tile_dpbf16ps(C, A, B); \
+    else _tile_dpbusd(C, A, B);                                     \
+  } while (0)
 template <typename W>
-struct Tiles;
-template <>
-struct Tiles<bf16> {
-  using X = bf16;
-  using Acc = float;
-  __attribute__((target("amx-tile,amx-bf16"))) static void dot(int c, int a, int b) {
-    switch (c * 64 + a * 8 + b) {  // the tile numbers are immediates
-      case 0 * 64 + 4 * 8 + 6: _tile_dpbf16ps(0, 4, 6); break;
-      case 1 * 64 + 4 * 8 + 7: _tile_dpbf16ps(1, 4, 7); break;
-      case 2 * 64 + 5 * 8 + 6: _tile_dpbf16ps(2, 5, 6); break;
-      default: _tile_dpbf16ps(3, 5, 7); break;
-    }
-  }
-  static __m512 load(const float* acc) { return _mm512_load_ps(acc); }
-};
-template <>
-struct Tiles<int8_t> {
-  using X = uint8_t;
-  using Acc = int32_t;
-  __attribute__((target("amx-tile,amx-int8"))) static void dot(int c, int a, int b) {
-    switch (c * 64 + a * 8 + b) {
-      case 0 * 64 + 4 * 8 + 6: _tile_dpbusd(0, 4, 6); break;
-      case 1 * 64 + 4 * 8 + 7: _tile_dpbusd(1, 4, 7); break;
-      case 2 * 64 + 5 * 8 + 6: _tile_dpbusd(2, 5, 6); break;
-      default: _tile_dpbusd(3, 5, 7); break;
-    }
-  }
-  static __m512i load(const int32_t* acc) { return _mm512_load_si512(acc); }
-};
+using TileAcc = std::conditional_t<std::is_same_v<W, bf16>, float, int32_t>;
+inline __m512 load_acc(const float* acc) { return _mm512_load_ps(acc); }
+inline __m512i load_acc(const int32_t* acc) { return _mm512_load_si512(acc); }
 
 // Tiles: accumulators C[m][j] = tmm(2m + j), x rows A[m] = tmm(4 + m), weights B[j] = tmm(6 + j). MT row tiles.
 template <typename W, int MT, typename Out>
-__attribute__((target("amx-tile,amx-bf16,amx-int8"))) void pass(const typename Tiles<W>::X* x, int64_t m0,
+__attribute__((target("amx-tile,amx-bf16,amx-int8"))) void pass(const typename Packed<W>::X* x, int64_t m0,
                                                                  int64_t rows, const W* w, const Out& out, int64_t n,
                                                                  int64_t k, int64_t b0, int64_t b1) {
-  using T = Tiles<W>;
-  constexpr int64_t kTileK = 64 / sizeof(typename T::X);
-  alignas(64) typename T::Acc acc[kRows][32];
+  using X = typename Packed<W>::X;
+  constexpr int64_t kTileK = 64 / sizeof(X);
+  alignas(64) TileAcc<W> acc[kRows][32];
   const int64_t block_elems = k * kBlock;
   for (int64_t b = b0; b < b1; b += 2) {
     const bool two = b + 1 < b1;
@@ -275,15 +255,15 @@ __attribute__((target("amx-tile,amx-bf16,amx-int8"))) void pass(const typename T
           _mm_prefetch(reinterpret_cast<const char*>(w1 + (kk + kPrefetchSteps * kTileK) * kBlock) + 64 * line,
                        _MM_HINT_T1);
       }
-      _tile_loadd(4, x + m0 * k + kk, k * sizeof(typename T::X));
-      if (MT == 2) _tile_loadd(5, x + (m0 + 16) * k + kk, k * sizeof(typename T::X));
+      _tile_loadd(4, x + m0 * k + kk, k * sizeof(X));
+      if (MT == 2) _tile_loadd(5, x + (m0 + 16) * k + kk, k * sizeof(X));
       _tile_loadd(6, w0 + kk * kBlock, 64);
-      T::dot(0, 4, 6);
-      if (MT == 2) T::dot(2, 5, 6);
+      PS_TILE_DOT(W, 0, 4, 6);
+      if (MT == 2) PS_TILE_DOT(W, 2, 5, 6);
       if (two) {
         _tile_loadd(7, w1 + kk * kBlock, 64);
-        T::dot(1, 4, 7);
-        if (MT == 2) T::dot(3, 5, 7);
+        PS_TILE_DOT(W, 1, 4, 7);
+        if (MT == 2) PS_TILE_DOT(W, 3, 5, 7);
       }
     }
     _tile_stored(0, &acc[0][0], sizeof acc[0]);
@@ -295,14 +275,14 @@ __attribute__((target("amx-tile,amx-bf16,amx-int8"))) void pass(const typename T
     for (int64_t j = 0; j < (two ? 2 : 1); ++j) {
       const int64_t col = (b + j) * kBlock, valid = std::min<int64_t>(kBlock, n - col);
       const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-      for (int64_t r = 0; r < rows; ++r) out(m0 + r, col, T::load(&acc[r][16 * j]), mask);
+      for (int64_t r = 0; r < rows; ++r) out(m0 + r, col, load_acc(&acc[r][16 * j]), mask);
     }
   }
 }
 
 // One thread's block pairs [p0, p1), every row, in passes of up to kRows rows (each pass its own tile shapes).
 template <typename W, typename Out>
-__attribute__((target("amx-tile"))) void thread_blocks(const typename Tiles<W>::X* x, int64_t rows, const W* w,
+__attribute__((target("amx-tile"))) void thread_blocks(const typename Packed<W>::X* x, int64_t rows, const W* w,
                                                        const Out& out, int64_t n, int64_t k, int64_t p0, int64_t p1) {
   const int64_t blocks = (n + kBlock - 1) / kBlock, b0 = 2 * p0, b1 = std::min(blocks, 2 * p1);
   for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
@@ -322,10 +302,11 @@ __attribute__((target("amx-tile"))) void thread_blocks(const typename Tiles<W>::
 
 // x [rows, k] times the packed weight w on tiles (k a multiple of a tile row: 32 in bfloat16, 64 in int8).
 template <typename W, typename Out>
-void gemm(const typename Tiles<W>::X* x, int64_t rows, const W* w, const Out& out, int64_t n, int64_t k) {
+void gemm(const typename Packed<W>::X* x, int64_t rows, const W* w, const Out& out, int64_t n, int64_t k) {
   const int64_t pairs = ((n + kBlock - 1) / kBlock + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) { thread_blocks<W>(x, rows, w, out, n, k, p0, p1); });
 }
+#undef PS_TILE_DOT
 }  // namespace amx
 
 // Row r of x [rows, k] -> q[r] = round(x / s) + 128 as bytes, s = max|x[r]| / 127 (1 for an all-zero row).
