@@ -127,8 +127,9 @@ class Sampler:
 
 
 def processed_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(a float32 copy of logits after penalties, bans and structured-output masks; the raw logprobs when any row
-    asked for logprobs)."""
+    """(float32 logits after penalties, bans and structured-output masks - a copy whenever anything here or in the
+    random rows' sampling changes them, never the caller's tensor written; the raw logprobs when any row asked for
+    logprobs)."""
     # A float32 copy where the steps after this work in place (bf16 is too coarse for top-p/min-p cut-offs); greedy
     # rows with nothing to apply read float32 logits as they are (a 6 MB copy less per step at 32 x 49152).
     in_place = (not metadata.all_greedy or metadata.repetition_penalty is not None or bool(metadata.banned_token_ids)

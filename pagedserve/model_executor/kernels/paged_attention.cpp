@@ -509,7 +509,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void accumulate_pairs_amx(float* co
   }
 }
 
-// A chunk's key rows for score_chunk_amx: in place when its 16 rows lie at one stride (a whole chunk inside a
+// A chunk's key rows for score_chunks_amx: in place when its 16 rows lie at one stride (a whole chunk inside a
 // block), else copied (lanes past the chunk repeat its first key) into scratch [16][d].
 inline std::pair<const bf16*, int64_t> chunk_key_rows(const bf16* const* keys, int64_t n, int64_t offset, int64_t row,
                                                       int64_t d, bf16* scratch) {
@@ -1136,8 +1136,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "quantized per row on the fly", py::arg("x"), py::arg("packed"), py::arg("col_scale"), py::arg("col_shift"),
         py::arg("n"), py::arg("bias") = py::none());
   m.def("amx_tiles", &ps::amx_tiles,
-        "whether bfloat16 small_gemm calls of 2+ rows (K % 32 == 0) and bfloat16 prefill and decode attention run "
-        "on AMX tiles");
+        "whether small_gemm calls of 2+ rows (bfloat16, K % 32 == 0; int8 weights, K % 64 == 0, with AMX-INT8) and "
+        "bfloat16 prefill and decode attention run on AMX tiles");
   m.def("set_amx_tiles", &set_amx_tiles, "turn the AMX path on or off where available; returns amx_tiles()");
   m.def("isa", &kernel_isa, "the instruction-set level this build targets");
 }

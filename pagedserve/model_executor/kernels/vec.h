@@ -135,8 +135,9 @@ __attribute__((target("amx-tile"))) inline void load_tile_config(const TileConfi
 }
 #endif
 
-// Whether this build and CPU run bfloat16 products on AMX tiles: the small GEMM (2+ rows), prefill and decode
-// attention (defined in small_gemm.cpp; set_amx_tiles turns them all off).
+// Whether this build and CPU run products on AMX tiles: the small GEMM (2+ rows; bfloat16, and int8 weights where
+// the CPU has AMX-INT8), bfloat16 prefill and decode attention (defined in small_gemm.cpp; set_amx_tiles turns them
+// all off).
 bool amx_tiles();
 
 inline const char* isa_name() {
