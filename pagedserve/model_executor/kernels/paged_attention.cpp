@@ -415,17 +415,17 @@ inline void unpermute_values(float* a, int64_t d) {
 //   straight from the cache (16 rows at the token stride), the queries a B tile of dim pairs built once per task.
 //   It replaces G reduction trees of 16 x d/32 VDPBF16PS.
 // - value sums: the G rows of softmax weights in pairs (pp) are an A tile, the interleaved values (vp) B tiles of
-//   16 token pairs x 16 dims, as in prefill_block_amx.
-// Tiles: 0 and 6 the two chunks' scores (16 x G floats), 1 and 4 their keys (16 x 32 dims), 2 the queries (16 dim
-// pairs x G heads); 3 the weights (G x 16 pairs), 4 and 7 values, 5 their sums (G x 16 dims). Loaded by each task,
+//   16 token pairs x 16 dims (sum_values_amx, shared with prefill_block_amx).
+// Tiles: 0 and 7 the two chunks' scores (16 x G floats), 1 and 4 their keys (16 x 32 dims), 3 the queries (16 dim
+// pairs x G heads); 2 the weights (G x 16 pairs), 6 values, 5 their sums (G x 16 dims). Loaded by each task,
 // released at its end.
 struct AmxDecodeTiles {
   __attribute__((target("amx-tile"))) explicit AmxDecodeTiles(int group) {
     const auto g = static_cast<uint8_t>(group);
     ps::TileConfig cfg;
-    for (int t : {0, 2, 6}) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(4 * group);
-    for (int t : {1, 4, 7}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-    for (int t : {3, 5}) cfg.rows[t] = g, cfg.colsb[t] = 64;
+    for (int t : {0, 3, 7}) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(4 * group);
+    for (int t : {1, 4, 6}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    for (int t : {2, 5}) cfg.rows[t] = g, cfg.colsb[t] = 64;
     ps::load_tile_config(cfg);
   }
   __attribute__((target("amx-tile"))) ~AmxDecodeTiles() { _tile_release(); }
@@ -450,18 +450,18 @@ __attribute__((target("amx-tile,amx-bf16"))) void score_chunks_amx(const bf16* k
                                                                     const uint32_t* qp, int64_t d, float* scores0,
                                                                     float* scores1) {
   _tile_zero(0);
-  _tile_zero(6);
+  _tile_zero(7);
   for (int64_t b = 0; b < d / 32; ++b) {
-    _tile_loadd(2, qp + b * 16 * G, 4 * G);
+    _tile_loadd(3, qp + b * 16 * G, 4 * G);
     _tile_loadd(1, keys0 + 32 * b, stride0);
-    _tile_dpbf16ps(0, 1, 2);
+    _tile_dpbf16ps(0, 1, 3);
     if (keys1 != nullptr) {
       _tile_loadd(4, keys1 + 32 * b, stride1);
-      _tile_dpbf16ps(6, 4, 2);
+      _tile_dpbf16ps(7, 4, 3);
     }
   }
   _tile_stored(0, scores0, 4 * G);
-  if (keys1 != nullptr) _tile_stored(6, scores1, 4 * G);
+  if (keys1 != nullptr) _tile_stored(7, scores1, 4 * G);
 }
 
 // Column g of a dense [16][G] float matrix (c: 16 G floats, readable 16 past them): lane i = c[i G + g].
@@ -480,33 +480,35 @@ inline __m512 score_column(const float* c, int g) {
   return r;
 }
 
+// For `rows` rows r: acc[r] = alpha[r] acc[r] + the row's softmax weights times the values, on tiles: the weights
+// in pairs already in tile 2 (rows x 16 token pairs), the interleaved values (vp: a row every d/32 * 2 vectors)
+// into tile 6 one block of 16 dims at a time, their sums through tile 5 (a tile cannot be scaled in place, so the
+// rescale and the add run on AVX-512). acc stays in accumulate_pairs' lane order.
+__attribute__((target("amx-tile,amx-bf16"))) inline void sum_values_amx(float* const* acc, const float* alpha,
+                                                                         int64_t rows, const __m512i* vp, int64_t d) {
+  alignas(64) float sums[16][16];
+  const int64_t blocks = d / 32;
+  for (int64_t c = 0; c < 2 * blocks; ++c) {  // c = 2 b + {lo, hi}: dims 32 b + 16 (c % 2) .. in pair order
+    _tile_zero(5);
+    _tile_loadd(6, vp + c, blocks * 2 * sizeof(__m512i));
+    _tile_dpbf16ps(5, 2, 6);
+    _tile_stored(5, &sums[0][0], sizeof sums[0]);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* a = acc[r] + 16 * c;
+      _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), _mm512_set1_ps(alpha[r]), _mm512_load_ps(sums[r])));
+    }
+  }
+}
+
 // accumulate_pairs on AMX tiles (G rows; the value pairs of the step's first `pairs` token pairs in vp; the rest are
 // zeroed here, since they multiply weights of 0 and must not be NaN).
 template <int G>
 __attribute__((target("amx-tile,amx-bf16"))) void accumulate_pairs_amx(float* const* acc, const float* alpha,
                                                                         const uint32_t (*pp)[2 * kPairs], __m512i* vp,
                                                                         int64_t d, int64_t pairs) {
-  const int64_t blocks = d / 32, stride = blocks * 2 * static_cast<int64_t>(sizeof(__m512i));
-  std::fill(vp + pairs * blocks * 2, vp + 2 * kPairs * blocks * 2, _mm512_setzero_si512());
-  alignas(64) float sums[2][G][16];
-  _tile_loadd(3, pp, sizeof pp[0]);
-  for (int64_t c = 0; c < 2 * blocks; c += 2) {  // c = 2 b + {lo, hi}: dims 32 b + 16 (c % 2) .. in pair order
-    _tile_zero(5);
-    _tile_loadd(4, vp + c, stride);
-    _tile_dpbf16ps(5, 3, 4);
-    _tile_stored(5, sums[0], sizeof sums[0][0]);
-    _tile_zero(5);
-    _tile_loadd(7, vp + c + 1, stride);
-    _tile_dpbf16ps(5, 3, 7);
-    _tile_stored(5, sums[1], sizeof sums[0][0]);
-    for (int g = 0; g < G; ++g) {
-      const __m512 al = _mm512_set1_ps(alpha[g]);
-      for (int j = 0; j < 2; ++j) {
-        float* a = acc[g] + 16 * (c + j);
-        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), al, _mm512_load_ps(sums[j][g])));
-      }
-    }
-  }
+  std::fill(vp + pairs * (d / 32) * 2, vp + 2 * kPairs * (d / 32) * 2, _mm512_setzero_si512());
+  _tile_loadd(2, pp, sizeof pp[0]);
+  sum_values_amx(acc, alpha, G, vp, d);
 }
 
 // A chunk's key rows for score_chunks_amx: in place when its 16 rows lie at one stride (a whole chunk inside a
@@ -734,7 +736,6 @@ __attribute__((target("amx-tile,amx-bf16"))) void prefill_block_amx(const bf16* 
                                                                      float scale, float* acc, float* m, float* l) {
   alignas(64) float scores[16][2 * kChunk];
   alignas(64) bf16 p[16][2 * kChunk];
-  alignas(64) float sums[16][16];
   const int64_t blocks = d / 32;
   const uint32_t* kt = reinterpret_cast<const uint32_t*>(kp);
   _tile_zero(0);
@@ -763,16 +764,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void prefill_block_amx(const bf16* 
     _mm256_store_si256(reinterpret_cast<__m256i*>(&p[r][kChunk]), (__m256i)_mm512_cvtneps_pbh(p1));
   }
   _tile_loadd(2, &p[0][0], sizeof p[0]);
-  for (int64_t c = 0; c < 2 * blocks; ++c) {  // c = 2 b + {lo, hi}: dims 32 b + 16 (c % 2) .. in pair order
-    _tile_zero(5);
-    _tile_loadd(6, vp + c, blocks * 2 * sizeof(__m512i));
-    _tile_dpbf16ps(5, 2, 6);
-    _tile_stored(5, &sums[0][0], sizeof sums[0]);
-    for (int64_t r = 0; r < rows; ++r) {
-      float* a = acc + r * d + 16 * c;
-      _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), _mm512_set1_ps(alpha[r]), _mm512_load_ps(sums[r])));
-    }
-  }
+  float* acc_rows[16];
+  for (int64_t r = 0; r < rows; ++r) acc_rows[r] = acc + r * d;
+  sum_values_amx(acc_rows, alpha, rows, vp, d);
 }
 
 // The tile shapes of prefill_block_amx, loaded by each task; released at the task's end.
