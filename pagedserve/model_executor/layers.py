@@ -70,23 +70,21 @@ NATIVE_GEMM_MAX_ROWS = 128
 # 6 rows (1.3-1.6x; 0.4x at 32). BENCHMARKS.md section 6, "Eighth pass".
 NATIVE_BF16_AMX_MAX_ROWS = 32
 NATIVE_BF16_NO_TILES_MAX_ROWS = 6
-# The same for int8 weights (the kernel's VPDPBUSD path) against fbgemm's dynamic int8: measured on AMD Zen 4
-# (BENCHMARKS.md section 6, "int8 weights on VNNI"), the native kernel 1.2-1.5x faster at 1-8 rows, level at 16
-# (SmolLM2 1.06x, Qwen3 0.96x), behind from 32 rows (0.73-0.91x), where fbgemm's kernels reach more of the VNNI peak.
-NATIVE_INT8_MAX_ROWS = 16
-# On CPUs with AMX-INT8 the kernel runs 2+ rows on the tiles (TDPBUSD): 2.3-2.9x fbgemm from 16 to 128 rows on both
-# shapes and 4.4x at a 2048-row prefill chunk (Intel Xeon, BENCHMARKS.md section 6, "Ninth pass"), so every product.
-NATIVE_INT8_AMX_MAX_ROWS = sys.maxsize
+# int8 weights (`--quantization int8`): wherever the build runs them natively (VPDPBUSD, or TDPBUSD tiles on AMX-INT8
+# CPUs) the native kernel takes every product, prefill included, and fbgemm's dynamic int8 only the builds without it
+# (and the tests). Measured against fbgemm: on AMD Zen 5, 1.2-1.5x at 1-256 rows and 1.15-1.9x at 512-2048 rows on
+# both shapes (BENCHMARKS.md section 6, "Tenth pass"); on an Intel Xeon's AMX-INT8 tiles 2.3-4.4x ("Ninth pass").
+# It also quantizes the activations per row where fbgemm takes one scale per tensor: perplexity +0.03% over float32
+# against fbgemm's +1.1% (`python -m pagedserve.tools.int8_quality`).
+NATIVE_INT8_MAX_ROWS = sys.maxsize
 
 
 def native_gemm_max_rows(dtype: torch.dtype) -> int:
     """Rows up to which the native small GEMM runs a `dtype` product (float32 / bfloat16: oneDNN above; int8 weights:
     fbgemm above)."""
-    flags = cpu_flags()
     if dtype == torch.int8:
-        tiles = "amx_int8" in flags and (ops := cpu_kernels()) is not None and ops.amx_tiles()
-        return NATIVE_INT8_AMX_MAX_ROWS if tiles else NATIVE_INT8_MAX_ROWS
-    if dtype != torch.bfloat16 or "amx_bf16" not in flags:
+        return NATIVE_INT8_MAX_ROWS
+    if dtype != torch.bfloat16 or "amx_bf16" not in cpu_flags():
         return NATIVE_GEMM_MAX_ROWS
     ops = cpu_kernels()
     return NATIVE_BF16_AMX_MAX_ROWS if ops is not None and ops.amx_tiles() else NATIVE_BF16_NO_TILES_MAX_ROWS

@@ -4,9 +4,9 @@
 
 * Perplexity: the held-out stdlib windows of the demo model's card, scored by the transformers model with
   every nn.Linear swapped for pagedserve's int8 Linear (the same per-channel weights the engine runs) vs the
-  float32 original, once per kernel the engine runs: fbgemm (activations quantized per tensor; the engine's
-  products above NATIVE_INT8_MAX_ROWS rows) and, where the CPU has it, the native VNNI kernel (activations
-  quantized per row; decode's products).
+  float32 original, once per kernel: the engine's (the native kernel at every row count, activations quantized
+  per row, where the CPU's build has it; else fbgemm) and, where that is the native one, fbgemm's (activations
+  quantized per tensor: the kernel of the builds without a native int8 path).
 * Greedy agreement: the engine itself, float32 vs int8, on prompts cut from held-out windows: the share of
   prompts whose continuations are identical and the mean length of the common prefix.
 """
@@ -20,7 +20,6 @@ import math
 import torch
 
 from pagedserve.demo_model_path import default_model_path
-from pagedserve.model_executor import layers
 from pagedserve.model_executor.layers import Linear
 from pagedserve.tools.eval_demo_model import held_out_windows, load_model_float32, mean_loss
 
@@ -39,14 +38,18 @@ def quantize_hf_linears(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def native_int8_at_every_row_count():
-    """The native int8 kernel for every product (the engine runs it up to NATIVE_INT8_MAX_ROWS rows only)."""
-    saved = layers.NATIVE_INT8_MAX_ROWS
-    layers.NATIVE_INT8_MAX_ROWS = 1 << 62
+def fbgemm_at_every_row_count(model: torch.nn.Module):
+    """fbgemm's dynamic int8 for every product of `model`'s int8 Linears (the engine runs the native kernel where
+    the build has one)."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    saved = [m._native_max_rows for m in linears]
+    for m in linears:
+        m._native_max_rows = 0
     try:
         yield
     finally:
-        layers.NATIVE_INT8_MAX_ROWS = saved
+        for m, rows in zip(linears, saved):
+            m._native_max_rows = rows
 
 
 def greedy_agreement(model_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -75,10 +78,10 @@ def evaluate(model_dir: str, max_tokens: int, num_prompts: int, prompt_len: int 
               "ppl_fp32": math.exp(fp32), "ppl_int8": math.exp(int8),
               "ppl_delta_pct": 100 * (math.exp(int8) / math.exp(fp32) - 1)}
     if any(m._small_packed is not None for m in int8_model.modules() if isinstance(m, Linear)):
-        with native_int8_at_every_row_count():
-            native = mean_loss(int8_model, windows)
-        result.update(loss_int8_native=native, ppl_int8_native=math.exp(native),
-                      ppl_delta_native_pct=100 * (math.exp(native) / math.exp(fp32) - 1))
+        with fbgemm_at_every_row_count(int8_model):
+            fbgemm = mean_loss(int8_model, windows)
+        result.update(loss_int8_fbgemm=fbgemm, ppl_int8_fbgemm=math.exp(fbgemm),
+                      ppl_delta_fbgemm_pct=100 * (math.exp(fbgemm) / math.exp(fp32) - 1))
     result.update(greedy_agreement(model_dir, prompts, new_tokens))
     return result
 

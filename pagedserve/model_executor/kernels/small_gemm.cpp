@@ -74,7 +74,13 @@ struct Packed<int8_t> {
   using Acc = __m512i;
   static constexpr int64_t kStep = 4;
   static Acc zero() { return _mm512_setzero_si512(); }
-  static Acc madd(Acc acc, __m512i w, const X* x) { return _mm512_dpbusd_epi32(acc, broadcast32(x), w); }
+  // Inline asm, not _mm512_dpbusd_epi32: GCC 12 copies each accumulator through another register and spills it to
+  // the stack around every intrinsic call, ~3 extra instructions per multiply-add (the kernel ran at a third of
+  // VPDPBUSD's rate: BENCHMARKS.md section 6, "Tenth pass").
+  static Acc madd(Acc acc, __m512i w, const X* x) {
+    asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(broadcast32(x)), "v"(w));
+    return acc;
+  }
 };
 #endif
 
