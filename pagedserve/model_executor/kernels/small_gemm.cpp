@@ -124,10 +124,18 @@ struct Int8Out {
   }
 };
 
+// The next block group's weights, brought into L2 by the row tiles after a group's first: the first tile streams
+// its group from memory, the later ones compute from cache, and without this their compute and the next group's
+// memory stream add up instead of overlapping (BENCHMARKS.md section 6, "Tenth pass").
+struct NextGroup {
+  const char* line = nullptr;  // this tile's first line to prefetch
+  int64_t lines_per_step = 0;
+};
+
 // Rows [m0, m0 + MT) x blocks [b0, b0 + NB) of y.
 template <typename W, int MT, int NB, typename Out>
 inline void tile(const typename Packed<W>::X* x, int64_t m0, const W* w, const Out& out, int64_t n, int64_t k,
-                 int64_t b0) {
+                 int64_t b0, NextGroup next) {
   using P = Packed<W>;
   const int64_t steps = k / P::kStep, block_elems = steps * kBlock * P::kStep;
   const W* wb = w + b0 * block_elems;
@@ -138,6 +146,8 @@ inline void tile(const typename Packed<W>::X* x, int64_t m0, const W* w, const O
     for (int j = 0; j < NB; ++j)  // a hint only: past the block's end it touches the next one, never faults
       _mm_prefetch(reinterpret_cast<const char*>(wb + j * block_elems + (s + kPrefetchSteps) * kBlock * P::kStep),
                    _MM_HINT_T0);
+    for (int64_t i = 0; i < next.lines_per_step; ++i)
+      _mm_prefetch(next.line + (s * next.lines_per_step + i) * 64, _MM_HINT_T1);
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j)
       wv[j] = _mm512_loadu_si512(wb + j * block_elems + s * kBlock * P::kStep);
@@ -154,20 +164,31 @@ inline void tile(const typename Packed<W>::X* x, int64_t m0, const W* w, const O
   }
 }
 
-// Every row tile over blocks [b0, b0 + NB).
+// Every row tile over blocks [b0, b0 + NB); the tiles after the first also prefetch `next_blocks` blocks from b0 + NB
+// into L2, spread evenly over them (from 17 rows on).
 template <typename W, int NB, typename Out>
 void rows_over_blocks(const typename Packed<W>::X* x, int64_t rows, const W* w, const Out& out, int64_t n,
-                      int64_t k, int64_t b0) {
-  int64_t m = 0;
-  for (; m + 8 <= rows; m += 8) tile<W, 8, NB>(x, m, w, out, n, k, b0);
+                      int64_t k, int64_t b0, int64_t next_blocks) {
+  constexpr int64_t kLine = 64;  // one k step of one block
+  const int64_t steps = k / Packed<W>::kStep, later_tiles = (rows + 7) / 8 - 1;
+  // Only with two later tiles or more: with one (9-16 rows) it had to fetch three lines per k step and measured
+  // 0.95-1.13x.
+  const int64_t per_step = later_tiles > 1 ? (next_blocks + later_tiles - 1) / later_tiles : 0;
+  const char* next_group = reinterpret_cast<const char*>(w) + (b0 + NB) * steps * kLine;
+  int64_t m = 0, t = 0;
+  const auto next = [&] {  // tile t's share of the next group (none for the first tile)
+    if (t++ == 0 || per_step == 0) return NextGroup{};
+    return NextGroup{next_group + (t - 2) * steps * per_step * kLine, per_step};
+  };
+  for (; m + 8 <= rows; m += 8) tile<W, 8, NB>(x, m, w, out, n, k, b0, next());
   switch (rows - m) {
-    case 7: tile<W, 7, NB>(x, m, w, out, n, k, b0); break;
-    case 6: tile<W, 6, NB>(x, m, w, out, n, k, b0); break;
-    case 5: tile<W, 5, NB>(x, m, w, out, n, k, b0); break;
-    case 4: tile<W, 4, NB>(x, m, w, out, n, k, b0); break;
-    case 3: tile<W, 3, NB>(x, m, w, out, n, k, b0); break;
-    case 2: tile<W, 2, NB>(x, m, w, out, n, k, b0); break;
-    case 1: tile<W, 1, NB>(x, m, w, out, n, k, b0); break;
+    case 7: tile<W, 7, NB>(x, m, w, out, n, k, b0, next()); break;
+    case 6: tile<W, 6, NB>(x, m, w, out, n, k, b0, next()); break;
+    case 5: tile<W, 5, NB>(x, m, w, out, n, k, b0, next()); break;
+    case 4: tile<W, 4, NB>(x, m, w, out, n, k, b0, next()); break;
+    case 3: tile<W, 3, NB>(x, m, w, out, n, k, b0, next()); break;
+    case 2: tile<W, 2, NB>(x, m, w, out, n, k, b0, next()); break;
+    case 1: tile<W, 1, NB>(x, m, w, out, n, k, b0, next()); break;
     default: break;
   }
 }
@@ -180,9 +201,10 @@ void small_gemm_kernel(const typename Packed<W>::X* x, int64_t rows, const W* w,
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b0 = g * kGroup, nb = std::min(kGroup, blocks - b0);
-      if (nb == 3) rows_over_blocks<W, 3>(x, rows, w, out, n, k, b0);
-      else if (nb == 2) rows_over_blocks<W, 2>(x, rows, w, out, n, k, b0);
-      else rows_over_blocks<W, 1>(x, rows, w, out, n, k, b0);
+      const int64_t next_blocks = g + 1 < g1 ? std::min(kGroup, blocks - b0 - nb) : 0;  // this thread's next group
+      if (nb == 3) rows_over_blocks<W, 3>(x, rows, w, out, n, k, b0, next_blocks);
+      else if (nb == 2) rows_over_blocks<W, 2>(x, rows, w, out, n, k, b0, next_blocks);
+      else rows_over_blocks<W, 1>(x, rows, w, out, n, k, b0, next_blocks);
     }
   });
 }
