@@ -81,6 +81,45 @@ void attend(const float* qf, const T* k_cache, const T* v_cache, const int64_t* 
   }
 }
 
+// Brings the K/V rows of a thread's next task into L2 while its current task computes, a few lines per step of the
+// chunked kernels (two chunks), spread so that the memory stream runs under the arithmetic instead of after it (the
+// walker's own prefetch of the next chunk has one step of distance, and compute and memory added up: BENCHMARKS.md
+// section 6, "Tenth pass"). At most kBytes, the start of the next task: the walker takes over from there.
+template <typename T>
+class NextTaskPrefetch {
+ public:
+  NextTaskPrefetch() = default;  // nothing to prefetch
+  NextTaskPrefetch(const T* k_cache, const T* v_cache, const int64_t* table, int64_t block_size, int64_t row,
+                   int64_t t0, int64_t t1, int64_t current_tokens)
+      : k_cache_(k_cache), v_cache_(v_cache), table_(table), bs_(block_size), row_bytes_(row * sizeof(T)), t_(t0) {
+    const int64_t tokens = std::min(t1 - t0, kBytes / (2 * row_bytes_));
+    end_ = t0 + tokens;
+    const int64_t steps = std::max<int64_t>(1, (current_tokens + kStepTokens - 1) / kStepTokens);
+    lines_per_step_ = (2 * tokens * row_bytes_ / 64 + steps - 1) / steps;
+  }
+  void step() {
+    for (int64_t n = 0; n < lines_per_step_ && t_ < end_; ++n) {
+      const int64_t run_tokens = std::min(end_, (t_ / bs_ + 1) * bs_) - t_;  // t_ .. the end of its block
+      const int64_t slot = table_[t_ / bs_] * bs_ + t_ % bs_;
+      const T* run = v_ ? v_cache_ : k_cache_;
+      __builtin_prefetch(reinterpret_cast<const char*>(run) + slot * row_bytes_ + byte_, 0, 2);  // T1
+      if ((byte_ += 64) < run_tokens * row_bytes_) continue;
+      byte_ = 0;
+      if ((v_ = !v_)) continue;  // the block's V rows after its K rows
+      t_ += run_tokens;
+    }
+  }
+
+ private:
+  static constexpr int64_t kBytes = 256 * 1024;
+  static constexpr int64_t kStepTokens = 32;  // the chunked kernels' step: two chunks of 16
+  const T* k_cache_ = nullptr;
+  const T* v_cache_ = nullptr;
+  const int64_t* table_ = nullptr;
+  int64_t bs_ = 1, row_bytes_ = 0, t_ = 0, end_ = 0, lines_per_step_ = 0, byte_ = 0;
+  bool v_ = false;
+};
+
 #if defined(__AVX512F__)
 constexpr int64_t kChunk = 16;      // tokens scored together: one score per lane
 constexpr float kNoScore = -1e30f;  // the running max before any token (finite: the kernel builds with -ffast-math)
@@ -319,7 +358,7 @@ inline void prefill_rows(const float* qf, const float* kt, const float* const* v
 // in cache while all query heads use them; a query head's 16 scores per chunk come out of one reduction tree.
 template <typename TQ, typename T>
 void attend_avx512(const TQ* q, float scale, const T* k_cache, const T* v_cache, const int64_t* table, int64_t t0,
-                   int64_t t1, const Shape& s, float* qf, float* acc, float* m, float* l) {
+                   int64_t t1, const Shape& s, NextTaskPrefetch<T>& next, float* qf, float* acc, float* m, float* l) {
   const int64_t heads = s.num_heads, d = s.head_dim, group = s.num_heads / s.num_kv_heads;
   const int64_t row = s.num_kv_heads * d;
   for (int64_t i = 0; i < heads * d; ++i) qf[i] = to_float(q[i]);
@@ -330,6 +369,7 @@ void attend_avx512(const TQ* q, float scale, const T* k_cache, const T* v_cache,
   const T* values[2 * kChunk];
   for (ChunkWalker<T> w(k_cache, v_cache, table, s.block_size, row, t0, t1, 0, row); !w.done(); w.advance()) {
     const auto [n0, n1] = w.take_two(first_keys, values);
+    next.step();
     const bool two = n1 > 0;
     if (two) std::copy(w.values(), w.values() + kChunk, values + kChunk);
     for (int64_t h = 0; h < heads; ++h)
@@ -529,7 +569,8 @@ template <int G>
 __attribute__((target("amx-tile,amx-bf16"))) void attend_bf16_grouped(const bf16* q, float scale, const bf16* k_cache,
                                                                        const bf16* v_cache, const int64_t* table,
                                                                        int64_t t0, int64_t t1, const Shape& s,
-                                                                       bool tiles, float* acc, float* m, float* l) {
+                                                                       NextTaskPrefetch<bf16>& next, bool tiles,
+                                                                       float* acc, float* m, float* l) {
   const int64_t heads = s.num_heads, d = s.head_dim, row = s.num_kv_heads * d, blocks = d / 32;
   std::fill(acc, acc + heads * d, 0.f);
   std::fill(l, l + heads, 0.f);
@@ -551,6 +592,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void attend_bf16_grouped(const bf16
   }
   for (ChunkWalker<bf16> w(k_cache, v_cache, table, s.block_size, row, t0, t1, 0, row); !w.done(); w.advance()) {
     const auto [n0, n1] = w.take_two(first_keys, first_values);
+    next.step();
     const bool two = n1 > 0;
     const __mmask16 valid0 = static_cast<__mmask16>((1u << n0) - 1), valid1 = static_cast<__mmask16>((1u << n1) - 1);
     // an odd count pairs the last token with a masked (p = 0) lane
@@ -592,12 +634,13 @@ inline bool bf16_path(int64_t head_dim) { return head_dim % 32 == 0 && head_dim 
 
 // attend_bf16_grouped for this shape's group size; false when it does not apply (the caller takes another path).
 inline bool attend_bf16(const bf16* q, float scale, const bf16* k_cache, const bf16* v_cache, const int64_t* table,
-                        int64_t t0, int64_t t1, const Shape& s, float* acc, float* m, float* l) {
+                        int64_t t0, int64_t t1, const Shape& s, NextTaskPrefetch<bf16>& next, float* acc, float* m,
+                        float* l) {
   if (!bf16_path(s.head_dim)) return false;
   const bool tiles = ps::amx_tiles();
   switch (s.num_heads / s.num_kv_heads) {
 #define PS_GROUP(G) \
-  case G: attend_bf16_grouped<G>(q, scale, k_cache, v_cache, table, t0, t1, s, tiles, acc, m, l); return true;
+  case G: attend_bf16_grouped<G>(q, scale, k_cache, v_cache, table, t0, t1, s, next, tiles, acc, m, l); return true;
     PS_GROUP(1) PS_GROUP(2) PS_GROUP(3) PS_GROUP(4) PS_GROUP(5) PS_GROUP(6) PS_GROUP(7) PS_GROUP(8)
 #undef PS_GROUP
     default: return false;
@@ -870,8 +913,8 @@ void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, c
 
 // Any other dtype pair or instruction set: the bfloat16 grouped path does not apply.
 template <typename TQ, typename T>
-inline bool attend_bf16(const TQ*, float, const T*, const T*, const int64_t*, int64_t, int64_t, const Shape&, float*,
-                        float*, float*) {
+inline bool attend_bf16(const TQ*, float, const T*, const T*, const int64_t*, int64_t, int64_t, const Shape&,
+                        NextTaskPrefetch<T>&, float*, float*, float*) {
   return false;
 }
 
@@ -917,13 +960,19 @@ void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_
       float* mm = whole ? m.data() : part_m.data() + task * heads;
       float* ll = whole ? l.data() : part_l.data() + task * heads;
       const int64_t* table = block_tables + seq * s.max_blocks;
+      NextTaskPrefetch<T> next;
+      if (task + 1 < bounds[th_end]) {
+        const int64_t n = task + 1;
+        next = NextTaskPrefetch<T>(k_cache, v_cache, block_tables + task_seq[n] * s.max_blocks, s.block_size,
+                                   s.num_kv_heads * d, task_t0[n], task_t1[n], t1 - t0);
+      }
       // The chunked kernels on every row width: on Qwen3's rows (8 KV heads x 128, 2-4 KiB per token) they once
       // lost to the token-at-a-time pass below (AMD Zen 4, float32, before the two-chunk softmax steps); on an Intel
       // Xeon they now take 0.58-0.66x its time in bfloat16 and 0.80-0.89x in float32 (BENCHMARKS.md section 6).
-      if (!attend_bf16(qs, scale, k_cache, v_cache, table, t0, t1, s, a, mm, ll)) {
+      if (!attend_bf16(qs, scale, k_cache, v_cache, table, t0, t1, s, next, a, mm, ll)) {
 #if defined(__AVX512F__)
         if (d % 16 == 0) {
-          attend_avx512(qs, scale, k_cache, v_cache, table, t0, t1, s, qf.data(), a, mm, ll);
+          attend_avx512(qs, scale, k_cache, v_cache, table, t0, t1, s, next, qf.data(), a, mm, ll);
         } else
 #endif
         {
