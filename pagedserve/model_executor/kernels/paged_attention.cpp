@@ -278,6 +278,68 @@ inline void softmax_update2(__m512& a, __mmask16 va, __m512& b, __mmask16 vb, fl
   m = m_new;
 }
 
+// Lane r (r < 4) of the result: op over all 16 lanes of v[r]. Four horizontal reductions as one transposing tree
+// (three levels, then two across the 128-bit lanes) instead of four serial chains.
+template <typename Op>
+inline __m128 reduce4(const __m512* v, Op op) {
+  const __m512 u0 = op(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
+  const __m512 u1 = op(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
+  const __m512d a = _mm512_castps_pd(u0), b = _mm512_castps_pd(u1);
+  __m512 w = op(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  w = op(w, _mm512_shuffle_f32x4(w, w, _MM_SHUFFLE(1, 0, 3, 2)));
+  w = op(w, _mm512_shuffle_f32x4(w, w, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_castps512_ps128(w);
+}
+
+// softmax_update2 for NR <= 4 rows at once (row r: raw scores a[r], b[r], lanes outside va[r] / vb[r] ignored; its
+// m[r], l[r], alpha[r]): the rows' max and sum reductions and rescale factors share one tree and one exp each, so
+// the serial part of a step is paid once for up to four rows (one call per row spent a quarter of the bf16 prefill
+// kernel's time on it; BENCHMARKS.md section 6, "Tenth pass").
+template <int NR>
+inline void softmax_update2_four(__m512* a, const __mmask16* va, __m512* b, const __mmask16* vb, float scale,
+                                 float* m, float* l, float* alpha) {
+  static_assert(NR >= 1 && NR <= 4);
+  const __m512 none = _mm512_set1_ps(kNoScore), sv = _mm512_set1_ps(scale);
+  const __mmask8 rows = static_cast<__mmask8>((1u << NR) - 1);
+  __m512 v[4];
+  for (int r = 0; r < 4; ++r) {
+    if (r >= NR) {
+      v[r] = none;
+      continue;
+    }
+    a[r] = _mm512_mask_mov_ps(none, va[r], _mm512_mul_ps(a[r], sv));
+    b[r] = _mm512_mask_mov_ps(none, vb[r], _mm512_mul_ps(b[r], sv));
+    v[r] = _mm512_max_ps(a[r], b[r]);
+  }
+  const __m128 m_old = _mm_maskz_loadu_ps(rows, m);
+  const __m128 m_new = _mm_max_ps(m_old, reduce4(v, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); }));
+  const __m128 al = _mm512_castps512_ps128(ps::exp16(_mm512_zextps128_ps512(_mm_sub_ps(m_old, m_new))));
+  alignas(16) float mn[4];
+  _mm_store_ps(mn, m_new);
+  for (int r = 0; r < 4; ++r) {
+    if (r >= NR) {
+      v[r] = _mm512_setzero_ps();
+      continue;
+    }
+    const __m512 mv = _mm512_set1_ps(mn[r]);
+    a[r] = _mm512_maskz_mov_ps(va[r], ps::exp16(_mm512_sub_ps(a[r], mv)));
+    b[r] = _mm512_maskz_mov_ps(vb[r], ps::exp16(_mm512_sub_ps(b[r], mv)));
+    v[r] = _mm512_add_ps(a[r], b[r]);
+  }
+  const __m128 sums = reduce4(v, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
+  _mm_mask_storeu_ps(l, rows, _mm_fmadd_ps(_mm_maskz_loadu_ps(rows, l), al, sums));
+  _mm_mask_storeu_ps(m, rows, m_new);
+  _mm_mask_storeu_ps(alpha, rows, al);
+}
+
+// softmax_update2_four for NR <= 8 rows, four at a time.
+template <int NR>
+inline void softmax_update2_rows(__m512* a, const __mmask16* va, __m512* b, const __mmask16* vb, float scale,
+                                 float* m, float* l, float* alpha) {
+  softmax_update2_four<std::min(NR, 4)>(a, va, b, vb, scale, m, l, alpha);
+  if constexpr (NR > 4) softmax_update2_four<NR - 4>(a + 4, va + 4, b + 4, vb + 4, scale, m + 4, l + 4, alpha + 4);
+}
+
 // Online softmax of one query head over the scores sc0 of the first n0 keys of a chunk and sc1 of the first n1 of
 // the chunk after it (none when n1 = 0): m, l and acc (d floats, the running sum of exp(score - m) * value) are
 // rescaled once for both and updated. v_rows: both chunks' value rows, the second's from index n0 (a first chunk
@@ -606,17 +668,22 @@ __attribute__((target("amx-tile,amx-bf16"))) void attend_bf16_grouped(const bf16
                             &scores[(2 * kv + 1) * kScores]);
       }
     for (int64_t kv = 0; kv < s.num_kv_heads; ++kv) {
+      __m512 sc0[G], sc1[G];
+      __mmask16 v0[G], v1[G];
       for (int g = 0; g < G; ++g) {
         const int64_t h = kv * G + g;
-        __m512 sc0 = tiles ? score_column<G>(&scores[2 * kv * kScores], g)
-                           : score_chunk_bf16(q + h * d, first_keys, kv * d, d);
-        __m512 sc1 = !two ? _mm512_setzero_ps()
-                   : tiles ? score_column<G>(&scores[(2 * kv + 1) * kScores], g)
-                           : score_chunk_bf16(q + h * d, w.keys(), kv * d, d);
-        softmax_update2(sc0, valid0, sc1, valid1, scale, m[h], l[h], alpha[g]);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g]), (__m256i)_mm512_cvtneps_pbh(sc0));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g] + kPairs), (__m256i)_mm512_cvtneps_pbh(sc1));
+        sc0[g] = tiles ? score_column<G>(&scores[2 * kv * kScores], g)
+                       : score_chunk_bf16(q + h * d, first_keys, kv * d, d);
+        sc1[g] = !two ? _mm512_setzero_ps()
+               : tiles ? score_column<G>(&scores[(2 * kv + 1) * kScores], g)
+                       : score_chunk_bf16(q + h * d, w.keys(), kv * d, d);
+        v0[g] = valid0, v1[g] = valid1;
         rows[g] = acc + h * d;
+      }
+      softmax_update2_rows<G>(sc0, v0, sc1, v1, scale, m + kv * G, l + kv * G, alpha);
+      for (int g = 0; g < G; ++g) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g]), (__m256i)_mm512_cvtneps_pbh(sc0[g]));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g] + kPairs), (__m256i)_mm512_cvtneps_pbh(sc1[g]));
       }
       interleave_value_pairs(first_values, kv * d, d, pairs0, vp);
       if (two) interleave_value_pairs(w.values(), kv * d, d, pairs - kPairs, vp + kPairs * blocks * 2);
@@ -651,6 +718,9 @@ inline bool attend_bf16(const bf16* q, float scale, const bf16* k_cache, const b
 // Query tokens per task: they share each key chunk's transposed / interleaved copy. 32 against 16 measured 1.04x
 // (bf16) and 1.08x (float32) on SmolLM2's prefill attention in the engine and 1.11x on Qwen3's (bf16); 64 no better.
 constexpr int64_t kPrefillTile = 32;
+// (token, head) rows the bfloat16 prefill kernel's vector path scores and sums together (prefill_rows_bf16): 16
+// independent VDPBF16PS chains, enough to cover its latency (4 rows, 8 chains, measured 0.8x on AMD Zen 5).
+constexpr int64_t kPrefillRows = 8;
 
 // Calls tile(kvh, a, b) for every (KV head, tile [a, b) of kPrefillTile query tokens) of an n-token prefill chunk,
 // in parallel; make() builds each thread's tile worker (with its scratch buffers) once. Later tiles see more keys,
@@ -751,18 +821,23 @@ inline void prefill_rows_bf16(const uint32_t* const* q, const int64_t* visible, 
   alignas(64) uint32_t pp[NR][2 * kPairs];
   float alpha[NR];
   int64_t most = 0;
-  // Unrolled, and the scores copied out: with s0 / s1 indexed by a run-time r (or passed by reference) GCC keeps
-  // them on the stack and stores all eight accumulators on every step of the loop above (that measured 1.2-1.3x
-  // slower than one chunk per step).
-#pragma GCC unroll 4
+  // The scores copied out: with s0 / s1 indexed by a run-time r (or passed by reference) GCC keeps them on the stack
+  // and stores all eight accumulators on every step of the loop above (that measured 1.2-1.3x slower than one chunk
+  // per step).
+  __m512 p0[NR], p1[NR];
+  __mmask16 v0[NR], v1[NR];
+#pragma GCC unroll 8
   for (int r = 0; r < NR; ++r) {
-    const int64_t v0 = std::min(visible[r], kChunk), v1 = visible[r] - v0;
-    __m512 p0 = s0[r], p1 = s1[r];
-    softmax_update2(p0, static_cast<__mmask16>((1u << v0) - 1), p1, static_cast<__mmask16>((1u << v1) - 1), scale,
-                    m[r], l[r], alpha[r]);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]), (__m256i)_mm512_cvtneps_pbh(p0));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r] + kPairs), (__m256i)_mm512_cvtneps_pbh(p1));
+    const int64_t n0 = std::min(visible[r], kChunk);
+    p0[r] = s0[r], p1[r] = s1[r];
+    v0[r] = static_cast<__mmask16>((1u << n0) - 1), v1[r] = static_cast<__mmask16>((1u << (visible[r] - n0)) - 1);
     most = std::max(most, visible[r]);
+  }
+  softmax_update2_rows<NR>(p0, v0, p1, v1, scale, m, l, alpha);
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]), (__m256i)_mm512_cvtneps_pbh(p0[r]));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r] + kPairs), (__m256i)_mm512_cvtneps_pbh(p1[r]));
   }
   accumulate_pairs<NR, 2 * kPairs>(acc, alpha, pp, vp, d, (most + 1) / 2);
 }
@@ -876,11 +951,11 @@ void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, c
           if (n1 == 0) break;
           continue;
         }
-        for (int64_t r = r_first; r < rows; r += 4) {
-          const int nr = static_cast<int>(std::min<int64_t>(4, rows - r));
-          const uint32_t* qr[4];
-          int64_t visible[4];
-          float* ar[4];
+        for (int64_t r = r_first; r < rows; r += kPrefillRows) {
+          const int nr = static_cast<int>(std::min<int64_t>(kPrefillRows, rows - r));
+          const uint32_t* qr[kPrefillRows];
+          int64_t visible[kPrefillRows];
+          float* ar[kPrefillRows];
           for (int i = 0; i < nr; ++i) {
             const int64_t t = a + (r + i) / group, h = kvh * group + (r + i) % group;
             qr[i] = reinterpret_cast<const uint32_t*>(q + t * q_stride + h * d);
@@ -890,10 +965,11 @@ void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, c
           float* mr = m.data() + r;
           float* lr = l.data() + r;
           switch (nr) {
-            case 4: prefill_rows_bf16<4>(qr, visible, kp.data(), vp.data(), d, scale, ar, mr, lr); break;
-            case 3: prefill_rows_bf16<3>(qr, visible, kp.data(), vp.data(), d, scale, ar, mr, lr); break;
-            case 2: prefill_rows_bf16<2>(qr, visible, kp.data(), vp.data(), d, scale, ar, mr, lr); break;
-            default: prefill_rows_bf16<1>(qr, visible, kp.data(), vp.data(), d, scale, ar, mr, lr); break;
+#define PS_ROWS(NR) \
+  case NR: prefill_rows_bf16<NR>(qr, visible, kp.data(), vp.data(), d, scale, ar, mr, lr); break;
+            PS_ROWS(8) PS_ROWS(7) PS_ROWS(6) PS_ROWS(5) PS_ROWS(4) PS_ROWS(3) PS_ROWS(2) PS_ROWS(1)
+#undef PS_ROWS
+            default: break;
           }
         }
         if (n1 == 0) break;
