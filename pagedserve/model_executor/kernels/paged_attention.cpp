@@ -172,12 +172,14 @@ inline void accumulate_values(float* const* a, int64_t c, const float* alpha, co
     for (int j = 0; j < NC; ++j) _mm512_storeu_ps(a[r] + c + 16 * j, o[r][j]);
 }
 
-// accumulate_values over all d dims (d % 16 == 0), in slabs of up to 64.
+// accumulate_values over all d dims (d % 16 == 0), in slabs of up to 64 (32 for more than four rows: NR x NC
+// accumulators must leave registers for the values).
 template <int NR, typename T>
 inline void sum_values(float* const* a, const float* alpha, const float* const* p, const T* const* v_rows,
                        int64_t offset, int64_t d, int64_t n) {
+  constexpr int kSlab = NR > 4 ? 2 : 4;
   int64_t c = 0;
-  for (; c + 64 <= d; c += 64) accumulate_values<NR, 4>(a, c, alpha, p, v_rows, offset + c, n);
+  for (; c + 16 * kSlab <= d; c += 16 * kSlab) accumulate_values<NR, kSlab>(a, c, alpha, p, v_rows, offset + c, n);
   switch ((d - c) / 16) {
     case 3: accumulate_values<NR, 3>(a, c, alpha, p, v_rows, offset + c, n); break;
     case 2: accumulate_values<NR, 2>(a, c, alpha, p, v_rows, offset + c, n); break;
@@ -295,9 +297,10 @@ inline __m128 reduce4(const __m512* v, Op op) {
 // m[r], l[r], alpha[r]): the rows' max and sum reductions and rescale factors share one tree and one exp each, so
 // the serial part of a step is paid once for up to four rows (one call per row spent a quarter of the bf16 prefill
 // kernel's time on it; BENCHMARKS.md section 6, "Tenth pass").
-template <int NR>
-inline void softmax_update2_four(__m512* a, const __mmask16* va, __m512* b, const __mmask16* vb, float scale,
-                                 float* m, float* l, float* alpha) {
+template <int NR, bool kTwo = true>
+__attribute__((always_inline)) inline void softmax_update2_four(__m512* a, const __mmask16* va, __m512* b,
+                                                                const __mmask16* vb, float scale, float* m, float* l,
+                                                                float* alpha) {
   static_assert(NR >= 1 && NR <= 4);
   const __m512 none = _mm512_set1_ps(kNoScore), sv = _mm512_set1_ps(scale);
   const __mmask8 rows = static_cast<__mmask8>((1u << NR) - 1);
@@ -308,8 +311,8 @@ inline void softmax_update2_four(__m512* a, const __mmask16* va, __m512* b, cons
       continue;
     }
     a[r] = _mm512_mask_mov_ps(none, va[r], _mm512_mul_ps(a[r], sv));
-    b[r] = _mm512_mask_mov_ps(none, vb[r], _mm512_mul_ps(b[r], sv));
-    v[r] = _mm512_max_ps(a[r], b[r]);
+    if constexpr (kTwo) b[r] = _mm512_mask_mov_ps(none, vb[r], _mm512_mul_ps(b[r], sv));
+    v[r] = kTwo ? _mm512_max_ps(a[r], b[r]) : a[r];
   }
   const __m128 m_old = _mm_maskz_loadu_ps(rows, m);
   const __m128 m_new = _mm_max_ps(m_old, reduce4(v, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); }));
@@ -323,8 +326,8 @@ inline void softmax_update2_four(__m512* a, const __mmask16* va, __m512* b, cons
     }
     const __m512 mv = _mm512_set1_ps(mn[r]);
     a[r] = _mm512_maskz_mov_ps(va[r], ps::exp16(_mm512_sub_ps(a[r], mv)));
-    b[r] = _mm512_maskz_mov_ps(vb[r], ps::exp16(_mm512_sub_ps(b[r], mv)));
-    v[r] = _mm512_add_ps(a[r], b[r]);
+    if constexpr (kTwo) b[r] = _mm512_maskz_mov_ps(vb[r], ps::exp16(_mm512_sub_ps(b[r], mv)));
+    v[r] = kTwo ? _mm512_add_ps(a[r], b[r]) : a[r];
   }
   const __m128 sums = reduce4(v, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
   _mm_mask_storeu_ps(l, rows, _mm_fmadd_ps(_mm_maskz_loadu_ps(rows, l), al, sums));
@@ -332,12 +335,14 @@ inline void softmax_update2_four(__m512* a, const __mmask16* va, __m512* b, cons
   _mm_mask_storeu_ps(alpha, rows, al);
 }
 
-// softmax_update2_four for NR <= 8 rows, four at a time.
-template <int NR>
+// softmax_update2_four for NR <= 8 rows, four at a time (kTwo false: one chunk, b and vb unused).
+template <int NR, bool kTwo = true>
 inline void softmax_update2_rows(__m512* a, const __mmask16* va, __m512* b, const __mmask16* vb, float scale,
                                  float* m, float* l, float* alpha) {
-  softmax_update2_four<std::min(NR, 4)>(a, va, b, vb, scale, m, l, alpha);
-  if constexpr (NR > 4) softmax_update2_four<NR - 4>(a + 4, va + 4, b + 4, vb + 4, scale, m + 4, l + 4, alpha + 4);
+  softmax_update2_four<std::min(NR, 4), kTwo>(a, va, b, vb, scale, m, l, alpha);
+  if constexpr (NR > 4)
+    softmax_update2_four<NR - 4, kTwo>(a + 4, va + 4, kTwo ? b + 4 : b, kTwo ? vb + 4 : vb, scale, m + 4, l + 4,
+                                       alpha + 4);
 }
 
 // Online softmax of one query head over the scores sc0 of the first n0 keys of a chunk and sc1 of the first n1 of
@@ -404,13 +409,17 @@ inline void prefill_rows(const float* qf, const float* kt, const float* const* v
   const float* pr[NR];
   float* ar[NR];
   float alpha[NR];
+  __mmask16 valid[NR];
   int64_t most = 0;
   for (int j = 0; j < NR; ++j) {
-    const __mmask16 valid = static_cast<__mmask16>((1u << visible[j]) - 1);
-    _mm512_store_ps(p[j], softmax_update(sc[j], valid, scale, m[j], l[j], alpha[j]));
+    valid[j] = static_cast<__mmask16>((1u << visible[j]) - 1);
+    most = std::max(most, visible[j]);
+  }
+  softmax_update2_rows<NR, false>(sc, valid, nullptr, nullptr, scale, m, l, alpha);
+  for (int j = 0; j < NR; ++j) {
+    _mm512_store_ps(p[j], sc[j]);
     pr[j] = p[j];
     ar[j] = acc + j * d;
-    most = std::max(most, visible[j]);
   }
   sum_values<NR>(ar, alpha, pr, vf_rows, 0, d, most);
 }
@@ -718,8 +727,8 @@ inline bool attend_bf16(const bf16* q, float scale, const bf16* k_cache, const b
 // Query tokens per task: they share each key chunk's transposed / interleaved copy. 32 against 16 measured 1.04x
 // (bf16) and 1.08x (float32) on SmolLM2's prefill attention in the engine and 1.11x on Qwen3's (bf16); 64 no better.
 constexpr int64_t kPrefillTile = 32;
-// (token, head) rows the bfloat16 prefill kernel's vector path scores and sums together (prefill_rows_bf16): 16
-// independent VDPBF16PS chains, enough to cover its latency (4 rows, 8 chains, measured 0.8x on AMD Zen 5).
+// (token, head) rows the prefill kernels' vector paths score and sum together (prefill_rows, prefill_rows_bf16):
+// 8-16 independent FMA / VDPBF16PS chains, enough to cover their latency (4 rows measured 0.8x on AMD Zen 5).
 constexpr int64_t kPrefillRows = 8;
 
 // Calls tile(kvh, a, b) for every (KV head, tile [a, b) of kPrefillTile query tokens) of an n-token prefill chunk,
@@ -773,18 +782,19 @@ void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_
           const T* v = w.values()[i] + kvh * d;
           for (int64_t e = 0; e < d; ++e) kt[e * kChunk + i] = to_float(k[e]), vf[i * d + e] = to_float(v[e]);
         }
-        // the tile's rows (token, head) that see this chunk, four at a time
-        for (int64_t r = (std::max(a, c0 - first) - a) * group; r < rows; r += 4) {
-          const int64_t nr = std::min<int64_t>(4, rows - r);
-          int64_t visible[4];
+        // the tile's rows (token, head) that see this chunk, kPrefillRows at a time
+        for (int64_t r = (std::max(a, c0 - first) - a) * group; r < rows; r += kPrefillRows) {
+          const int64_t nr = std::min<int64_t>(kPrefillRows, rows - r);
+          int64_t visible[kPrefillRows];
           for (int64_t j = 0; j < nr; ++j) visible[j] = std::min(w.size(), first + a + (r + j) / group - c0 + 1);
           const float* qr = qf.data() + r * d;
           float* ar = acc.data() + r * d;
           switch (nr) {
-            case 4: prefill_rows<4>(qr, kt.data(), vf_rows, visible, d, scale, ar, m.data() + r, l.data() + r); break;
-            case 3: prefill_rows<3>(qr, kt.data(), vf_rows, visible, d, scale, ar, m.data() + r, l.data() + r); break;
-            case 2: prefill_rows<2>(qr, kt.data(), vf_rows, visible, d, scale, ar, m.data() + r, l.data() + r); break;
-            default: prefill_rows<1>(qr, kt.data(), vf_rows, visible, d, scale, ar, m.data() + r, l.data() + r);
+#define PS_ROWS(NR) \
+  case NR: prefill_rows<NR>(qr, kt.data(), vf_rows, visible, d, scale, ar, m.data() + r, l.data() + r); break;
+            PS_ROWS(8) PS_ROWS(7) PS_ROWS(6) PS_ROWS(5) PS_ROWS(4) PS_ROWS(3) PS_ROWS(2) PS_ROWS(1)
+#undef PS_ROWS
+            default: break;
           }
         }
       }
