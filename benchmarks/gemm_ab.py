@@ -55,11 +55,12 @@ def main(argv=None) -> int:
         for k, n in mats:
             w = torch.randn(n, k)
             if dtype == torch.int8:
-                linear = Linear(k, n)
-                linear.weight.data.copy_(w)
-                linear.set_backend("int8")
-                lib_layer.append(linear._packed)
-                native_layer.append((linear._small_packed, linear._int8_scale, linear._int8_shift))
+                library_linear, native_linear = Linear(k, n), Linear(k, n)
+                for linear, allow_native in ((library_linear, False), (native_linear, True)):
+                    linear.weight.data.copy_(w)
+                    linear.set_backend("int8", allow_native=allow_native)
+                lib_layer.append(library_linear._packed)
+                native_layer.append((native_linear._small_packed, native_linear._int8_scale, native_linear._int8_shift))
             else:
                 w = w.to(dtype)
                 lib_layer.append(torch.ops.mkldnn._reorder_linear_weight(w, None))

@@ -175,17 +175,19 @@ def test_fused_norm_rotary_silu_match_pytorch(rows, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 300])
-def test_int8_backend_close_to_float_on_both_kernels(rows, dtype):
-    """Weight-only int8 within int8 noise of the float product, on the native kernel (where the CPU's build has it)
-    and on fbgemm (the path of the other builds, forced here above 16 rows); [batch, seq, K] inputs too."""
+@pytest.mark.parametrize("rows", [1, 5, 17, 300])
+@pytest.mark.parametrize("allow_native", [True, False])
+def test_int8_backend_close_to_float_on_both_kernels(rows, dtype, allow_native):
+    """Weight-only int8 within int8 noise of the float product, on the native kernel (where the CPU's build has it;
+    then it holds the only int8 copy) and on fbgemm (the path of the other builds); [batch, seq, K] inputs too."""
     from pagedserve.model_executor.kernels import cpu_kernels
 
     layer, x, expected = _random_layer(128, 163, rows, dtype)
-    layer.set_backend("int8")
-    layer._native_max_rows = 16  # the engine has no limit (NATIVE_INT8_MAX_ROWS): fbgemm above 16 rows here
+    layer.set_backend("int8", allow_native=allow_native)
     ops = cpu_kernels()
-    assert (layer._small_packed is not None) == (ops is not None and ops.native_small_gemm(torch.int8, 128))
+    native = allow_native and ops is not None and ops.native_small_gemm(torch.int8, 128)
+    assert (layer._small_packed is not None) == native
+    assert (layer._packed is None) == native  # one packed int8 copy, never two
     y = layer(x)
     assert y.dtype == dtype
     err = (y.float() - expected).abs().max() / expected.abs().max()

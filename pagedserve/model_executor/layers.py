@@ -105,9 +105,9 @@ class Linear(nn.Module):
         "onednn"). Where the kernel does not run this dtype (AVX2-only CPUs, bfloat16 without AVX512-BF16, an odd
         K in bfloat16) it is "onednn";
       * "int8": weight-only int8, per-output-channel scales, activations quantized per call - a quarter of the
-        weight bytes, for memory-bound decode. Up to `native_gemm_max_rows(torch.int8)` rows the native kernel
-        (AVX512-VNNI or AMX-INT8, activations quantized per row), above it fbgemm's dynamic quantization (per
-        tensor); both keep their packed int8 copy.
+        weight bytes, for memory-bound decode. Where the build runs int8 natively (AVX512-VNNI or AMX-INT8,
+        activations quantized per row) the native kernel takes every product (`native_gemm_max_rows`) and holds
+        the only int8 copy; elsewhere fbgemm's dynamic quantization (activations per tensor).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -121,12 +121,13 @@ class Linear(nn.Module):
         self._int8_scale = self._int8_shift = None  # int8 on the native kernel: per-column scales and shifts
         self._native_max_rows = NATIVE_GEMM_MAX_ROWS  # native_gemm_max_rows(dtype) when the weight is packed
 
-    def set_backend(self, backend: str) -> None:
+    def set_backend(self, backend: str, allow_native: bool = True) -> None:
+        """allow_native=False keeps the library kernels (oneDNN, fbgemm) only: for comparisons and tests."""
         w = self.weight.detach()
-        self._small_packed = self._int8_scale = self._int8_shift = None
+        self._packed = self._small_packed = self._int8_scale = self._int8_shift = None
         if backend in ("onednn", "native"):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-            ops = native_ops(w) if backend == "native" else None
+            ops = native_ops(w) if backend == "native" and allow_native else None
             if ops is not None and ops.native_small_gemm(w.dtype, w.shape[1]):
                 self._small_packed = ops.pack_small_gemm_weight(w)
                 self._native_max_rows = native_gemm_max_rows(w.dtype)
@@ -136,15 +137,16 @@ class Linear(nn.Module):
                 warnings.simplefilter("ignore")
                 qweight = torch.quantize_per_channel(w.float(), scales, torch.zeros_like(scales, dtype=torch.long),
                                                      0, torch.qint8)
-            bias = None if self.bias is None else self.bias.detach().float()
-            self._packed = torch.ops.quantized.linear_prepack(qweight, bias)
-            ops = native_ops(w)
+            ops = native_ops(w) if allow_native else None
             if ops is not None and ops.native_small_gemm(torch.int8, w.shape[1]):
                 q = qweight.int_repr()
                 self._small_packed = ops.pack_small_gemm_weight(q)
                 self._int8_scale = scales.float()
                 self._int8_shift = 128 * q.sum(dim=1, dtype=torch.int32)  # takes back the kernel's +128 on x
                 self._native_max_rows = native_gemm_max_rows(torch.int8)
+            if self._small_packed is None or self._native_max_rows < sys.maxsize:  # fbgemm takes the rest
+                bias = None if self.bias is None else self.bias.detach().float()
+                self._packed = torch.ops.quantized.linear_prepack(qweight, bias)
         elif backend != "torch":
             raise ValueError(f"unknown linear backend {backend!r}")
         self.backend = backend

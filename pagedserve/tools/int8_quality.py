@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 
@@ -24,7 +23,7 @@ from pagedserve.model_executor.layers import Linear
 from pagedserve.tools.eval_demo_model import held_out_windows, load_model_float32, mean_loss
 
 
-def quantize_hf_linears(model: torch.nn.Module) -> torch.nn.Module:
+def quantize_hf_linears(model: torch.nn.Module, allow_native: bool = True) -> torch.nn.Module:
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, torch.nn.Linear):
@@ -32,24 +31,9 @@ def quantize_hf_linears(model: torch.nn.Module) -> torch.nn.Module:
                 q.weight.data.copy_(child.weight.data)
                 if child.bias is not None:
                     q.bias.data.copy_(child.bias.data)
-                q.set_backend("int8")
+                q.set_backend("int8", allow_native=allow_native)
                 setattr(module, child_name, q)
     return model
-
-
-@contextlib.contextmanager
-def fbgemm_at_every_row_count(model: torch.nn.Module):
-    """fbgemm's dynamic int8 for every product of `model`'s int8 Linears (the engine runs the native kernel where
-    the build has one)."""
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    saved = [m._native_max_rows for m in linears]
-    for m in linears:
-        m._native_max_rows = 0
-    try:
-        yield
-    finally:
-        for m, rows in zip(linears, saved):
-            m._native_max_rows = rows
 
 
 def greedy_agreement(model_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -78,8 +62,7 @@ def evaluate(model_dir: str, max_tokens: int, num_prompts: int, prompt_len: int 
               "ppl_fp32": math.exp(fp32), "ppl_int8": math.exp(int8),
               "ppl_delta_pct": 100 * (math.exp(int8) / math.exp(fp32) - 1)}
     if any(m._small_packed is not None for m in int8_model.modules() if isinstance(m, Linear)):
-        with fbgemm_at_every_row_count(int8_model):
-            fbgemm = mean_loss(int8_model, windows)
+        fbgemm = mean_loss(quantize_hf_linears(load_model_float32(model_dir), allow_native=False), windows)
         result.update(loss_int8_fbgemm=fbgemm, ppl_int8_fbgemm=math.exp(fbgemm),
                       ppl_delta_fbgemm_pct=100 * (math.exp(fbgemm) / math.exp(fp32) - 1))
     result.update(greedy_agreement(model_dir, prompts, new_tokens))
