@@ -81,24 +81,39 @@ void attend(const float* qf, const T* k_cache, const T* v_cache, const int64_t* 
   }
 }
 
-// Brings the K/V rows of a thread's next task into L2 while its current task computes, a few lines per step of the
-// chunked kernels (two chunks), spread so that the memory stream runs under the arithmetic instead of after it (the
-// walker's own prefetch of the next chunk has one step of distance, and compute and memory added up: BENCHMARKS.md
-// section 6, "Tenth pass"). At most kBytes, the start of the next task: the walker takes over from there.
+// Brings K/V rows into L2 ahead of the kernels, a few lines per call, spread so that the memory stream runs under
+// the arithmetic instead of after it (the walker's own prefetch of the next chunk has one step of distance, and
+// compute and memory added up: BENCHMARKS.md section 6, "Tenth pass"). Tokens [t0, t1) of one sequence, block by
+// block, each block's K rows then its V rows.
 template <typename T>
-class NextTaskPrefetch {
+class RowPrefetch {
  public:
-  NextTaskPrefetch() = default;  // nothing to prefetch
-  NextTaskPrefetch(const T* k_cache, const T* v_cache, const int64_t* table, int64_t block_size, int64_t row,
-                   int64_t t0, int64_t t1, int64_t current_tokens)
-      : k_cache_(k_cache), v_cache_(v_cache), table_(table), bs_(block_size), row_bytes_(row * sizeof(T)), t_(t0) {
-    const int64_t tokens = std::min(t1 - t0, kBytes / (2 * row_bytes_));
-    end_ = t0 + tokens;
+  RowPrefetch() = default;  // nothing to prefetch
+  RowPrefetch(const T* k_cache, const T* v_cache, const int64_t* table, int64_t block_size, int64_t row, int64_t t0,
+              int64_t t1, int64_t lines_per_call)
+      : k_cache_(k_cache), v_cache_(v_cache), table_(table), bs_(block_size), row_bytes_(row * sizeof(T)), t_(t0),
+        end_(t1), lines_per_call_(lines_per_call) {}
+  // The start of a thread's next task (at most kNextTaskBytes: the walker takes over from there), spread over the
+  // steps of its current task of `current_tokens`.
+  static RowPrefetch next_task(const T* k_cache, const T* v_cache, const int64_t* table, int64_t block_size,
+                               int64_t row, int64_t t0, int64_t t1, int64_t current_tokens) {
+    const int64_t row_bytes = row * sizeof(T), tokens = std::min(t1 - t0, kNextTaskBytes / (2 * row_bytes));
     const int64_t steps = std::max<int64_t>(1, (current_tokens + kStepTokens - 1) / kStepTokens);
-    lines_per_step_ = (2 * tokens * row_bytes_ / 64 + steps - 1) / steps;
+    return RowPrefetch(k_cache, v_cache, table, block_size, row, t0, t0 + tokens,
+                       (2 * tokens * row_bytes / 64 + steps - 1) / steps);
+  }
+  // The current task's own rows past what next_task brought in while the task before it ran (wide rows: Qwen3's
+  // 500-token contexts are 2 MB per layer), kept kAheadSteps steps or more ahead of the walker, one step's lines
+  // over `calls` calls. Empty when next_task covers the whole task (re-prefetching cached lines cost 0.8x).
+  static RowPrefetch ahead(const T* k_cache, const T* v_cache, const int64_t* table, int64_t block_size, int64_t row,
+                           int64_t t0, int64_t t1, int64_t calls) {
+    const int64_t row_bytes = row * sizeof(T), step_lines = 2 * kStepTokens * row_bytes / 64;
+    const int64_t skip = std::max(kAheadSteps * kStepTokens, kNextTaskBytes / (2 * row_bytes));
+    return RowPrefetch(k_cache, v_cache, table, block_size, row, std::min(t1, t0 + skip), t1,
+                       (step_lines + calls - 1) / calls);
   }
   void step() {
-    for (int64_t n = 0; n < lines_per_step_ && t_ < end_; ++n) {
+    for (int64_t n = 0; n < lines_per_call_ && t_ < end_; ++n) {
       const int64_t run_tokens = std::min(end_, (t_ / bs_ + 1) * bs_) - t_;  // t_ .. the end of its block
       const int64_t slot = table_[t_ / bs_] * bs_ + t_ % bs_;
       const T* run = v_ ? v_cache_ : k_cache_;
@@ -111,12 +126,13 @@ class NextTaskPrefetch {
   }
 
  private:
-  static constexpr int64_t kBytes = 256 * 1024;
+  static constexpr int64_t kNextTaskBytes = 256 * 1024;
   static constexpr int64_t kStepTokens = 32;  // the chunked kernels' step: two chunks of 16
+  static constexpr int64_t kAheadSteps = 2;
   const T* k_cache_ = nullptr;
   const T* v_cache_ = nullptr;
   const int64_t* table_ = nullptr;
-  int64_t bs_ = 1, row_bytes_ = 0, t_ = 0, end_ = 0, lines_per_step_ = 0, byte_ = 0;
+  int64_t bs_ = 1, row_bytes_ = 0, t_ = 0, end_ = 0, lines_per_call_ = 0, byte_ = 0;
   bool v_ = false;
 };
 
@@ -429,7 +445,7 @@ inline void prefill_rows(const float* qf, const float* kt, const float* const* v
 // in cache while all query heads use them; a query head's 16 scores per chunk come out of one reduction tree.
 template <typename TQ, typename T>
 void attend_avx512(const TQ* q, float scale, const T* k_cache, const T* v_cache, const int64_t* table, int64_t t0,
-                   int64_t t1, const Shape& s, NextTaskPrefetch<T>& next, float* qf, float* acc, float* m, float* l) {
+                   int64_t t1, const Shape& s, RowPrefetch<T>& next, float* qf, float* acc, float* m, float* l) {
   const int64_t heads = s.num_heads, d = s.head_dim, group = s.num_heads / s.num_kv_heads;
   const int64_t row = s.num_kv_heads * d;
   for (int64_t i = 0; i < heads * d; ++i) qf[i] = to_float(q[i]);
@@ -438,12 +454,13 @@ void attend_avx512(const TQ* q, float scale, const T* k_cache, const T* v_cache,
   std::fill(m, m + heads, kNoScore);
   const T* first_keys[kChunk];
   const T* values[2 * kChunk];
+  RowPrefetch<T> ahead = RowPrefetch<T>::ahead(k_cache, v_cache, table, s.block_size, row, t0, t1, heads);
   for (ChunkWalker<T> w(k_cache, v_cache, table, s.block_size, row, t0, t1, 0, row); !w.done(); w.advance()) {
     const auto [n0, n1] = w.take_two(first_keys, values);
     next.step();
     const bool two = n1 > 0;
     if (two) std::copy(w.values(), w.values() + kChunk, values + kChunk);
-    for (int64_t h = 0; h < heads; ++h)
+    for (int64_t h = 0; h < heads; ++h, ahead.step())
       attend_chunks(q + h * d, qf + h * d, first_keys, w.keys(), (h / group) * d, values, (h / group) * d, d, n0, n1,
                     scale, acc + h * d, m[h], l[h]);
     if (!two) break;
@@ -640,7 +657,7 @@ template <int G>
 __attribute__((target("amx-tile,amx-bf16"))) void attend_bf16_grouped(const bf16* q, float scale, const bf16* k_cache,
                                                                        const bf16* v_cache, const int64_t* table,
                                                                        int64_t t0, int64_t t1, const Shape& s,
-                                                                       NextTaskPrefetch<bf16>& next, bool tiles,
+                                                                       RowPrefetch<bf16>& next, bool tiles,
                                                                        float* acc, float* m, float* l) {
   const int64_t heads = s.num_heads, d = s.head_dim, row = s.num_kv_heads * d, blocks = d / 32;
   std::fill(acc, acc + heads * d, 0.f);
@@ -661,6 +678,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void attend_bf16_grouped(const bf16
     amx.emplace(G);
     query_pair_tiles<G>(q, s.num_kv_heads, d, qp.data());
   }
+  RowPrefetch<bf16> ahead = RowPrefetch<bf16>::ahead(k_cache, v_cache, table, s.block_size, row, t0, t1,
+                                                     s.num_kv_heads);
   for (ChunkWalker<bf16> w(k_cache, v_cache, table, s.block_size, row, t0, t1, 0, row); !w.done(); w.advance()) {
     const auto [n0, n1] = w.take_two(first_keys, first_values);
     next.step();
@@ -677,6 +696,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void attend_bf16_grouped(const bf16
                             &scores[(2 * kv + 1) * kScores]);
       }
     for (int64_t kv = 0; kv < s.num_kv_heads; ++kv) {
+      ahead.step();
       __m512 sc0[G], sc1[G];
       __mmask16 v0[G], v1[G];
       for (int g = 0; g < G; ++g) {
@@ -710,7 +730,7 @@ inline bool bf16_path(int64_t head_dim) { return head_dim % 32 == 0 && head_dim 
 
 // attend_bf16_grouped for this shape's group size; false when it does not apply (the caller takes another path).
 inline bool attend_bf16(const bf16* q, float scale, const bf16* k_cache, const bf16* v_cache, const int64_t* table,
-                        int64_t t0, int64_t t1, const Shape& s, NextTaskPrefetch<bf16>& next, float* acc, float* m,
+                        int64_t t0, int64_t t1, const Shape& s, RowPrefetch<bf16>& next, float* acc, float* m,
                         float* l) {
   if (!bf16_path(s.head_dim)) return false;
   const bool tiles = ps::amx_tiles();
@@ -1000,7 +1020,7 @@ void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, c
 // Any other dtype pair or instruction set: the bfloat16 grouped path does not apply.
 template <typename TQ, typename T>
 inline bool attend_bf16(const TQ*, float, const T*, const T*, const int64_t*, int64_t, int64_t, const Shape&,
-                        NextTaskPrefetch<T>&, float*, float*, float*) {
+                        RowPrefetch<T>&, float*, float*, float*) {
   return false;
 }
 
@@ -1046,11 +1066,11 @@ void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_
       float* mm = whole ? m.data() : part_m.data() + task * heads;
       float* ll = whole ? l.data() : part_l.data() + task * heads;
       const int64_t* table = block_tables + seq * s.max_blocks;
-      NextTaskPrefetch<T> next;
+      RowPrefetch<T> next;
       if (task + 1 < bounds[th_end]) {
         const int64_t n = task + 1;
-        next = NextTaskPrefetch<T>(k_cache, v_cache, block_tables + task_seq[n] * s.max_blocks, s.block_size,
-                                   s.num_kv_heads * d, task_t0[n], task_t1[n], t1 - t0);
+        next = RowPrefetch<T>::next_task(k_cache, v_cache, block_tables + task_seq[n] * s.max_blocks, s.block_size,
+                                         s.num_kv_heads * d, task_t0[n], task_t1[n], t1 - t0);
       }
       // The chunked kernels on every row width: on Qwen3's rows (8 KV heads x 128, 2-4 KiB per token) they once
       // lost to the token-at-a-time pass below (AMD Zen 4, float32, before the two-chunk softmax steps); on an Intel
