@@ -399,41 +399,49 @@ inline void attend_chunks(const TQ* q, const float* qf, const T* const* k0, cons
   attend_scored(score(k0), n1 > 0 ? score(k1) : _mm512_setzero_ps(), v_rows, v_offset, d, n0, n1, scale, acc, m, l);
 }
 
-// Scores of R query rows (qf: R rows of d floats) against a chunk's keys transposed (kt[e * kChunk + i] = key i's
-// value e): lane i of out[r] = q_r . k_i. R independent FMA chains, one broadcast per row and dim, no reduction.
+// Scores of R query rows (qf: R rows of d floats) against two chunks' keys transposed (kt[e * 2 kChunk + i] = key i's
+// value e, keys 16-31 the second chunk): lanes of s0[r] / s1[r] = q_r . k_i for the first / second chunk. 2R
+// independent FMA chains, one broadcast per row and dim serving both chunks, no reduction.
 template <int R>
-inline void score_rows(const float* qf, int64_t d, const float* kt, __m512* out) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+inline void score_rows(const float* qf, int64_t d, const float* kt, __m512* s0, __m512* s1) {
+  __m512 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
   for (int64_t e = 0; e < d; ++e) {
-    const __m512 kv = _mm512_loadu_ps(kt + e * kChunk);
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r * d + e]), kv, acc[r]);
+    const __m512 k0 = _mm512_loadu_ps(kt + e * 2 * kChunk), k1 = _mm512_loadu_ps(kt + e * 2 * kChunk + kChunk);
+    for (int r = 0; r < R; ++r) {
+      const __m512 qv = _mm512_set1_ps(qf[r * d + e]);
+      a0[r] = _mm512_fmadd_ps(qv, k0, a0[r]);
+      a1[r] = _mm512_fmadd_ps(qv, k1, a1[r]);
+    }
   }
-  for (int r = 0; r < R; ++r) out[r] = acc[r];
+  for (int r = 0; r < R; ++r) s0[r] = a0[r], s1[r] = a1[r];
 }
 
 // NR consecutive rows of a float32 prefill tile (qf, acc: d floats per row; m, l: one per row; visible[j]: how many
-// of the chunk's keys row j sees) against one chunk (kt: its keys transposed; vf_rows: its values in float32): the
-// scores from one pass over kt, one online-softmax step per row, then the value sums of all NR rows together, each
-// value vector loaded once for all of them (p = 0 past a row's visible keys).
+// of the step's 2 kChunk keys row j sees) against a step of two chunks (kt: their keys transposed; vf_rows: their
+// values in float32): the scores from one pass over kt, one online-softmax step for all rows and both chunks, then
+// the value sums of all NR rows together, each value vector loaded once for all of them (p = 0 past a row's visible
+// keys).
 template <int NR>
 inline void prefill_rows(const float* qf, const float* kt, const float* const* vf_rows, const int64_t* visible,
                          int64_t d, float scale, float* acc, float* m, float* l) {
-  __m512 sc[NR];
-  score_rows<NR>(qf, d, kt, sc);
-  alignas(64) float p[NR][kChunk];
+  __m512 s0[NR], s1[NR];
+  score_rows<NR>(qf, d, kt, s0, s1);
+  alignas(64) float p[NR][2 * kChunk];
   const float* pr[NR];
   float* ar[NR];
   float alpha[NR];
-  __mmask16 valid[NR];
+  __mmask16 v0[NR], v1[NR];
   int64_t most = 0;
   for (int j = 0; j < NR; ++j) {
-    valid[j] = static_cast<__mmask16>((1u << visible[j]) - 1);
+    const int64_t n0 = std::min(visible[j], kChunk);
+    v0[j] = static_cast<__mmask16>((1u << n0) - 1), v1[j] = static_cast<__mmask16>((1u << (visible[j] - n0)) - 1);
     most = std::max(most, visible[j]);
   }
-  softmax_update2_rows<NR, false>(sc, valid, nullptr, nullptr, scale, m, l, alpha);
+  softmax_update2_rows<NR>(s0, v0, s1, v1, scale, m, l, alpha);
   for (int j = 0; j < NR; ++j) {
-    _mm512_store_ps(p[j], sc[j]);
+    _mm512_store_ps(p[j], s0[j]);
+    _mm512_store_ps(p[j] + kChunk, s1[j]);
     pr[j] = p[j];
     ar[j] = acc + j * d;
   }
@@ -778,10 +786,11 @@ void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_
   const int64_t max_rows = kPrefillTile * group;
   for_each_prefill_tile(n, s.num_kv_heads, [&] {
     return [&, qf = std::vector<float>(max_rows * d), acc = std::vector<float>(max_rows * d),
-            m = std::vector<float>(max_rows), l = std::vector<float>(max_rows), vf = std::vector<float>(kChunk * d),
-            kt = std::vector<float>(kChunk * d)](int64_t kvh, int64_t a, int64_t b) mutable {
-      const float* vf_rows[kChunk];
-      for (int64_t i = 0; i < kChunk; ++i) vf_rows[i] = vf.data() + i * d;
+            m = std::vector<float>(max_rows), l = std::vector<float>(max_rows),
+            vf = std::vector<float>(2 * kChunk * d),
+            kt = std::vector<float>(2 * kChunk * d)](int64_t kvh, int64_t a, int64_t b) mutable {
+      const float* vf_rows[2 * kChunk];
+      for (int64_t i = 0; i < 2 * kChunk; ++i) vf_rows[i] = vf.data() + i * d;
       const int64_t rows = (b - a) * group;
       for (int64_t r = 0; r < rows; ++r) {
         const TQ* src = q + (a + r / group) * q_stride + (kvh * group + r % group) * d;
@@ -790,23 +799,27 @@ void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_
       std::fill(acc.begin(), acc.begin() + rows * d, 0.f);
       std::fill(m.begin(), m.begin() + rows, kNoScore);
       std::fill(l.begin(), l.begin() + rows, 0.f);
+      const T* first_keys[kChunk];
+      const T* first_values[kChunk];
       for (ChunkWalker<T> w(k_cache, v_cache, table, s.block_size, row, 0, first + b, kvh * d, d); !w.done();
            w.advance()) {
-        w.prefetch_next();
         const int64_t c0 = w.start();
-        // The chunk's keys transposed and its values, in float32, once for all rows of the tile (lanes past the
-        // chunk's end repeat its first key: scored, then masked out). Rows of the cache lie a whole K/V row apart
-        // (4 KiB for Qwen3 in float32), so reading them in place, 16 would share an L1 set.
-        for (int64_t i = 0; i < kChunk; ++i) {
-          const T* k = w.keys()[i] + kvh * d;
-          const T* v = w.values()[i] + kvh * d;
-          for (int64_t e = 0; e < d; ++e) kt[e * kChunk + i] = to_float(k[e]), vf[i * d + e] = to_float(v[e]);
+        const auto [n0, n1] = w.take_two(first_keys, first_values);
+        // The step's keys transposed and its values, in float32, once for all rows of the tile (lanes past a
+        // chunk's end repeat its first key: scored, then masked out; a lone last chunk's second half repeats it
+        // too). Rows of the cache lie a whole K/V row apart (4 KiB for Qwen3 in float32), so reading them in place,
+        // 16 would share an L1 set.
+        for (int64_t i = 0; i < 2 * kChunk; ++i) {
+          const bool second = i >= kChunk && n1 > 0;
+          const T* k = (second ? w.keys()[i - kChunk] : first_keys[i % kChunk]) + kvh * d;
+          const T* v = (second ? w.values()[i - kChunk] : first_values[i % kChunk]) + kvh * d;
+          for (int64_t e = 0; e < d; ++e) kt[e * 2 * kChunk + i] = to_float(k[e]), vf[i * d + e] = to_float(v[e]);
         }
-        // the tile's rows (token, head) that see this chunk, kPrefillRows at a time
+        // the tile's rows (token, head) that see this step, kPrefillRows at a time
         for (int64_t r = (std::max(a, c0 - first) - a) * group; r < rows; r += kPrefillRows) {
           const int64_t nr = std::min<int64_t>(kPrefillRows, rows - r);
           int64_t visible[kPrefillRows];
-          for (int64_t j = 0; j < nr; ++j) visible[j] = std::min(w.size(), first + a + (r + j) / group - c0 + 1);
+          for (int64_t j = 0; j < nr; ++j) visible[j] = std::min(n0 + n1, first + a + (r + j) / group - c0 + 1);
           const float* qr = qf.data() + r * d;
           float* ar = acc.data() + r * d;
           switch (nr) {
@@ -817,6 +830,7 @@ void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_
             default: break;
           }
         }
+        if (n1 == 0) break;
       }
       for (int64_t r = 0; r < rows; ++r) {
         const float inv = 1.f / l[r];
