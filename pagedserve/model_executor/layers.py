@@ -81,7 +81,7 @@ NATIVE_INT8_MAX_ROWS = sys.maxsize
 
 def native_gemm_max_rows(dtype: torch.dtype) -> int:
     """Rows up to which the native small GEMM runs a `dtype` product (float32 / bfloat16: oneDNN above; int8 weights:
-    fbgemm above)."""
+    every row count)."""
     if dtype == torch.int8:
         return NATIVE_INT8_MAX_ROWS
     if dtype != torch.bfloat16 or "amx_bf16" not in cpu_flags():
