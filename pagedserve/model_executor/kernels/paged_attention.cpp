@@ -966,7 +966,6 @@ void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, c
           std::memcpy(&qt[r * d], q + (a + r / group) * q_stride + (kvh * group + r % group) * d, d * sizeof(bf16));
         std::fill(qt.begin() + rows * d, qt.begin() + (rows + 15) / 16 * 16 * d, bf16{0});
       }
-      uint32_t* kt = reinterpret_cast<uint32_t*>(kp.data());
       const bf16* first_keys[kChunk];
       const bf16* first_values[kChunk];
       for (ChunkWalker<bf16> w(k_cache, v_cache, table, s.block_size, row, 0, first + b, kvh * d, d); !w.done();
@@ -975,11 +974,13 @@ void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, c
         const auto [n0, n1] = w.take_two(first_keys, first_values);
         // a lone last chunk: the second one's lanes repeat its keys (scored, then masked out) and add no pairs
         const bf16* const* second_keys = n1 > 0 ? w.keys() : first_keys;
-        for (int64_t i = 0; i < kChunk; ++i) {
-          const uint32_t* k = reinterpret_cast<const uint32_t*>(first_keys[i] + kvh * d);
-          const uint32_t* k2 = reinterpret_cast<const uint32_t*>(second_keys[i] + kvh * d);
-          for (int64_t j = 0; j < d / 2; ++j) kt[j * kChunk + i] = k[j], kt[(d / 2 + j) * kChunk + i] = k2[j];
-        }
+        for (int c = 0; c < 2; ++c)  // each chunk's keys in blocks of 16 dim pairs, one 16 x 16 transpose each
+          for (int64_t jb = 0; jb < d / 32; ++jb) {
+            __m512i* block = kp.data() + c * d / 2 + jb * 16;
+            for (int64_t i = 0; i < kChunk; ++i)
+              block[i] = _mm512_loadu_si512((c == 0 ? first_keys : second_keys)[i] + kvh * d + jb * 32);
+            ps::transpose16x16(block);
+          }
         interleave_value_pairs(first_values, kvh * d, d, (n0 + 1) / 2, vp.data());
         if (n1 > 0) interleave_value_pairs(w.values(), kvh * d, d, (n1 + 1) / 2, vp.data() + kPairs * blocks * 2);
         // the tile's rows that see this step: r = (t - a) * group + g for its tokens t from max(a, c0 - first)

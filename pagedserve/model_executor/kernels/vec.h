@@ -99,6 +99,31 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// Transposes the 16 x 16 matrix of 32-bit elements whose row i is v[i], in place (lane i of v[j] becomes element j of
+// the old row i): three levels of unpacks within 128-bit lanes, then two of 128-bit lane shuffles, 64 in all.
+inline void transpose16x16(__m512i* v) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {  // per 128-bit lane L: rows 4k .. 4k+3 at column 4L + c in u[4k + c]
+    u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+    u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i even01 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), odd01 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+    const __m512i even23 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512i odd23 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+    v[c] = _mm512_shuffle_i32x4(even01, even23, 0x88);
+    v[8 + c] = _mm512_shuffle_i32x4(even01, even23, 0xDD);
+    v[4 + c] = _mm512_shuffle_i32x4(odd01, odd23, 0x88);
+    v[12 + c] = _mm512_shuffle_i32x4(odd01, odd23, 0xDD);
+  }
+}
+
 // Lane i of the result = the sum of the lanes of v[i], for 16 vectors: a transpose-and-add tree (45 shuffles and
 // adds in four independent levels) instead of 16 horizontal reductions, each a serial chain.
 inline __m512 reduce16x16(const __m512* v) {
