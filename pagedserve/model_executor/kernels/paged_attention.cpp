@@ -809,11 +809,18 @@ void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_
         // chunk's end repeat its first key: scored, then masked out; a lone last chunk's second half repeats it
         // too). Rows of the cache lie a whole K/V row apart (4 KiB for Qwen3 in float32), so reading them in place,
         // 16 would share an L1 set.
-        for (int64_t i = 0; i < 2 * kChunk; ++i) {
-          const bool second = i >= kChunk && n1 > 0;
-          const T* k = (second ? w.keys()[i - kChunk] : first_keys[i % kChunk]) + kvh * d;
-          const T* v = (second ? w.values()[i - kChunk] : first_values[i % kChunk]) + kvh * d;
-          for (int64_t e = 0; e < d; ++e) kt[e * 2 * kChunk + i] = to_float(k[e]), vf[i * d + e] = to_float(v[e]);
+        for (int64_t c = 0; c < 2; ++c) {
+          const T* const* keys = c == 1 && n1 > 0 ? w.keys() : first_keys;
+          const T* const* values = c == 1 && n1 > 0 ? w.values() : first_values;
+          for (int64_t eb = 0; eb < d; eb += 16) {  // 16 dims of the chunk's 16 keys: one 16 x 16 transpose
+            __m512i block[kChunk];
+            for (int64_t i = 0; i < kChunk; ++i) {
+              block[i] = _mm512_castps_si512(ps::load16(keys[i] + kvh * d + eb));
+              _mm512_storeu_ps(&vf[(c * kChunk + i) * d + eb], ps::load16(values[i] + kvh * d + eb));
+            }
+            ps::transpose16x16(block);
+            for (int64_t e = 0; e < 16; ++e) _mm512_storeu_si512(&kt[(eb + e) * 2 * kChunk + c * kChunk], block[e]);
+          }
         }
         // the tile's rows (token, head) that see this step, kPrefillRows at a time
         for (int64_t r = (std::max(a, c0 - first) - a) * group; r < rows; r += kPrefillRows) {
