@@ -361,6 +361,19 @@ inline void softmax_update2_rows(__m512* a, const __mmask16* va, __m512* b, cons
                                        alpha + 4);
 }
 
+// The lanes of a two-chunk step that each of NR rows sees (visible[r] of its 2 kChunk keys, the first chunk first):
+// v0[r], v1[r] per chunk. Returns the most any row sees.
+template <int NR>
+inline int64_t step_masks(const int64_t* visible, __mmask16* v0, __mmask16* v1) {
+  int64_t most = 0;
+  for (int r = 0; r < NR; ++r) {
+    const int64_t n0 = std::min(visible[r], kChunk);
+    v0[r] = static_cast<__mmask16>((1u << n0) - 1), v1[r] = static_cast<__mmask16>((1u << (visible[r] - n0)) - 1);
+    most = std::max(most, visible[r]);
+  }
+  return most;
+}
+
 // Online softmax of one query head over the scores sc0 of the first n0 keys of a chunk and sc1 of the first n1 of
 // the chunk after it (none when n1 = 0): m, l and acc (d floats, the running sum of exp(score - m) * value) are
 // rescaled once for both and updated. v_rows: both chunks' value rows, the second's from index n0 (a first chunk
@@ -432,12 +445,7 @@ inline void prefill_rows(const float* qf, const float* kt, const float* const* v
   float* ar[NR];
   float alpha[NR];
   __mmask16 v0[NR], v1[NR];
-  int64_t most = 0;
-  for (int j = 0; j < NR; ++j) {
-    const int64_t n0 = std::min(visible[j], kChunk);
-    v0[j] = static_cast<__mmask16>((1u << n0) - 1), v1[j] = static_cast<__mmask16>((1u << (visible[j] - n0)) - 1);
-    most = std::max(most, visible[j]);
-  }
+  const int64_t most = step_masks<NR>(visible, v0, v1);
   softmax_update2_rows<NR>(s0, v0, s1, v1, scale, m, l, alpha);
   for (int j = 0; j < NR; ++j) {
     _mm512_store_ps(p[j], s0[j]);
@@ -871,19 +879,14 @@ inline void prefill_rows_bf16(const uint32_t* const* q, const int64_t* visible, 
   }
   alignas(64) uint32_t pp[NR][2 * kPairs];
   float alpha[NR];
-  int64_t most = 0;
   // The scores copied out: with s0 / s1 indexed by a run-time r (or passed by reference) GCC keeps them on the stack
   // and stores all eight accumulators on every step of the loop above (that measured 1.2-1.3x slower than one chunk
   // per step).
   __m512 p0[NR], p1[NR];
   __mmask16 v0[NR], v1[NR];
 #pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r) {
-    const int64_t n0 = std::min(visible[r], kChunk);
-    p0[r] = s0[r], p1[r] = s1[r];
-    v0[r] = static_cast<__mmask16>((1u << n0) - 1), v1[r] = static_cast<__mmask16>((1u << (visible[r] - n0)) - 1);
-    most = std::max(most, visible[r]);
-  }
+  for (int r = 0; r < NR; ++r) p0[r] = s0[r], p1[r] = s1[r];
+  const int64_t most = step_masks<NR>(visible, v0, v1);
   softmax_update2_rows<NR>(p0, v0, p1, v1, scale, m, l, alpha);
 #pragma GCC unroll 8
   for (int r = 0; r < NR; ++r) {
