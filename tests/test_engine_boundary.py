@@ -197,3 +197,27 @@ def test_warm_up_leaves_no_trace(model_dir):
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions) == (0, 0, 0)
     assert not engine.kv_cache_manager.block_pool.cached_blocks
     assert_drained(llm)
+
+
+@pytest.mark.parametrize("max_model_len, num_kv_blocks, expected", [
+    (512, 128, 256),  # one prompt fills the budget
+    (100, 128, 256),  # prompts of at most 99 tokens: three of them, scheduled in one step
+    (512, 10, 144),  # a cache of 160 tokens: the budget is cut to all but one block
+])
+def test_warm_up_runs_one_full_budget_step(model_dir, monkeypatch, max_model_len, num_kv_blocks, expected):
+    """The largest step happens at start-up, not as the first request's prefill (its activations set the heap's
+    size; llm_engine._warm_up_full_step)."""
+    from pagedserve.core.scheduler import Scheduler
+
+    sizes = []
+    schedule = Scheduler.schedule
+
+    def recording(self, *args, **kwargs):
+        out = schedule(self, *args, **kwargs)
+        sizes.append(out.num_scheduled_tokens)
+        return out
+
+    monkeypatch.setattr(Scheduler, "schedule", recording)
+    llm = make_llm(model_dir, max_num_batched_tokens=256, max_model_len=max_model_len, num_kv_blocks=num_kv_blocks)
+    assert max(sizes) == expected
+    assert_drained(llm)

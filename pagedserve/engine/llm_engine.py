@@ -167,6 +167,7 @@ class LLMEngine:
                 self.add_request(request_id, prompt, params)
             while self.has_unfinished_requests():
                 self.step()
+        self._warm_up_full_step(room)
         kv = self.kv_cache_manager
         kv.block_pool.reset_prefix_cache()
         kv.prefix_cache_queries = kv.prefix_cache_hits = kv.block_pool.num_evictions = 0
@@ -174,8 +175,25 @@ class LLMEngine:
         self.max_batches_in_flight_seen = 0
         self.output_processor.take_stats()
         self.last_iteration = IterationStats()
-        logger.info("Warm-up (kernels, prefill, cached-prefix prefill, decode, sampler) took %.2f s",
-                    time.perf_counter() - t0)
+        logger.info("Warm-up (kernels, prefill, cached-prefix prefill, decode, sampler, a full-budget step) "
+                    "took %.2f s", time.perf_counter() - t0)
+
+    def _warm_up_full_step(self, room: int) -> None:
+        """One step as large as the token budget (as vLLM's profile run): its activations are the largest any step
+        allocates, so the host heap grows to them here (kept for reuse: host_allocator.py) and the GEMM libraries
+        set up their large-M kernels, instead of in the first real step. Without it the first 2048-token prefill of
+        SmolLM2 in float32 took 1.4-1.5 s against 1.05 s for the next (BENCHMARKS.md section 6, "Eleventh pass")."""
+        cfg = self.config
+        remaining = min(cfg.scheduler.max_num_batched_tokens, cfg.cache.num_tokens - cfg.cache.block_size)
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        for i in range(cdiv(max(remaining, 0), room - 1) if room > 1 else 0):
+            length = min(remaining, room - 1)
+            remaining -= length
+            # small ids, as above (test hooks key on others); each prompt its own start: no prefix shared with any
+            tokens = [1 + (i + 1 + t) % min(32, cfg.model.vocab_size - 1) for t in range(length)]
+            self.add_request(f"__warmup_full_{i}", tokens, params)
+        while self.has_unfinished_requests():
+            self.step()
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
