@@ -206,7 +206,7 @@ def test_warm_up_leaves_no_trace(model_dir):
 ])
 def test_warm_up_runs_one_full_budget_step(model_dir, monkeypatch, max_model_len, num_kv_blocks, expected):
     """The largest step happens at start-up, not as the first request's prefill (its activations set the heap's
-    size; llm_engine._warm_up_full_step)."""
+    size; llm_engine._full_budget_batch)."""
     from pagedserve.core.scheduler import Scheduler
 
     sizes = []

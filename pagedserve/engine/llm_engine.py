@@ -162,12 +162,13 @@ class LLMEngine:
         greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
         sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=5, min_p=0.01, seed=0, presence_penalty=0.1,
                                  repetition_penalty=1.1, max_tokens=max_tokens, ignore_eos=True)
-        for batch in ([("__warmup_0", greedy)], [("__warmup_1", sampled)]):  # the second hits the first's prefix
-            for request_id, params in batch:
-                self.add_request(request_id, prompt, params)
+        # the second batch hits the first's prefix; the third fills one step as large as the token budget
+        batches = ([("__warmup_0", prompt, greedy)], [("__warmup_1", prompt, sampled)], self._full_budget_batch(room))
+        for batch in batches:
+            for request_id, tokens, params in batch:
+                self.add_request(request_id, tokens, params)
             while self.has_unfinished_requests():
                 self.step()
-        self._warm_up_full_step(room)
         kv = self.kv_cache_manager
         kv.block_pool.reset_prefix_cache()
         kv.prefix_cache_queries = kv.prefix_cache_hits = kv.block_pool.num_evictions = 0
@@ -178,22 +179,24 @@ class LLMEngine:
         logger.info("Warm-up (kernels, prefill, cached-prefix prefill, decode, sampler, a full-budget step) "
                     "took %.2f s", time.perf_counter() - t0)
 
-    def _warm_up_full_step(self, room: int) -> None:
-        """One step as large as the token budget (as vLLM's profile run): its activations are the largest any step
-        allocates, so the host heap grows to them here (kept for reuse: host_allocator.py) and the GEMM libraries
-        set up their large-M kernels, instead of in the first real step. Without it the first 2048-token prefill of
-        SmolLM2 in float32 took 1.4-1.5 s against 1.05 s for the next (BENCHMARKS.md section 6, "Eleventh pass")."""
+    def _full_budget_batch(self, room: int) -> list[tuple[str, list[int], SamplingParams]]:
+        """Prompts that fill one step as large as the token budget (as vLLM's profile run): its activations are the
+        largest any step allocates, so the host heap grows to them in warm-up (kept for reuse: host_allocator.py)
+        and the GEMM libraries set up their large-M kernels, instead of in the first real step. Without it the first
+        2048-token prefill of SmolLM2 in float32 took 1.4-1.5 s against 1.05 s for the next (BENCHMARKS.md section 6,
+        "Eleventh pass"). Each fits `room`; small ids, as above (test hooks key on others), each prompt its own
+        start: no prefix shared with any."""
         cfg = self.config
         remaining = min(cfg.scheduler.max_num_batched_tokens, cfg.cache.num_tokens - cfg.cache.block_size)
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        for i in range(cdiv(max(remaining, 0), room - 1) if room > 1 else 0):
+        batch = []
+        while remaining > 0 and room > 1:
             length = min(remaining, room - 1)
             remaining -= length
-            # small ids, as above (test hooks key on others); each prompt its own start: no prefix shared with any
-            tokens = [1 + (i + 1 + t) % min(32, cfg.model.vocab_size - 1) for t in range(length)]
-            self.add_request(f"__warmup_full_{i}", tokens, params)
-        while self.has_unfinished_requests():
-            self.step()
+            i = len(batch)
+            batch.append((f"__warmup_full_{i}",
+                          [1 + (i + 1 + t) % min(32, cfg.model.vocab_size - 1) for t in range(length)], params))
+        return batch
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
