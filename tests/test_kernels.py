@@ -290,6 +290,25 @@ def _check_small_gemm_int8(ops, dtype, rows, n, k, bias):
     assert ((y.double() - expected).abs() <= tol).all()
 
 
+@pytest.mark.parametrize("rows, n", [(1, 1), (1, 49152), (3, 17), (33, 1000), (2, 64), (4, 129)])
+def test_argmax_rows(ops, rows, n):
+    g = torch.Generator().manual_seed(rows * n)
+    big = torch.randn(rows, n + 8, generator=g)
+    logits = big[:, :n]  # strided rows
+    torch.testing.assert_close(ops.argmax_rows(logits), logits.max(dim=-1).indices, atol=0, rtol=0)
+    # ties: the first index wins, wherever the tied maxima fall relative to the 64-float blocks
+    tied = torch.zeros(rows, n)
+    for r in range(rows):
+        first = (r * 37) % n
+        tied[r, first] = tied[r, (first + 63) % n] = tied[r, n - 1] = 5.0
+    torch.testing.assert_close(ops.argmax_rows(tied), tied.max(dim=-1).indices, atol=0, rtol=0)
+    # banned tokens: -inf entries, and a row that is all -inf (index 0, as torch)
+    masked = logits.clone()
+    masked[:, ::2] = float("-inf")
+    masked[0] = float("-inf")
+    torch.testing.assert_close(ops.argmax_rows(masked), masked.max(dim=-1).indices, atol=0, rtol=0)
+
+
 def test_forced_isa_is_the_one_loaded():
     """PAGEDSERVE_CPU_ISA picks the build that cpu_kernels() (what the layers call) returns."""
     isa = _isas_to_test()[-1]

@@ -6,6 +6,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
@@ -164,6 +165,44 @@ void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
     else
       rotary_kernel<T, T>(ps::ptr<T>(x), x.stride(0), ps::ptr<T>(c), ps::ptr<T>(s), tokens, heads, half);
   });
+}
+
+// Each row's argmax, the first index on ties (as torch's max(dim)), in one pass: 16 lanes each keep their largest
+// value and its first index (strict >), then the lowest index among the lanes holding the row's maximum. NaN logits
+// are not expected (the kernels build with -ffast-math). An all -inf row gives index 0, as torch does.
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.scalar_type() == torch::kFloat && logits.dim() == 2 && logits.stride(1) == 1 &&
+                  logits.size(1) > 0,
+              "logits must be a float32 [rows, n] tensor with contiguous rows, n > 0");
+  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+  auto out = torch::empty({rows}, logits.options().dtype(torch::kLong));
+  const float* lp = logits.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  constexpr int64_t kLanes = 16;
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* x = lp + r * stride;
+      float best[kLanes];
+      int32_t where[kLanes];
+      for (int64_t j = 0; j < kLanes; ++j) best[j] = -INFINITY, where[j] = 0;
+      const int64_t body = n - n % kLanes;
+      for (int64_t i0 = 0; i0 < body; i0 += kLanes)
+        for (int64_t j = 0; j < kLanes; ++j) {
+          const bool more = x[i0 + j] > best[j];
+          best[j] = more ? x[i0 + j] : best[j];
+          where[j] = more ? static_cast<int32_t>(i0 + j) : where[j];
+        }
+      float mx = best[0];
+      for (int64_t j = 1; j < kLanes; ++j) mx = std::max(mx, best[j]);
+      int64_t index = n;  // some lane always holds mx (every lane when the body is empty: -inf at index 0)
+      for (int64_t j = 0; j < kLanes; ++j)
+        if (best[j] == mx) index = std::min<int64_t>(index, where[j]);
+      for (int64_t i = body; i < n; ++i)  // the tail's indices follow the body's: only a larger value wins
+        if (x[i] > mx) mx = x[i], index = i;
+      op[r] = index;
+    }
+  });
+  return out;
 }
 
 const char* kernel_isa() { return ps::isa_name(); }
