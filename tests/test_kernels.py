@@ -91,51 +91,73 @@ def test_rotary(ops, dtype, cos_dtype, tokens, d):
     assert torch.equal(qkv[:, (heads + kv_heads) * d:], untouched)
 
 
+def _kv_caches(blocks, bs, kvh, d, dtype, joint, g=None):
+    """Random K and V caches [blocks, bs, kvh, d] (zeros without g): two tensors, or (joint) the halves of one
+    [blocks, 2, bs, kvh, d] tensor, the runner's CPU layout (each block's K and V one run)."""
+    make = (lambda shape: torch.randn(shape, generator=g).to(dtype)) if g is not None else \
+        (lambda shape: torch.zeros(shape, dtype=dtype))
+    if joint:
+        kv = make((blocks, 2, bs, kvh, d))
+        return kv[:, 0], kv[:, 1]
+    return make((blocks, bs, kvh, d)), make((blocks, bs, kvh, d))
+
+
 @pytest.mark.parametrize("src_dtype", DTYPES)
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_write_kv(ops, src_dtype, cache_dtype):
+@pytest.mark.parametrize("joint", [True, False])
+def test_write_kv(ops, src_dtype, cache_dtype, joint):
     g = torch.Generator().manual_seed(3)
     tokens, kvh, d, blocks, bs = 21, 3, 64, 8, 16
     qkv = torch.randn(tokens, (3 + 2 * kvh) * d, generator=g).to(src_dtype)
     k = qkv[:, 3 * d:(3 + kvh) * d].view(tokens, kvh, d)
     v = qkv[:, (3 + kvh) * d:].view(tokens, kvh, d)
-    k_cache = torch.zeros(blocks, bs, kvh, d, dtype=cache_dtype)
-    v_cache = torch.zeros_like(k_cache)
+    k_cache, v_cache = _kv_caches(blocks, bs, kvh, d, cache_dtype, joint)
     slots = torch.randperm(blocks * bs, generator=g)[:tokens]
     ops.write_kv(k, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache.view(-1, kvh, d)[slots], k.to(cache_dtype))  # rounded as .to() rounds
-    assert torch.equal(v_cache.view(-1, kvh, d)[slots], v.to(cache_dtype))
+    k_rows, v_rows = k_cache.reshape(-1, kvh, d), v_cache.reshape(-1, kvh, d)
+    assert torch.equal(k_rows[slots], k.to(cache_dtype))  # rounded as .to() rounds
+    assert torch.equal(v_rows[slots], v.to(cache_dtype))
     others = torch.ones(blocks * bs, dtype=torch.bool)
     others[slots] = False
-    assert not k_cache.view(-1, kvh, d)[others].any() and not v_cache.view(-1, kvh, d)[others].any()
+    assert not k_rows[others].any() and not v_rows[others].any()
+
+
+def test_kv_cache_layout_checked(ops):
+    """Rows inside a block must be contiguous and K and V laid out alike; anything else is refused, not misread."""
+    heads_first = torch.randn(5, 3, 16, 64).transpose(1, 2)  # [5, 16, 3, 64], each token's heads 16 rows apart
+    rows = torch.randn(2, 3, 64)
+    with pytest.raises(RuntimeError, match="rows must be contiguous"):
+        ops.write_kv(rows, rows, heads_first, heads_first, torch.tensor([0, 1]))
+    joint_k, _ = _kv_caches(5, 16, 3, 64, torch.float32, joint=True)
+    with pytest.raises(RuntimeError, match="one shape, dtype and layout"):
+        ops.write_kv(rows, rows, joint_k, torch.zeros(5, 16, 3, 64), torch.tensor([0, 1]))
 
 
 @pytest.mark.parametrize("q_dtype", DTYPES)
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("num_seqs, threads", [(1, 2), (4, 2), (3, 1)])
+@pytest.mark.parametrize("num_seqs, threads, joint", [(1, 2, True), (4, 2, False), (3, 1, True)])
 @pytest.mark.parametrize("heads, kvh, d, bs", [(9, 3, 64, 16), (4, 2, 128, 8), (6, 6, 48, 16), (4, 1, 40, 4),
                                               (16, 2, 32, 16), (9, 1, 32, 8), (4, 4, 64, 16), (10, 2, 32, 32)])
 @pytest.mark.parametrize("amx", [True, False])
-def test_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, heads, kvh, d, bs, amx):
+def test_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, joint, heads, kvh, d, bs, amx):
     """Head sizes: SmolLM2's and Qwen3's (the AVX-512 path, VDPBF16PS for d % 32 == 0; in bfloat16 with a bfloat16
     cache the grouped path that sums values in bfloat16 pairs, on AMX tiles where the CPU has them), 48 (16-wide
     tail of the value sums), 40 (not a multiple of 16: the portable path); query heads per KV head 1, 2, 3, 5 and 8
     (the grouped path's largest) and 9 (past it); block sizes that split the 16-token chunks (the tile path copies
-    their keys) or hold two, and block tables in random order."""
+    their keys) or hold two, and block tables in random order; K and V caches as two tensors or one (joint)."""
     if amx and not ops.amx_tiles():
         pytest.skip("no AMX tiles in this build or on this CPU (the amx=False case runs the vector path)")
     ops.set_amx_tiles(amx)
     try:
-        _check_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, heads, kvh, d, bs)
+        _check_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, joint, heads, kvh, d, bs)
     finally:
         ops.set_amx_tiles(True)
 
 
-def _check_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, heads, kvh, d, bs):
+def _check_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, joint, heads, kvh, d, bs):
     g = torch.Generator().manual_seed(num_seqs)
     blocks = 40
-    k_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
-    v_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
+    k_cache, v_cache = _kv_caches(blocks, bs, kvh, d, cache_dtype, joint, g)
     per_seq = blocks // num_seqs
     lens = torch.randint(1, per_seq * bs, (num_seqs,), generator=g)
     tables = torch.randperm(blocks, generator=g)[:num_seqs * per_seq].view(num_seqs, per_seq)
@@ -157,10 +179,11 @@ def _check_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, heads,
 
 @pytest.mark.parametrize("q_dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                    (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)])
-@pytest.mark.parametrize("n, first, threads", [(37, 0, 1), (20, 45, 2), (1, 16, 1), (70, 3, 2)])
+@pytest.mark.parametrize("n, first, threads, joint", [(37, 0, 1, True), (20, 45, 2, False), (1, 16, 1, False),
+                                                    (70, 3, 2, True)])
 @pytest.mark.parametrize("heads, kvh, d, bs", [(9, 3, 64, 16), (4, 2, 128, 8), (6, 6, 48, 4), (5, 1, 32, 16)])
 @pytest.mark.parametrize("amx", [True, False])
-def test_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, heads, kvh, d, bs, amx):
+def test_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, joint, heads, kvh, d, bs, amx):
     """A prefill chunk of n tokens after `first` cached ones, causal over the paged cache (tiles of 32 query tokens
     and chunks of 16 keys cut at odd places); built on AVX-512 for head_dim % 16 == 0 only. In bfloat16 with a
     bfloat16 cache and head_dim % 32 == 0 the rows go four at a time (5 heads per KV head: a tile's rows end in
@@ -169,20 +192,19 @@ def test_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, heads, 
         pytest.skip("no AMX tiles in this build or on this CPU (the amx=False case runs the vector path)")
     ops.set_amx_tiles(amx)
     try:
-        _check_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, heads, kvh, d, bs)
+        _check_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, joint, heads, kvh, d, bs)
     finally:
         ops.set_amx_tiles(True)
 
 
-def _check_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, heads, kvh, d, bs):
+def _check_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, joint, heads, kvh, d, bs):
     assert ops.native_prefill(d) == (ops.isa().startswith("avx512") and d % 16 == 0)
     assert not ops.native_prefill(40)
     if not ops.native_prefill(d):
         return
     g = torch.Generator().manual_seed(n + first)
     ctx, blocks = first + n, 60
-    k_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
-    v_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
+    k_cache, v_cache = _kv_caches(blocks, bs, kvh, d, cache_dtype, joint, g)
     block_ids = torch.randperm(blocks, generator=g)[:-(-ctx // bs)]
     qkv = torch.randn(n, (heads + 2 * kvh) * d, generator=g).to(q_dtype)
     q = qkv[:, :heads * d].view(n, heads, d)  # strided between tokens, as in the model

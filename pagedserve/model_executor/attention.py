@@ -75,9 +75,11 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if kernels is not None:  # one call for K and V, straight from the QKV output, no intermediate copies
         kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
         return
-    kvh, hd = k.shape[1], k.shape[2]
-    k_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    # (block, offset) pairs, not flat slots: on CPU the caches are the K and V halves of one tensor (not viewable flat)
+    block_size = k_cache.shape[1]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    k_cache[blocks, offsets] = k.to(k_cache.dtype)
+    v_cache[blocks, offsets] = v.to(v_cache.dtype)
 
 
 @cache

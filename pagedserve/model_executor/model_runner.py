@@ -358,7 +358,14 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, kv_dtype: torch
 
 def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (K cache, V cache), each [num_blocks, block_size, KV heads, head_dim]. On CPU they are the two halves
+    of one [num_blocks, 2, ...] tensor: a block's K and V rows are one contiguous run, which decode attention streams
+    1.01-1.06x faster than two separate tensors (BENCHMARKS.md section 6, "Twelfth pass"). The Triton kernels write
+    by flat slot, so on GPUs they stay two contiguous tensors."""
     shape = (num_blocks, block_size, model.num_local_kv_heads, model.cfg.head_dim)
+    if device.type == "cpu":
+        joint = [torch.zeros((num_blocks, 2, *shape[1:]), dtype=kv_dtype, device=device) for _ in model.layers]
+        return [(kv[:, 0], kv[:, 1]) for kv in joint]
     return [(torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
             for _ in model.layers]
 

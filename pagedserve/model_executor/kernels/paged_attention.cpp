@@ -40,6 +40,8 @@ inline void axpy(float a, const T* x, float* y, int64_t n) {
 
 struct Shape {
   int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, q_stride;  // q_stride: per sequence
+  int64_t block_stride;  // elements from one cache block to the next (block_size * KVH * D, or twice that when each
+                         // block's K and V share one run: the runner's CPU layout)
 };
 
 // Per head: the max score m, the sum l of exp(score - m) over n scores (overwritten by exp(score - m)).
@@ -71,12 +73,12 @@ void attend(const float* qf, const T* k_cache, const T* v_cache, const int64_t* 
   if (n <= 0) return;
   scores.resize(heads * n);
   for (int64_t t = t0; t < t1; ++t) {  // each token's row holds every KV head: one contiguous read
-    const T* k_row = k_cache + (table[t / s.block_size] * s.block_size + t % s.block_size) * row;
+    const T* k_row = k_cache + table[t / s.block_size] * s.block_stride + t % s.block_size * row;
     for (int64_t h = 0; h < heads; ++h) scores[h * n + t - t0] = dot(qf + h * d, k_row + (h / group) * d, d);
   }
   softmax_rows(scores.data(), heads, n, m, l);
   for (int64_t t = t0; t < t1; ++t) {
-    const T* v_row = v_cache + (table[t / s.block_size] * s.block_size + t % s.block_size) * row;
+    const T* v_row = v_cache + table[t / s.block_size] * s.block_stride + t % s.block_size * row;
     for (int64_t h = 0; h < heads; ++h) axpy(scores[h * n + t - t0], v_row + (h / group) * d, acc + h * d, d);
   }
 }
@@ -89,30 +91,31 @@ template <typename T>
 class RowPrefetch {
  public:
   RowPrefetch() = default;  // nothing to prefetch
-  RowPrefetch(const T* k_cache, const T* v_cache, const int64_t* table, int64_t block_size, int64_t row, int64_t t0,
-              int64_t t1, int64_t lines_per_call)
+  RowPrefetch(const T* k_cache, const T* v_cache, const int64_t* table, const Shape& s, int64_t t0, int64_t t1,
+              int64_t lines_per_call)
       : k_cache_(reinterpret_cast<const char*>(k_cache)), v_cache_(reinterpret_cast<const char*>(v_cache)),
-        table_(table), bs_(block_size), row_bytes_(row * sizeof(T)), t_(t0), end_(t1),
-        lines_per_call_(lines_per_call) {
+        table_(table), bs_(s.block_size), row_bytes_(s.num_kv_heads * s.head_dim * sizeof(T)),
+        block_bytes_(s.block_stride * sizeof(T)), t_(t0), end_(t1), lines_per_call_(lines_per_call) {
     next_block();
   }
   // The start of a thread's next task (at most kNextTaskBytes: the walker takes over from there), spread over the
   // steps of its current task of `current_tokens`.
-  static RowPrefetch next_task(const T* k_cache, const T* v_cache, const int64_t* table, int64_t block_size,
-                               int64_t row, int64_t t0, int64_t t1, int64_t current_tokens) {
-    const int64_t row_bytes = row * sizeof(T), tokens = std::min(t1 - t0, kNextTaskBytes / (2 * row_bytes));
+  static RowPrefetch next_task(const T* k_cache, const T* v_cache, const int64_t* table, const Shape& s, int64_t t0,
+                               int64_t t1, int64_t current_tokens) {
+    const int64_t row_bytes = s.num_kv_heads * s.head_dim * sizeof(T);
+    const int64_t tokens = std::min(t1 - t0, kNextTaskBytes / (2 * row_bytes));
     const int64_t steps = std::max<int64_t>(1, (current_tokens + kStepTokens - 1) / kStepTokens);
-    return RowPrefetch(k_cache, v_cache, table, block_size, row, t0, t0 + tokens,
+    return RowPrefetch(k_cache, v_cache, table, s, t0, t0 + tokens,
                        (2 * tokens * row_bytes / 64 + steps - 1) / steps);
   }
   // The current task's own rows past what next_task brought in while the task before it ran (wide rows: Qwen3's
   // 500-token contexts are 2 MB per layer), kept kAheadSteps steps or more ahead of the walker, one step's lines
   // over `calls` calls. Empty when next_task covers the whole task (re-prefetching cached lines cost 0.8x).
-  static RowPrefetch ahead(const T* k_cache, const T* v_cache, const int64_t* table, int64_t block_size, int64_t row,
-                           int64_t t0, int64_t t1, int64_t calls) {
-    const int64_t row_bytes = row * sizeof(T), step_lines = 2 * kStepTokens * row_bytes / 64;
+  static RowPrefetch ahead(const T* k_cache, const T* v_cache, const int64_t* table, const Shape& s, int64_t t0,
+                           int64_t t1, int64_t calls) {
+    const int64_t row_bytes = s.num_kv_heads * s.head_dim * sizeof(T), step_lines = 2 * kStepTokens * row_bytes / 64;
     const int64_t skip = std::max(kAheadSteps * kStepTokens, kNextTaskBytes / (2 * row_bytes));
-    return RowPrefetch(k_cache, v_cache, table, block_size, row, std::min(t1, t0 + skip), t1,
+    return RowPrefetch(k_cache, v_cache, table, s, std::min(t1, t0 + skip), t1,
                        (step_lines + calls - 1) / calls);
   }
   // Spreads each step's lines over `calls` calls.
@@ -140,7 +143,7 @@ class RowPrefetch {
       return;
     }
     const int64_t run_tokens = std::min(end_, (t_ / bs_ + 1) * bs_) - t_;
-    const int64_t offset = (table_[t_ / bs_] * bs_ + t_ % bs_) * row_bytes_;
+    const int64_t offset = table_[t_ / bs_] * block_bytes_ + t_ % bs_ * row_bytes_;
     run_ = k_run_ = k_cache_ + offset;
     v_run_ = v_cache_ + offset;
     run_bytes_ = run_tokens * row_bytes_;
@@ -153,7 +156,7 @@ class RowPrefetch {
   const char* k_cache_ = nullptr;
   const char* v_cache_ = nullptr;
   const int64_t* table_ = nullptr;
-  int64_t bs_ = 1, row_bytes_ = 0, t_ = 0, end_ = 0, lines_per_call_ = 0;
+  int64_t bs_ = 1, row_bytes_ = 0, block_bytes_ = 0, t_ = 0, end_ = 0, lines_per_call_ = 0;
   const char* run_ = nullptr;  // the rows being prefetched: k_run_ or v_run_
   const char* k_run_ = nullptr;
   const char* v_run_ = nullptr;
@@ -235,10 +238,10 @@ inline void sum_values(float* const* a, const float* alpha, const float* const* 
 template <typename T>
 class ChunkWalker {
  public:
-  ChunkWalker(const T* k_cache, const T* v_cache, const int64_t* table, int64_t block_size, int64_t row, int64_t t0,
-              int64_t t1, int64_t offset, int64_t width)
-      : k_cache_(k_cache), v_cache_(v_cache), table_(table), bs_(block_size), row_(row), c0_(t0), t1_(t1),
-        offset_(offset), width_(width) {
+  ChunkWalker(const T* k_cache, const T* v_cache, const int64_t* table, const Shape& s, int64_t t0, int64_t t1,
+              int64_t offset, int64_t width)
+      : k_cache_(k_cache), v_cache_(v_cache), table_(table), bs_(s.block_size), row_(s.num_kv_heads * s.head_dim),
+        block_stride_(s.block_stride), c0_(t0), t1_(t1), offset_(offset), width_(width) {
     if (t0 < t1) fill(t0, rows_[0]);
   }
   bool done() const { return c0_ >= t1_; }
@@ -277,16 +280,16 @@ class ChunkWalker {
     const int64_t n = std::min(kChunk, t1_ - c0);
     int64_t b = c0 / bs_, off = c0 % bs_;
     for (int64_t i = 0; i < kChunk; ++i) {
-      const int64_t slot = i < n ? table_[b] * bs_ + off : (rows[0][0] - k_cache_) / row_;
-      rows[0][i] = k_cache_ + slot * row_;
-      rows[1][i] = v_cache_ + slot * row_;
+      const int64_t at = i < n ? table_[b] * block_stride_ + off * row_ : rows[0][0] - k_cache_;
+      rows[0][i] = k_cache_ + at;
+      rows[1][i] = v_cache_ + at;
       if (++off == bs_) off = 0, ++b;
     }
   }
   const T* k_cache_;
   const T* v_cache_;
   const int64_t* table_;
-  int64_t bs_, row_, c0_, t1_, offset_, width_, cur_ = 0;
+  int64_t bs_, row_, block_stride_, c0_, t1_, offset_, width_, cur_ = 0;
   const T* rows_[2][2][kChunk];  // [current/next chunk][K/V][token]
 };
 
@@ -494,9 +497,9 @@ void attend_avx512(const TQ* q, float scale, const T* k_cache, const T* v_cache,
   std::fill(m, m + heads, kNoScore);
   const T* first_keys[kChunk];
   const T* values[2 * kChunk];
-  RowPrefetch<T> ahead = RowPrefetch<T>::ahead(k_cache, v_cache, table, s.block_size, row, t0, t1, heads);
+  RowPrefetch<T> ahead = RowPrefetch<T>::ahead(k_cache, v_cache, table, s, t0, t1, heads);
   next.spread(heads);
-  for (ChunkWalker<T> w(k_cache, v_cache, table, s.block_size, row, t0, t1, 0, row); !w.done(); w.advance()) {
+  for (ChunkWalker<T> w(k_cache, v_cache, table, s, t0, t1, 0, row); !w.done(); w.advance()) {
     const auto [n0, n1] = w.take_two(first_keys, values);
     const bool two = n1 > 0;
     if (two) std::copy(w.values(), w.values() + kChunk, values + kChunk);
@@ -722,14 +725,14 @@ __attribute__((target("amx-tile,amx-bf16"))) void attend_bf16_grouped(const bf16
   // interleaved, one before they are summed. Few lines per call keep the stream paced with the arithmetic (one call
   // per KV head measured 0.82x on SmolLM2's shape, cold).
   constexpr int64_t kCallsPerHead = G + 2;
-  RowPrefetch<bf16> ahead = RowPrefetch<bf16>::ahead(k_cache, v_cache, table, s.block_size, row, t0, t1,
+  RowPrefetch<bf16> ahead = RowPrefetch<bf16>::ahead(k_cache, v_cache, table, s, t0, t1,
                                                      s.num_kv_heads * kCallsPerHead);
   next.spread(s.num_kv_heads * kCallsPerHead);
   const auto prefetch = [&] {
     ahead.step();
     next.step();
   };
-  for (ChunkWalker<bf16> w(k_cache, v_cache, table, s.block_size, row, t0, t1, 0, row); !w.done(); w.advance()) {
+  for (ChunkWalker<bf16> w(k_cache, v_cache, table, s, t0, t1, 0, row); !w.done(); w.advance()) {
     const auto [n0, n1] = w.take_two(first_keys, first_values);
     const bool two = n1 > 0;
     const __mmask16 valid0 = static_cast<__mmask16>((1u << n0) - 1), valid1 = static_cast<__mmask16>((1u << n1) - 1);
@@ -843,7 +846,7 @@ void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_
       std::fill(l.begin(), l.begin() + rows, 0.f);
       const T* first_keys[kChunk];
       const T* first_values[kChunk];
-      for (ChunkWalker<T> w(k_cache, v_cache, table, s.block_size, row, 0, first + b, kvh * d, d); !w.done();
+      for (ChunkWalker<T> w(k_cache, v_cache, table, s, 0, first + b, kvh * d, d); !w.done();
            w.advance()) {
         const int64_t c0 = w.start();
         const auto [n0, n1] = w.take_two(first_keys, first_values);
@@ -1012,7 +1015,7 @@ void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, c
       }
       const bf16* first_keys[kChunk];
       const bf16* first_values[kChunk];
-      for (ChunkWalker<bf16> w(k_cache, v_cache, table, s.block_size, row, 0, first + b, kvh * d, d); !w.done();
+      for (ChunkWalker<bf16> w(k_cache, v_cache, table, s, 0, first + b, kvh * d, d); !w.done();
            w.advance()) {
         const int64_t c0 = w.start();
         const auto [n0, n1] = w.take_two(first_keys, first_values);
@@ -1128,8 +1131,8 @@ void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_
       RowPrefetch<T> next;
       if (task + 1 < bounds[th_end]) {
         const int64_t n = task + 1;
-        next = RowPrefetch<T>::next_task(k_cache, v_cache, block_tables + task_seq[n] * s.max_blocks, s.block_size,
-                                         s.num_kv_heads * d, task_t0[n], task_t1[n], t1 - t0);
+        next = RowPrefetch<T>::next_task(k_cache, v_cache, block_tables + task_seq[n] * s.max_blocks, s, task_t0[n],
+                                         task_t1[n], t1 - t0);
       }
       // The chunked kernels on every row width: on Qwen3's rows (8 KV heads x 128, 2-4 KiB per token) they once
       // lost to the token-at-a-time pass below (AMD Zen 4, float32, before the two-chunk softmax steps); on an Intel
@@ -1182,10 +1185,25 @@ void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_
   }
 }
 
+// The caches' block stride (elements). k_cache and v_cache: [num_blocks, block_size, KVH, D], one dtype, each
+// block's rows contiguous, any stride between blocks (the same for both): separate tensors, or the K and V halves of
+// one [num_blocks, 2, block_size, KVH, D] tensor, where a block's K and V are one contiguous run.
+int64_t block_stride_of(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "K and V caches must be [num_blocks, block_size, KVH, D] tensors of one shape, dtype and layout");
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) &&
+                  k_cache.stride(1) == k_cache.size(2) * k_cache.size(3) &&
+                  k_cache.stride(0) >= k_cache.size(1) * k_cache.stride(1),
+              "each KV cache block's rows must be contiguous");
+  return k_cache.stride(0);
+}
+
 }  // namespace
 
 // q: [S, H, D] float32 or bfloat16 (heads contiguous, any stride between sequences: a view of the fused QKV
-// output); k_cache, v_cache: [num_blocks, block_size, KVH, D] float32, bfloat16 or float16; block_tables:
+// output); k_cache, v_cache: [num_blocks, block_size, KVH, D] float32, bfloat16 or float16 (block_stride_of: any
+// stride between blocks); block_tables:
 // [S, max_blocks] int64; context_lens: [S] int64. Accumulates in float32; writes into `out` ([S, H, D], q's
 // dtype, contiguous) when given; returns it.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -1193,15 +1211,15 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      c10::optional<torch::Tensor> out_opt) {
   TORCH_CHECK(ps::is_act_dtype(q.scalar_type()) && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be float32 or bfloat16 [S, H, D] with contiguous heads");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
+  const int64_t block_stride = block_stride_of(k_cache, v_cache);
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong);
   auto bt = block_tables.contiguous();
   auto lens = context_lens.contiguous();
   auto out = out_opt.has_value() ? *out_opt : torch::empty(q.sizes(), q.options());
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.is_contiguous() && out.sizes() == q.sizes(),
               "out must be a contiguous tensor shaped like q, of q's dtype");
-  const Shape s{q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), bt.size(1), q.stride(0)};
+  const Shape s{q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), bt.size(1), q.stride(0),
+                block_stride};
   const float sc = static_cast<float>(scale);
   const auto* tp = bt.data_ptr<int64_t>();
   const auto* lp = lens.data_ptr<int64_t>();
@@ -1234,13 +1252,13 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
               "q must be float32 or bfloat16 [T, H, D] with contiguous heads");
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.sizes() == q.sizes() && out.stride(2) == 1 &&
               out.stride(1) == out.size(2), "out must be shaped like q, of q's dtype, with contiguous heads");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type());
+  const int64_t block_stride = block_stride_of(k_cache, v_cache);
   TORCH_CHECK(block_ids.scalar_type() == torch::kLong && first >= 0);
   auto table = block_ids.contiguous();
   TORCH_CHECK(table.numel() * k_cache.size(1) >= first + q.size(0), "block_ids do not cover the context");
   TORCH_CHECK(native_prefill(q.size(2)), "paged_prefill_attention: not built for head_dim ", q.size(2));
 #if defined(__AVX512F__)
-  const Shape s{1, q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), table.numel(), q.stride(0)};
+  const Shape s{1, q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), table.numel(), q.stride(0), block_stride};
   ps::with_act_type(q.scalar_type(), [&](auto* qtag) {
     using TQ = std::remove_pointer_t<decltype(qtag)>;
     ps::with_cache_type(k_cache.scalar_type(), [&](auto* tag) {
@@ -1266,11 +1284,12 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
 namespace {
 
 template <typename TS, typename T>
-void scatter_rows(const TS* src, int64_t src_stride, T* cache, const int64_t* slots, int64_t tokens, int64_t row) {
+void scatter_rows(const TS* src, int64_t src_stride, T* cache, const int64_t* slots, int64_t tokens, int64_t row,
+                  int64_t block_size, int64_t block_stride) {
   at::parallel_for(0, tokens, 64, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const TS* from = src + i * src_stride;
-      T* to = cache + slots[i] * row;
+      T* to = cache + slots[i] / block_size * block_stride + slots[i] % block_size * row;
       if constexpr (std::is_same_v<TS, T>) {
         std::memcpy(to, from, row * sizeof(T));
       } else {
@@ -1284,7 +1303,7 @@ void scatter_rows(const TS* src, int64_t src_stride, T* cache, const int64_t* sl
 }  // namespace
 
 // k, v: [T, KVH, D] float32 or bfloat16 (heads contiguous, any stride between tokens); caches [num_blocks,
-// block_size, KVH, D] float32, bfloat16 or float16; slot_mapping: [T] int64. Writes token i's K and V at slot
+// block_size, KVH, D] float32, bfloat16 or float16 (block_stride_of); slot_mapping: [T] int64. Writes token i's K and V at slot
 // slot_mapping[i], converted to the cache dtype (rounded to nearest even).
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_mapping) {
@@ -1292,7 +1311,8 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
     TORCH_CHECK(ps::is_act_dtype(t.scalar_type()) && t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2),
                 "k and v must be float32 or bfloat16 [T, KVH, D] with contiguous heads");
   TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k and v must share a dtype");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type());
+  const int64_t block_stride = block_stride_of(k_cache, v_cache), block_size = k_cache.size(1);
+  TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "k and v must match the cache's heads");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.numel() == k.size(0));
   auto slots = slot_mapping.contiguous();
   const int64_t tokens = k.size(0), row = k.size(1) * k.size(2);
@@ -1301,8 +1321,8 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
     using TS = std::remove_pointer_t<decltype(stag)>;
     ps::with_cache_type(k_cache.scalar_type(), [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
-      scatter_rows(ps::ptr<TS>(k), k.stride(0), ps::ptr<T>(k_cache), sp, tokens, row);
-      scatter_rows(ps::ptr<TS>(v), v.stride(0), ps::ptr<T>(v_cache), sp, tokens, row);
+      scatter_rows(ps::ptr<TS>(k), k.stride(0), ps::ptr<T>(k_cache), sp, tokens, row, block_size, block_stride);
+      scatter_rows(ps::ptr<TS>(v), v.stride(0), ps::ptr<T>(v_cache), sp, tokens, row, block_size, block_stride);
     });
   });
 }
