@@ -92,6 +92,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one always included)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only (no text, no decoded logprob tokens), as in vLLM
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -140,6 +141,8 @@ class SamplingParams:
             raise bad("seed", self.seed, "an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "a list of non-empty strings")
+        if self.stop and not self.detokenize:
+            raise bad("stop", self.stop, "empty with detokenize=False (stop strings are matched in the text)")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

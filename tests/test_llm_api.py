@@ -28,6 +28,7 @@ def llm(tiny_model_dir):
     (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(presence_penalty=3.0), "presence_penalty"),
     (dict(stop=[""]), "stop"),
+    (dict(stop=["x"], detokenize=False), "stop"),
 ])
 def test_invalid_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -109,6 +110,28 @@ def test_logprobs_and_text(llm):
         assert step[token].decoded_token is not None
     assert c.cumulative_logprob == pytest.approx(sum(s[t].logprob for t, s in zip(c.token_ids, c.logprobs)))
     assert c.text == llm.get_tokenizer().decode(c.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("output_kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA])
+def test_detokenize_false_gives_token_ids_only(llm, output_kind):
+    """detokenize=False (vLLM's field): the same tokens, no text and no decoded logprob tokens."""
+    params = dict(temperature=0, max_tokens=7, logprobs=2, ignore_eos=True, output_kind=output_kind)
+    engine = llm.llm_engine
+    runs = {}
+    for detokenize in (True, False):
+        engine.add_request(f"d{detokenize}", "hello world", SamplingParams(**params, detokenize=detokenize))
+        tokens, texts, decoded = [], [], []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                c = out.outputs[0]
+                tokens += c.token_ids if output_kind == RequestOutputKind.DELTA else [] if not out.finished \
+                    else c.token_ids
+                texts.append(c.text)
+                decoded += [lp.decoded_token for step in c.logprobs for lp in step.values()]
+        runs[detokenize] = tokens, texts, decoded
+    assert runs[False][0] == runs[True][0] and len(runs[True][0]) == 7
+    assert set(runs[False][1]) == {""} and "".join(runs[True][1])
+    assert set(runs[False][2]) == {None} and None not in runs[True][2]
 
 
 def test_chat(llm):

@@ -5,8 +5,10 @@ no HTTP, no SSE, no benchmark client sharing the cores. pagedserve is measured t
 `bench serve`, which on a 2-core machine also pay for the server's HTTP/SSE work and the client's. This driver runs
 pagedserve's `LLMEngine` the way the OpenVINO driver runs its pipeline - keep C requests in flight, `step()`, count
 each request's new tokens after every step (one "chunk"), add the next request as soon as one finishes - and writes
-the same OUT.json, so the two engines compare without either serving path. (Unlike the OpenVINO driver, the engine
-still detokenizes every new token: its output processor does that as part of a step.)
+the same OUT.json, so the two engines compare without either serving path. Like the OpenVINO driver (which reads
+token ids from its handles), it asks for token ids only (SamplingParams(detokenize=False)): no text is built. Until
+2026-12-03 it detokenized every new token (0.6-0.8 ms of a 32-sequence step, ~3%; BENCHMARKS.md section 6,
+"Twelfth pass").
 
     python benchmarks/peers/pagedserve_engine_driver.py SPEC.json OUT.json
 
@@ -48,7 +50,8 @@ def run_closed_loop(engine, requests: list[dict], conc: int, id_base: int) -> di
     while loop.running():
         for i in loop.to_submit():
             n = int(requests[i]["output_len"])
-            params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+            params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False,
+                                    output_kind=RequestOutputKind.DELTA)
             t = time.perf_counter()
             engine.add_request(str(id_base + i), list(requests[i]["prompt"]), params)
             loop.submitted(i, t)

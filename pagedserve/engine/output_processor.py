@@ -24,7 +24,7 @@ logger = logging.getLogger("pagedserve")
 class _Sample:
     """Output state of one of the n sequences of a user request."""
     request: Request
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None with detokenize=False: token ids only, text stays ""
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float = 0.0
     num_sent_tokens: int = 0  # for DELTA outputs
@@ -61,7 +61,8 @@ class OutputProcessor:
     # ------------------------------------------------------------------------------ bookkeeping
     def add_request(self, processed: ProcessedRequest, sequences: list[Request]) -> None:
         params = processed.params
-        samples = [_Sample(seq, IncrementalDetokenizer(self.tokenizer, processed.prompt_token_ids, params),
+        samples = [_Sample(seq, IncrementalDetokenizer(self.tokenizer, processed.prompt_token_ids, params)
+                           if params.detokenize else None,
                            [] if params.logprobs is not None else None) for seq in sequences]
         user = _UserRequest(processed, samples, RequestMetrics(processed.arrival_time,
                                                                num_prompt_tokens=len(processed.prompt_token_ids)))
@@ -138,8 +139,9 @@ class OutputProcessor:
         request = sample.request
         user.metrics.num_generation_tokens += 1
         if logprobs is not None and sample.logprobs is not None:
-            for tid, lp in logprobs.items():
-                lp.decoded_token = self.tokenizer.decode([tid])
+            if sample.detokenizer is not None:
+                for tid, lp in logprobs.items():
+                    lp.decoded_token = self.tokenizer.decode([tid])
             sample.logprobs.append(logprobs)
             sample.cumulative_logprob += logprobs[token].logprob
         user.progressed.add(request.sample_index)
@@ -149,7 +151,7 @@ class OutputProcessor:
                                         and request.stop_reason is None or isinstance(request.stop_reason, int))
         if stopped_by_token and not user.processed.params.include_stop_str_in_output:
             return None
-        return sample.detokenizer.update([token])
+        return sample.detokenizer.update([token]) if sample.detokenizer is not None else None
 
     # ------------------------------------------------------------------------------ outputs
     def make_outputs(self, now: float) -> list[RequestOutput]:
@@ -180,7 +182,7 @@ class OutputProcessor:
     @staticmethod
     def _completion(sample: _Sample, delta: bool) -> CompletionOutput:
         r = sample.request
-        text = sample.detokenizer.get_next_output_text(r.is_finished, delta)
+        text = sample.detokenizer.get_next_output_text(r.is_finished, delta) if sample.detokenizer is not None else ""
         output_ids = r.output_token_ids
         logprobs = sample.logprobs
         if delta:
