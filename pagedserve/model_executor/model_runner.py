@@ -16,7 +16,7 @@ import torch
 
 from pagedserve.config import SpeculativeConfig
 from pagedserve.core.scheduler import ScheduledRequest, SchedulerOutput
-from pagedserve.model_executor.attention import AttentionMetadata
+from pagedserve.model_executor.attention import AttentionMetadata, uses_triton
 from pagedserve.model_executor.cuda_graphs import DecodeGraphs, wants_cuda_graphs
 from pagedserve.model_executor.host_allocator import keep_freed_memory
 from pagedserve.model_executor.input_batch import TokenSpan, prepare_batch, runs_as_decode
@@ -361,9 +361,10 @@ def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int,
     """Per layer (K cache, V cache), each [num_blocks, block_size, KV heads, head_dim]. On CPU they are the two halves
     of one [num_blocks, 2, ...] tensor: a block's K and V rows are one contiguous run, which decode attention streams
     1.01-1.06x faster than two separate tensors (BENCHMARKS.md section 6, "Twelfth pass"). The Triton kernels write
-    by flat slot, so on GPUs they stay two contiguous tensors."""
+    by flat slot, so where they run (GPUs; CPU with PAGEDSERVE_ATTENTION_BACKEND=triton) they stay two contiguous
+    tensors."""
     shape = (num_blocks, block_size, model.num_local_kv_heads, model.cfg.head_dim)
-    if device.type == "cpu":
+    if device.type == "cpu" and not uses_triton(device.type):
         joint = [torch.zeros((num_blocks, 2, *shape[1:]), dtype=kv_dtype, device=device) for _ in model.layers]
         return [(kv[:, 0], kv[:, 1]) for kv in joint]
     return [(torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
