@@ -36,7 +36,7 @@ from pathlib import Path
 logger = logging.getLogger("pagedserve")
 
 KERNEL_DIR = Path(__file__).resolve().parent
-SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "small_gemm.cpp")
+SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "small_gemm.cpp", "decode_layers.cpp")
 HEADERS = ("vec.h",)
 
 # Instruction-set levels, best first: (name, /proc/cpuinfo flags it needs, compiler flags).

@@ -1341,6 +1341,14 @@ bool set_amx_tiles(bool enable);
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
 torch::Tensor small_gemm_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor col_scale, torch::Tensor col_shift,
                               int64_t n, c10::optional<torch::Tensor> bias);
+// decode_layers.cpp
+std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                                       std::vector<torch::Tensor> weights, std::vector<int64_t> widths,
+                                                       std::vector<torch::Tensor> caches, torch::Tensor cos,
+                                                       torch::Tensor sin, torch::Tensor slot_mapping,
+                                                       torch::Tensor block_tables, torch::Tensor context_lens,
+                                                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                                       double eps, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)",
@@ -1365,6 +1373,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm_int8", &small_gemm_int8, "x W^T (+ b) on an int8 weight packed by pack_small_gemm_weight, x "
         "quantized per row on the fly", py::arg("x"), py::arg("packed"), py::arg("col_scale"), py::arg("col_shift"),
         py::arg("n"), py::arg("bias") = py::none());
+  m.def("decode_layers", &decode_layers, "a decode step's decoder layers in one call (the Python layers' ops, in "
+        "their order); returns (hidden, residual)");
   m.def("amx_tiles", &ps::amx_tiles,
         "whether small_gemm calls of 2+ rows (bfloat16, K % 32 == 0; int8 weights, K % 64 == 0, with AMX-INT8) and "
         "bfloat16 prefill and decode attention run on AMX tiles");
