@@ -147,9 +147,11 @@ class LlamaForCausalLM(nn.Module):
                        meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         """All decoder layers in one native call (kernels/decode_layers.cpp: the layers' ops in their order, without
         the ~35 us of Python per layer) when every row of the step is a decode and every product runs on the native
-        small GEMM in x's dtype; else None (the Python layers run)."""
+        small GEMM in x's dtype; else None (the Python layers run). Decoder layers with forward hooks (the engine's
+        fault injection, a user's) run in Python, so that their hooks run."""
         if meta.prefills or meta.num_decodes != x.shape[0] or x.device.type != "cpu" or self.parallel.tp_size != 1 \
-                or uses_triton(x.device.type):
+                or uses_triton(x.device.type) \
+                or any(layer._forward_pre_hooks or layer._forward_hooks for layer in self.layers):
             return None
         if self._decode_weights is None:
             self._decode_weights = self._pack_decode_weights()
