@@ -44,8 +44,9 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor x, c10::opt
                                                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                                        double eps, double scale) {
   const int64_t layers = static_cast<int64_t>(caches.size()) / 2;
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer &&
-                  static_cast<int64_t>(widths.size()) == layers * 3 && layers * 2 == static_cast<int64_t>(caches.size()),
+  TORCH_CHECK(layers * 2 == static_cast<int64_t>(caches.size()) &&
+                  static_cast<int64_t>(weights.size()) == layers * kPerLayer &&
+                  static_cast<int64_t>(widths.size()) == layers * 3,
               "decode_layers: ", kPerLayer, " weight tensors, 3 widths and 2 caches per layer");
   const int64_t t = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   torch::Tensor residual = residual_opt.has_value() ? *residual_opt : torch::Tensor();

@@ -1303,8 +1303,8 @@ void scatter_rows(const TS* src, int64_t src_stride, T* cache, const int64_t* sl
 }  // namespace
 
 // k, v: [T, KVH, D] float32 or bfloat16 (heads contiguous, any stride between tokens); caches [num_blocks,
-// block_size, KVH, D] float32, bfloat16 or float16 (block_stride_of); slot_mapping: [T] int64. Writes token i's K and V at slot
-// slot_mapping[i], converted to the cache dtype (rounded to nearest even).
+// block_size, KVH, D] float32, bfloat16 or float16 (block_stride_of); slot_mapping: [T] int64. Writes token i's K
+// and V at slot slot_mapping[i], converted to the cache dtype (rounded to nearest even).
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_mapping) {
   for (const auto& t : {k, v})
