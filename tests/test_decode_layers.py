@@ -9,13 +9,14 @@ from pagedserve.model_executor.models import llama
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain; q/k/v biases; q/k norms
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_native_decode_loop_matches_python_layers(arch, dtype, tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", None), ("float32", "int8")])
+def test_native_decode_loop_matches_python_layers(arch, dtype, quantization, tiny_model_dir, monkeypatch):
     ops = cpu_kernels()
-    if ops is None or not ops.native_small_gemm(getattr(torch, dtype)):
-        pytest.skip("no native small GEMM for this dtype in this build (the Python layers run every step)")
-    llm = LLM(str(tiny_model_dir(arch)), dtype=dtype, num_threads=2, num_kv_blocks=128, max_model_len=256,
-              enable_prefix_caching=False)  # the second run must prefill exactly as the first
+    weights = torch.int8 if quantization else getattr(torch, dtype)
+    if ops is None or not ops.native_small_gemm(weights):
+        pytest.skip("no native small GEMM for these weights in this build (the Python layers run every step)")
+    llm = LLM(str(tiny_model_dir(arch)), dtype=dtype, quantization=quantization, num_threads=2, num_kv_blocks=128,
+              max_model_len=256, enable_prefix_caching=False)  # the second run must prefill exactly as the first
     prompts = [[3 + i, 40 + 7 * i, 90, 17 + i] * (2 + 3 * i) for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
     native = llama.LlamaForCausalLM._native_decode

@@ -1,8 +1,8 @@
 // A decode step's decoder layers in one native call: the same ops, in the same order, as the Python layers
 // (models/llama.py), without the Python between them. At batch 1 that Python cost ~35 us per layer, about 1 ms of
 // a 9-15 ms SmolLM2 step (BENCHMARKS.md section 6, "Twelfth pass"). Only for steps whose every row is a decode
-// and whose every product runs on the native small GEMM (float32 or bfloat16 weights, no tensor parallelism);
-// the caller checks that and otherwise runs the Python layers.
+// and whose every product runs on the native small GEMM (float32, bfloat16 or int8 weights, no tensor
+// parallelism); the caller checks that and otherwise runs the Python layers.
 #include <torch/extension.h>
 
 #include <tuple>
@@ -14,6 +14,8 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, t
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
+torch::Tensor small_gemm_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor col_scale, torch::Tensor col_shift,
+                              int64_t n, c10::optional<torch::Tensor> bias);
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_mapping);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -22,19 +24,27 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 
 namespace {
 
-constexpr int64_t kPerLayer = 12;  // tensors per layer in `weights`, in the order below
+constexpr int64_t kPerLayer = 20;  // tensors per layer in `weights`, in the order below
 
 c10::optional<torch::Tensor> present(const torch::Tensor& t) {  // an empty tensor stands for "none"
   return t.numel() > 0 ? c10::optional<torch::Tensor>(t) : c10::nullopt;
 }
 
+// x times one product's weight, w = {packed, bias, column scales, column shifts} (the last two for int8 weights
+// only), n output columns: the op Linear.forward calls for this packed weight.
+torch::Tensor product(const torch::Tensor& x, const torch::Tensor* w, int64_t n) {
+  if (w[0].scalar_type() == torch::kChar) return small_gemm_int8(x, w[0], w[2], w[3], n, present(w[1]));
+  return small_gemm(x, w[0], n, present(w[1]));
+}
+
 }  // namespace
 
 // x: [T, hidden] this step's hidden states (the embeddings before the first layer); residual: the residual stream,
-// none before the first layer. weights, per layer: input norm, QKV packed, QKV bias, q norm, k norm, o packed,
-// o bias, post-attention norm, gate/up packed, gate/up bias, down packed, down bias (empty tensors: no bias / no
-// q-k norms); widths, per layer: the QKV, o and gate/up output widths. caches: per layer K then V. cos, sin:
-// [T, 1, D/2]. Returns (the last layer's MLP output, the residual stream before it), as the Python layers do.
+// none before the first layer. weights, per layer: input norm, QKV product, q norm, k norm, o product,
+// post-attention norm, gate/up product, down product, where a product is 4 tensors: packed weight, bias, column
+// scales, column shifts (empty tensors: no bias, no q-k norms, no scales and shifts but for int8); widths, per
+// layer: the QKV, o and gate/up output widths. caches: per layer K then V. cos, sin: [T, 1, D/2]. Returns (the last
+// layer's MLP output, the residual stream before it), as the Python layers do.
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor x, c10::optional<torch::Tensor> residual_opt,
                                                        std::vector<torch::Tensor> weights,
                                                        std::vector<int64_t> widths,
@@ -60,21 +70,21 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor x, c10::opt
     } else {
       h = rms_norm(x, residual, w[0], eps, c10::nullopt);
     }
-    const torch::Tensor qkv = small_gemm(h, w[1], width[0], present(w[2]));
+    const torch::Tensor qkv = product(h, w + 1, width[0]);
     const torch::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({t, num_heads + num_kv_heads, head_dim});
     const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_dim});
     const torch::Tensor q = qk.narrow(1, 0, num_heads), k = qk.narrow(1, num_heads, num_kv_heads);
-    if (w[3].numel() > 0) {  // Qwen3: per-head norms in place in the QKV output
-      rms_norm(q, c10::nullopt, w[3], eps, q);
-      rms_norm(k, c10::nullopt, w[4], eps, k);
+    if (w[5].numel() > 0) {  // Qwen3: per-head norms in place in the QKV output
+      rms_norm(q, c10::nullopt, w[5], eps, q);
+      rms_norm(k, c10::nullopt, w[6], eps, k);
     }
     rotary_inplace(qk, cos, sin);
     write_kv(k, v, caches[2 * i], caches[2 * i + 1], slot_mapping);
     const torch::Tensor o = paged_decode_attention(q, caches[2 * i], caches[2 * i + 1], block_tables, context_lens,
                                                    scale, c10::nullopt);
-    h = small_gemm(o.view({t, q_size}), w[5], width[1], present(w[6]));
-    h = rms_norm(h, residual, w[7], eps, c10::nullopt);
-    x = small_gemm(silu_and_mul(small_gemm(h, w[8], width[2], present(w[9]))), w[10], x.size(1), present(w[11]));
+    h = product(o.view({t, q_size}), w + 7, width[1]);
+    h = rms_norm(h, residual, w[11], eps, c10::nullopt);
+    x = product(silu_and_mul(product(h, w + 12, width[2])), w + 16, x.size(1));
   }
   return {x, residual};
 }

@@ -147,8 +147,8 @@ class LlamaForCausalLM(nn.Module):
                        meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         """All decoder layers in one native call (kernels/decode_layers.cpp: the layers' ops in their order, without
         the ~35 us of Python per layer) when every row of the step is a decode and every product runs on the native
-        small GEMM in x's dtype; else None (the Python layers run). Decoder layers with forward hooks (the engine's
-        fault injection, a user's) run in Python, so that their hooks run."""
+        small GEMM (weights in x's dtype, or int8); else None (the Python layers run). Decoder layers with forward
+        hooks (the engine's fault injection, a user's) run in Python, so that their hooks run."""
         if meta.prefills or meta.num_decodes != x.shape[0] or x.device.type != "cpu" or self.parallel.tp_size != 1 \
                 or uses_triton(x.device.type) \
                 or any(layer._forward_pre_hooks or layer._forward_hooks for layer in self.layers):
@@ -157,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
             self._decode_weights = self._pack_decode_weights()
         weights, widths, max_rows = self._decode_weights
         kernels = native_ops(x)
-        if not weights or kernels is None or x.shape[0] > max_rows or weights[1].dtype != x.dtype:
+        if not weights or kernels is None or x.shape[0] > max_rows or weights[1].dtype not in (x.dtype, torch.int8):
             return None
         attn = self.layers[0].self_attn
         return kernels.decode_layers(x, residual, weights, widths, [t for kv in kv_caches for t in kv], *cos_sin,
@@ -167,22 +167,27 @@ class LlamaForCausalLM(nn.Module):
 
     def _pack_decode_weights(self) -> tuple[list[torch.Tensor], list[int], int]:
         """decode_layers' per-layer tensors and widths, and the most rows every product takes natively; no tensors
-        when a product does not run on the native small GEMM (int8 weights, another backend, no kernels)."""
+        when a product does not run on the native small GEMM (another backend, no kernels)."""
         none = torch.empty(0)
+
+        def product(lin: Linear) -> list[torch.Tensor]:  # packed weight, bias, int8 column scales and shifts
+            return [lin._small_packed, none if lin.bias is None else lin.bias,
+                    none if lin._int8_scale is None else lin._int8_scale,
+                    none if lin._int8_shift is None else lin._int8_shift]
+
         weights: list[torch.Tensor] = []
         widths: list[int] = []
         max_rows = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(lin.backend == "int8" or lin._small_packed is None for lin in linears):
+            if any(lin._small_packed is None for lin in linears):
                 return [], [], 0
-            bias = [none if lin.bias is None else lin.bias for lin in linears]
             q_norm = none if attn.q_norm is None else attn.q_norm.weight
             k_norm = none if attn.k_norm is None else attn.k_norm.weight
-            weights += [layer.input_layernorm.weight, attn.qkv_proj._small_packed, bias[0], q_norm, k_norm,
-                        attn.o_proj._small_packed, bias[1], layer.post_attention_layernorm.weight,
-                        mlp.gate_up_proj._small_packed, bias[2], mlp.down_proj._small_packed, bias[3]]
+            weights += [layer.input_layernorm.weight, *product(attn.qkv_proj), q_norm, k_norm,
+                        *product(attn.o_proj), layer.post_attention_layernorm.weight,
+                        *product(mlp.gate_up_proj), *product(mlp.down_proj)]
             widths += [attn.qkv_proj.out_features, attn.o_proj.out_features, mlp.gate_up_proj.out_features]
             max_rows += [lin._native_max_rows for lin in linears]
         return weights, widths, min(max_rows, default=0)
