@@ -65,10 +65,19 @@ void silu_mul_kernel(const T* gp, int64_t stride, T* op, int64_t rows, int64_t n
       const T* g = gp + r * stride;
       const T* u = g + n;
       T* o = op + r * n;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      // exp16, not std::exp: under `omp simd` GCC calls libmvec's expf, ~2.5 G elements/s per core
+      for (; i + 16 <= n; i += 16) {
+        const __m512 gv = ps::load16(g + i);
+        const __m512 e = ps::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        ps::store16(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), ps::load16(u + i)));
+      }
+#endif
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {
-        const float gf = to_float(g[i]);
-        o[i] = from_float<T>(gf / (1.f + std::exp(-gf)) * to_float(u[i]));
+      for (int64_t j = i; j < n; ++j) {
+        const float gf = to_float(g[j]);  // e^-x clamped as exp16 clamps it: e^89 = inf made NaN (-ffast-math)
+        o[j] = from_float<T>(gf / (1.f + std::exp(std::min(-gf, 88.f))) * to_float(u[j]));
       }
     }
   });
