@@ -9,7 +9,8 @@ from pagedserve.model_executor.models import llama
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain; q/k/v biases; q/k norms
-@pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", None), ("float32", "int8")])
+@pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", None), ("float32", "int8"),
+                                               ("bfloat16", "int8")])
 def test_native_decode_loop_matches_python_layers(arch, dtype, quantization, tiny_model_dir, monkeypatch):
     ops = cpu_kernels()
     weights = torch.int8 if quantization else getattr(torch, dtype)
