@@ -33,8 +33,8 @@ def sdpa_prefill(q, k_cache, v_cache, block_ids, first, scale):
     """attention.py's prefill path before the native kernel: SDPA over the gathered context."""
     n, kvh, d = q.shape[0], k_cache.shape[2], q.shape[2]
     ctx = first + n
-    keys = k_cache[block_ids].view(-1, kvh, d)[:ctx].to(q.dtype)
-    values = v_cache[block_ids].view(-1, kvh, d)[:ctx].to(q.dtype)
+    keys = k_cache[block_ids].reshape(-1, kvh, d)[:ctx].to(q.dtype)
+    values = v_cache[block_ids].reshape(-1, kvh, d)[:ctx].to(q.dtype)
     mask = torch.arange(ctx)[None, :] <= torch.arange(first, ctx)[:, None] if first else None
     return F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
                                           values.transpose(0, 1).unsqueeze(0), attn_mask=mask,

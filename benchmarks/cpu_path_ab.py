@@ -65,9 +65,9 @@ class LegacyBf16Attention:
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
         if k.dtype == torch.float32:
             return self.real.write_kv(k, v, k_cache, v_cache, slot_mapping)
-        kvh, hd = k.shape[1], k.shape[2]
-        k_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        blocks, offsets = slot_mapping // k_cache.shape[1], slot_mapping % k_cache.shape[1]
+        k_cache[blocks, offsets] = k.to(k_cache.dtype)
+        v_cache[blocks, offsets] = v.to(v_cache.dtype)
 
     def paged_decode_attention(self, q, k_cache, v_cache, tables, lens, scale, out=None):
         if q.dtype == torch.float32:

@@ -93,12 +93,20 @@ def test_rotary(ops, dtype, cos_dtype, tokens, d):
     assert torch.equal(qkv[:, (heads + kv_heads) * d:], untouched)
 
 
-def _kv_caches(blocks, bs, kvh, d, dtype, joint, g=None):
-    """Random K and V caches [blocks, bs, kvh, d] (zeros without g): two tensors, or (joint) the halves of one
-    [blocks, 2, bs, kvh, d] tensor, the runner's CPU layout (each block's K and V one run)."""
+LAYOUTS = ("split", "joint", "heads")
+
+
+def _kv_caches(blocks, bs, kvh, d, dtype, layout, g=None):
+    """Random K and V caches indexed [blocks, bs, kvh, d] (zeros without g): two token-major tensors ("split", the
+    GPU layout), the halves of one token-major [blocks, 2, bs, kvh, d] tensor ("joint"), or views of one head-major
+    [blocks, 2, kvh, bs, d] tensor ("heads", the runner's CPU layout: each block's K and V one run, each KV head's
+    rows of a block contiguous)."""
     make = (lambda shape: torch.randn(shape, generator=g).to(dtype)) if g is not None else \
         (lambda shape: torch.zeros(shape, dtype=dtype))
-    if joint:
+    if layout == "heads":
+        kv = make((blocks, 2, kvh, bs, d))
+        return kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)
+    if layout == "joint":
         kv = make((blocks, 2, bs, kvh, d))
         return kv[:, 0], kv[:, 1]
     return make((blocks, bs, kvh, d)), make((blocks, bs, kvh, d))
@@ -106,14 +114,14 @@ def _kv_caches(blocks, bs, kvh, d, dtype, joint, g=None):
 
 @pytest.mark.parametrize("src_dtype", DTYPES)
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("joint", [True, False])
-def test_write_kv(ops, src_dtype, cache_dtype, joint):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_write_kv(ops, src_dtype, cache_dtype, layout):
     g = torch.Generator().manual_seed(3)
     tokens, kvh, d, blocks, bs = 21, 3, 64, 8, 16
     qkv = torch.randn(tokens, (3 + 2 * kvh) * d, generator=g).to(src_dtype)
     k = qkv[:, 3 * d:(3 + kvh) * d].view(tokens, kvh, d)
     v = qkv[:, (3 + kvh) * d:].view(tokens, kvh, d)
-    k_cache, v_cache = _kv_caches(blocks, bs, kvh, d, cache_dtype, joint)
+    k_cache, v_cache = _kv_caches(blocks, bs, kvh, d, cache_dtype, layout)
     slots = torch.randperm(blocks * bs, generator=g)[:tokens]
     ops.write_kv(k, v, k_cache, v_cache, slots)
     k_rows, v_rows = k_cache.reshape(-1, kvh, d), v_cache.reshape(-1, kvh, d)
@@ -125,41 +133,45 @@ def test_write_kv(ops, src_dtype, cache_dtype, joint):
 
 
 def test_kv_cache_layout_checked(ops):
-    """Rows inside a block must be contiguous and K and V laid out alike; anything else is refused, not misread."""
-    heads_first = torch.randn(5, 3, 16, 64).transpose(1, 2)  # [5, 16, 3, 64], each token's heads 16 rows apart
+    """A block must be one dense token- or head-major run and K and V laid out alike; anything else is refused, not
+    misread."""
     rows = torch.randn(2, 3, 64)
-    with pytest.raises(RuntimeError, match="rows must be contiguous"):
-        ops.write_kv(rows, rows, heads_first, heads_first, torch.tensor([0, 1]))
-    joint_k, _ = _kv_caches(5, 16, 3, 64, torch.float32, joint=True)
+    dims_apart = torch.randn(5, 16, 64, 3).transpose(2, 3)  # [5, 16, 3, 64], a head's dims 3 apart
+    padded = torch.randn(5, 16, 3, 80)[..., :64]  # rows with gaps between them
+    for cache in (dims_apart, padded):
+        with pytest.raises(RuntimeError, match="must be one dense"):
+            ops.write_kv(rows, rows, cache, cache, torch.tensor([0, 1]))
+    joint_k, _ = _kv_caches(5, 16, 3, 64, torch.float32, "joint")
     with pytest.raises(RuntimeError, match="one shape, dtype and layout"):
         ops.write_kv(rows, rows, joint_k, torch.zeros(5, 16, 3, 64), torch.tensor([0, 1]))
 
 
 @pytest.mark.parametrize("q_dtype", DTYPES)
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("num_seqs, threads, joint", [(1, 2, True), (4, 2, False), (3, 1, True)])
+@pytest.mark.parametrize("num_seqs, threads, layout", [(1, 2, "heads"), (4, 2, "split"), (3, 1, "joint"),
+                                                      (5, 2, "heads")])
 @pytest.mark.parametrize("heads, kvh, d, bs", [(9, 3, 64, 16), (4, 2, 128, 8), (6, 6, 48, 16), (4, 1, 40, 4),
                                               (16, 2, 32, 16), (9, 1, 32, 8), (4, 4, 64, 16), (10, 2, 32, 32)])
 @pytest.mark.parametrize("amx", [True, False])
-def test_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, joint, heads, kvh, d, bs, amx):
+def test_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, layout, heads, kvh, d, bs, amx):
     """Head sizes: SmolLM2's and Qwen3's (the AVX-512 path, VDPBF16PS for d % 32 == 0; in bfloat16 with a bfloat16
     cache the grouped path that sums values in bfloat16 pairs, on AMX tiles where the CPU has them), 48 (16-wide
     tail of the value sums), 40 (not a multiple of 16: the portable path); query heads per KV head 1, 2, 3, 5 and 8
     (the grouped path's largest) and 9 (past it); block sizes that split the 16-token chunks (the tile path copies
-    their keys) or hold two, and block tables in random order; K and V caches as two tensors or one (joint)."""
+    their keys) or hold two, and block tables in random order; every cache layout (_kv_caches)."""
     if amx and not ops.amx_tiles():
         pytest.skip("no AMX tiles in this build or on this CPU (the amx=False case runs the vector path)")
     ops.set_amx_tiles(amx)
     try:
-        _check_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, joint, heads, kvh, d, bs)
+        _check_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, layout, heads, kvh, d, bs)
     finally:
         ops.set_amx_tiles(True)
 
 
-def _check_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, joint, heads, kvh, d, bs):
+def _check_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, layout, heads, kvh, d, bs):
     g = torch.Generator().manual_seed(num_seqs)
     blocks = 40
-    k_cache, v_cache = _kv_caches(blocks, bs, kvh, d, cache_dtype, joint, g)
+    k_cache, v_cache = _kv_caches(blocks, bs, kvh, d, cache_dtype, layout, g)
     per_seq = blocks // num_seqs
     lens = torch.randint(1, per_seq * bs, (num_seqs,), generator=g)
     tables = torch.randperm(blocks, generator=g)[:num_seqs * per_seq].view(num_seqs, per_seq)
@@ -181,11 +193,11 @@ def _check_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, joint,
 
 @pytest.mark.parametrize("q_dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                    (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)])
-@pytest.mark.parametrize("n, first, threads, joint", [(37, 0, 1, True), (20, 45, 2, False), (1, 16, 1, False),
-                                                    (70, 3, 2, True)])
+@pytest.mark.parametrize("n, first, threads, layout", [(37, 0, 1, "heads"), (20, 45, 2, "split"), (1, 16, 1, "heads"),
+                                                     (70, 3, 2, "joint"), (50, 21, 2, "heads")])
 @pytest.mark.parametrize("heads, kvh, d, bs", [(9, 3, 64, 16), (4, 2, 128, 8), (6, 6, 48, 4), (5, 1, 32, 16)])
 @pytest.mark.parametrize("amx", [True, False])
-def test_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, joint, heads, kvh, d, bs, amx):
+def test_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, layout, heads, kvh, d, bs, amx):
     """A prefill chunk of n tokens after `first` cached ones, causal over the paged cache (tiles of 32 query tokens
     and chunks of 16 keys cut at odd places); built on AVX-512 for head_dim % 16 == 0 only. In bfloat16 with a
     bfloat16 cache and head_dim % 32 == 0 the rows go four at a time (5 heads per KV head: a tile's rows end in
@@ -194,19 +206,19 @@ def test_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, joint, 
         pytest.skip("no AMX tiles in this build or on this CPU (the amx=False case runs the vector path)")
     ops.set_amx_tiles(amx)
     try:
-        _check_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, joint, heads, kvh, d, bs)
+        _check_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, layout, heads, kvh, d, bs)
     finally:
         ops.set_amx_tiles(True)
 
 
-def _check_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, joint, heads, kvh, d, bs):
+def _check_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, layout, heads, kvh, d, bs):
     assert ops.native_prefill(d) == (ops.isa().startswith("avx512") and d % 16 == 0)
     assert not ops.native_prefill(40)
     if not ops.native_prefill(d):
         return
     g = torch.Generator().manual_seed(n + first)
     ctx, blocks = first + n, 60
-    k_cache, v_cache = _kv_caches(blocks, bs, kvh, d, cache_dtype, joint, g)
+    k_cache, v_cache = _kv_caches(blocks, bs, kvh, d, cache_dtype, layout, g)
     block_ids = torch.randperm(blocks, generator=g)[:-(-ctx // bs)]
     qkv = torch.randn(n, (heads + 2 * kvh) * d, generator=g).to(q_dtype)
     q = qkv[:, :heads * d].view(n, heads, d)  # strided between tokens, as in the model

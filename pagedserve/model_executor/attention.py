@@ -1,9 +1,10 @@
 """Paged attention over a flattened batch: prefill chunks and decodes in one forward.
 
-KV cache of one layer: [num_blocks, block_size, num_kv_heads, head_dim] for K and for V, in the cache dtype
-(the model's, or bfloat16/float16 to halve the bytes; read back into the query dtype). New K/V are
-written at `slot_mapping` (slot = block_id * block_size + offset) before any attention of the layer
-reads, so a request may attend to blocks that another request of the same step is filling.
+KV cache of one layer: [num_blocks, block_size, num_kv_heads, head_dim] for K and for V (on CPU, views of head-major
+blocks: model_runner.allocate_kv_cache), in the cache dtype (the model's, or bfloat16/float16 to halve the bytes;
+read back into the query dtype). New K/V are written at `slot_mapping` (slot = block_id * block_size + offset)
+before any attention of the layer reads, so a request may attend to blocks that another request of the same step
+is filling.
 
 Token order in the batch: all decode rows first, then prefill chunks. A decode row is one query token with its
 own block table and context length: a request's decode token, or each token of a short span (a verification of
@@ -75,7 +76,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if kernels is not None:  # one call for K and V, straight from the QKV output, no intermediate copies
         kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
         return
-    # (block, offset) pairs, not flat slots: on CPU the caches are the K and V halves of one tensor (not viewable flat)
+    # (block, offset) pairs, not flat slots: on CPU the caches are strided views of one tensor (not viewable flat)
     block_size = k_cache.shape[1]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     k_cache[blocks, offsets] = k.to(k_cache.dtype)
@@ -116,8 +117,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                        scale, out[:d])
     elif d:
         bt = meta.decode_block_tables
-        keys = k_cache[bt].view(d, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-        values = v_cache[bt].view(d, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+        keys = k_cache[bt].reshape(d, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+        values = v_cache[bt].reshape(d, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
         o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
                                            scale=scale, enable_gqa=True)
         out[:d] = o.squeeze(2)
@@ -132,8 +133,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if span.causal_mask is None:  # the chunk is the whole context so far
             keys, values = k[sl], v[sl]
         else:
-            keys = k_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[:span.context_len].to(q.dtype)
-            values = v_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[:span.context_len].to(q.dtype)
+            keys = k_cache[span.block_ids].reshape(-1, num_kv_heads, head_dim)[:span.context_len].to(q.dtype)
+            values = v_cache[span.block_ids].reshape(-1, num_kv_heads, head_dim)[:span.context_len].to(q.dtype)
         o = F.scaled_dot_product_attention(qs, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
                                            attn_mask=span.causal_mask, is_causal=span.causal_mask is None,
                                            scale=scale, enable_gqa=True)

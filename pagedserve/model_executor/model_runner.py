@@ -358,15 +358,18 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, kv_dtype: torch
 
 def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (K cache, V cache), each [num_blocks, block_size, KV heads, head_dim]. On CPU they are the two halves
-    of one [num_blocks, 2, ...] tensor: a block's K and V rows are one contiguous run, which decode attention streams
-    1.01-1.06x faster than two separate tensors (BENCHMARKS.md section 6, "Twelfth pass"). The Triton kernels write
-    by flat slot, so where they run (GPUs; CPU with PAGEDSERVE_ATTENTION_BACKEND=triton) they stay two contiguous
-    tensors."""
-    shape = (num_blocks, block_size, model.num_local_kv_heads, model.cfg.head_dim)
+    """Per layer (K cache, V cache), each indexed [num_blocks, block_size, KV heads, head_dim]. On CPU they are views
+    of one [num_blocks, 2, KV heads, block_size, head_dim] tensor: a block's K and V are one contiguous run, which
+    decode attention streams 1.01-1.06x faster than two separate tensors (BENCHMARKS.md section 6, "Twelfth pass"),
+    and head-major inside it, so that each KV head's rows of a block are contiguous (1.12-1.14x float32 decode
+    attention on Qwen3's shape; "Fourteenth pass"). The Triton kernels write by flat slot, so where they run (GPUs;
+    CPU with PAGEDSERVE_ATTENTION_BACKEND=triton) they stay two contiguous token-major tensors."""
+    kv_heads, head_dim = model.num_local_kv_heads, model.cfg.head_dim
     if device.type == "cpu" and not uses_triton(device.type):
-        joint = [torch.zeros((num_blocks, 2, *shape[1:]), dtype=kv_dtype, device=device) for _ in model.layers]
-        return [(kv[:, 0], kv[:, 1]) for kv in joint]
+        joint = [torch.zeros((num_blocks, 2, kv_heads, block_size, head_dim), dtype=kv_dtype, device=device)
+                 for _ in model.layers]
+        return [(kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)) for kv in joint]
+    shape = (num_blocks, block_size, kv_heads, head_dim)
     return [(torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
             for _ in model.layers]
 

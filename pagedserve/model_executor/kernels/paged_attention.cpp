@@ -1,7 +1,7 @@
 // Decode attention straight from the paged KV cache: no gathered or padded copy of any context.
 //
-// One task per sequence, all its query heads: each token's K/V row (every KV head) is one contiguous read, once
-// per step; pass 1 scores all keys, pass 2 sums values weighted by the softmax. With fewer sequences than
+// One task per sequence, all its query heads: each K/V element is read from memory once per step, in chunks of 16
+// tokens with an online softmax (a plain two-pass loop where AVX-512 is missing). With fewer sequences than
 // threads, each context is split into ranges whose partial softmaxes are merged after. Queries and output are
 // float32 or bfloat16 (the model's dtype), accumulation float32, whatever the cache dtype (float32, bfloat16 or
 // float16): a bfloat16 cache halves the bytes that decode attention streams.
@@ -38,10 +38,18 @@ inline void axpy(float a, const T* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * to_float(x[i]);
 }
 
+// Where a cache element lies (in elements): block b, slot t, KV head h at b * block_stride + t * token_stride +
+// h * head_stride. Token-major blocks [block_size, KVH, D] (GPU, tests): token_stride KVH * D, head_stride D;
+// head-major blocks [KVH, block_size, D] (the runner's CPU layout): token_stride D, head_stride block_size * D, so
+// that each KV head's keys of a block are one contiguous run (1.12-1.14x float32 decode attention on Qwen3's
+// shape: BENCHMARKS.md section 6). block_stride is twice the block when a block's K and V share one run.
+struct CacheLayout {
+  int64_t block_stride, token_stride, head_stride;
+};
+
 struct Shape {
   int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, q_stride;  // q_stride: per sequence
-  int64_t block_stride;  // elements from one cache block to the next (block_size * KVH * D, or twice that when each
-                         // block's K and V share one run: the runner's CPU layout)
+  CacheLayout cache;
 };
 
 // Per head: the max score m, the sum l of exp(score - m) over n scores (overwritten by exp(score - m)).
@@ -66,27 +74,28 @@ template <typename T>
 void attend(const float* qf, const T* k_cache, const T* v_cache, const int64_t* table, int64_t t0, int64_t t1,
             const Shape& s, std::vector<float>& scores, float* acc, float* m, float* l) {
   const int64_t heads = s.num_heads, d = s.head_dim, group = s.num_heads / s.num_kv_heads;
-  const int64_t row = s.num_kv_heads * d, n = t1 - t0;  // row: stride between consecutive token slots
+  const int64_t ts = s.cache.token_stride, hs = s.cache.head_stride, n = t1 - t0;
   std::fill(acc, acc + heads * d, 0.f);
   std::fill(l, l + heads, 0.f);
   std::fill(m, m + heads, 0.f);
   if (n <= 0) return;
   scores.resize(heads * n);
-  for (int64_t t = t0; t < t1; ++t) {  // each token's row holds every KV head: one contiguous read
-    const T* k_row = k_cache + table[t / s.block_size] * s.block_stride + t % s.block_size * row;
-    for (int64_t h = 0; h < heads; ++h) scores[h * n + t - t0] = dot(qf + h * d, k_row + (h / group) * d, d);
+  for (int64_t t = t0; t < t1; ++t) {
+    const T* k_row = k_cache + table[t / s.block_size] * s.cache.block_stride + t % s.block_size * ts;
+    for (int64_t h = 0; h < heads; ++h) scores[h * n + t - t0] = dot(qf + h * d, k_row + (h / group) * hs, d);
   }
   softmax_rows(scores.data(), heads, n, m, l);
   for (int64_t t = t0; t < t1; ++t) {
-    const T* v_row = v_cache + table[t / s.block_size] * s.block_stride + t % s.block_size * row;
-    for (int64_t h = 0; h < heads; ++h) axpy(scores[h * n + t - t0], v_row + (h / group) * d, acc + h * d, d);
+    const T* v_row = v_cache + table[t / s.block_size] * s.cache.block_stride + t % s.block_size * ts;
+    for (int64_t h = 0; h < heads; ++h) axpy(scores[h * n + t - t0], v_row + (h / group) * hs, acc + h * d, d);
   }
 }
 
 // Brings K/V rows into L2 ahead of the kernels, a few lines per call, spread so that the memory stream runs under
 // the arithmetic instead of after it (the walker's own prefetch of the next chunk has one step of distance, and
 // compute and memory added up: BENCHMARKS.md section 6, "Tenth pass"). Tokens [t0, t1) of one sequence, block by
-// block, each block's K rows then its V rows.
+// block, each block's K rows then its V rows (per block, the span from its first wanted row of KV head 0 to the last
+// of the last head: exactly those rows in a token-major block, the whole block in a head-major one).
 template <typename T>
 class RowPrefetch {
  public:
@@ -94,8 +103,9 @@ class RowPrefetch {
   RowPrefetch(const T* k_cache, const T* v_cache, const int64_t* table, const Shape& s, int64_t t0, int64_t t1,
               int64_t lines_per_call)
       : k_cache_(reinterpret_cast<const char*>(k_cache)), v_cache_(reinterpret_cast<const char*>(v_cache)),
-        table_(table), bs_(s.block_size), row_bytes_(s.num_kv_heads * s.head_dim * sizeof(T)),
-        block_bytes_(s.block_stride * sizeof(T)), t_(t0), end_(t1), lines_per_call_(lines_per_call) {
+        table_(table), bs_(s.block_size), token_bytes_(s.cache.token_stride * sizeof(T)),
+        heads_bytes_(((s.num_kv_heads - 1) * s.cache.head_stride + s.head_dim) * sizeof(T)),
+        block_bytes_(s.cache.block_stride * sizeof(T)), t_(t0), end_(t1), lines_per_call_(lines_per_call) {
     next_block();
   }
   // The start of a thread's next task (at most kNextTaskBytes: the walker takes over from there), spread over the
@@ -143,10 +153,10 @@ class RowPrefetch {
       return;
     }
     const int64_t run_tokens = std::min(end_, (t_ / bs_ + 1) * bs_) - t_;
-    const int64_t offset = table_[t_ / bs_] * block_bytes_ + t_ % bs_ * row_bytes_;
+    const int64_t offset = table_[t_ / bs_] * block_bytes_ + t_ % bs_ * token_bytes_;
     run_ = k_run_ = k_cache_ + offset;
     v_run_ = v_cache_ + offset;
-    run_bytes_ = run_tokens * row_bytes_;
+    run_bytes_ = (run_tokens - 1) * token_bytes_ + heads_bytes_;
     t_ += run_tokens;
   }
 
@@ -156,7 +166,7 @@ class RowPrefetch {
   const char* k_cache_ = nullptr;
   const char* v_cache_ = nullptr;
   const int64_t* table_ = nullptr;
-  int64_t bs_ = 1, row_bytes_ = 0, block_bytes_ = 0, t_ = 0, end_ = 0, lines_per_call_ = 0;
+  int64_t bs_ = 1, token_bytes_ = 0, heads_bytes_ = 0, block_bytes_ = 0, t_ = 0, end_ = 0, lines_per_call_ = 0;
   const char* run_ = nullptr;  // the rows being prefetched: k_run_ or v_run_
   const char* k_run_ = nullptr;
   const char* v_run_ = nullptr;
@@ -233,15 +243,16 @@ inline void sum_values(float* const* a, const float* alpha, const float* const* 
 
 // Walks a sequence's tokens [t0, t1) through its block table in chunks of kChunk: the K and V row pointers of the
 // current chunk (lanes past the end point at its first token again: scored, then masked out), while the next
-// chunk's rows - scattered in memory, block by block - are prefetched into L2 (only the `width` elements at
-// `offset` of each row that the caller reads).
+// chunk's rows - scattered in memory, block by block - are prefetched into L2 (only what the caller reads: the
+// `heads` KV heads from the one at `offset`, head_dim elements each).
 template <typename T>
 class ChunkWalker {
  public:
   ChunkWalker(const T* k_cache, const T* v_cache, const int64_t* table, const Shape& s, int64_t t0, int64_t t1,
-              int64_t offset, int64_t width)
-      : k_cache_(k_cache), v_cache_(v_cache), table_(table), bs_(s.block_size), row_(s.num_kv_heads * s.head_dim),
-        block_stride_(s.block_stride), c0_(t0), t1_(t1), offset_(offset), width_(width) {
+              int64_t offset, int64_t heads)
+      : k_cache_(k_cache), v_cache_(v_cache), table_(table), bs_(s.block_size), token_stride_(s.cache.token_stride),
+        head_stride_(s.cache.head_stride), block_stride_(s.cache.block_stride), c0_(t0), t1_(t1), offset_(offset),
+        heads_(heads), width_(s.head_dim) {
     if (t0 < t1) fill(t0, rows_[0]);
   }
   bool done() const { return c0_ >= t1_; }
@@ -255,10 +266,12 @@ class ChunkWalker {
     fill(next, rows_[cur_ ^ 1]);
     const int64_t n = std::min(kChunk, t1_ - next), bytes = width_ * static_cast<int64_t>(sizeof(T));
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t byte = 0; byte < bytes; byte += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(rows_[cur_ ^ 1][0][i] + offset_) + byte, _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(rows_[cur_ ^ 1][1][i] + offset_) + byte, _MM_HINT_T1);
-      }
+      for (int64_t h = 0; h < heads_; ++h)
+        for (int64_t byte = 0; byte < bytes; byte += 64) {
+          const int64_t at = offset_ + h * head_stride_;
+          _mm_prefetch(reinterpret_cast<const char*>(rows_[cur_ ^ 1][0][i] + at) + byte, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(rows_[cur_ ^ 1][1][i] + at) + byte, _MM_HINT_T1);
+        }
   }
   void advance() { c0_ += kChunk, cur_ ^= 1; }
   // One step of the two-chunk kernels: the current chunk's row pointers copied out (it is full whenever a second
@@ -280,7 +293,7 @@ class ChunkWalker {
     const int64_t n = std::min(kChunk, t1_ - c0);
     int64_t b = c0 / bs_, off = c0 % bs_;
     for (int64_t i = 0; i < kChunk; ++i) {
-      const int64_t at = i < n ? table_[b] * block_stride_ + off * row_ : rows[0][0] - k_cache_;
+      const int64_t at = i < n ? table_[b] * block_stride_ + off * token_stride_ : rows[0][0] - k_cache_;
       rows[0][i] = k_cache_ + at;
       rows[1][i] = v_cache_ + at;
       if (++off == bs_) off = 0, ++b;
@@ -289,8 +302,8 @@ class ChunkWalker {
   const T* k_cache_;
   const T* v_cache_;
   const int64_t* table_;
-  int64_t bs_, row_, block_stride_, c0_, t1_, offset_, width_, cur_ = 0;
-  const T* rows_[2][2][kChunk];  // [current/next chunk][K/V][token]
+  int64_t bs_, token_stride_, head_stride_, block_stride_, c0_, t1_, offset_, heads_, width_, cur_ = 0;
+  const T* rows_[2][2][kChunk];  // [current/next chunk][K/V][token]: each token's KV head 0
 };
 
 // One online-softmax step with a chunk's raw scores sc (lanes outside `valid` ignored): m (running max of the
@@ -489,8 +502,7 @@ inline void prefill_rows(const float* qf, const float* kt, const float* const* v
 template <typename TQ, typename T>
 void attend_avx512(const TQ* q, float scale, const T* k_cache, const T* v_cache, const int64_t* table, int64_t t0,
                    int64_t t1, const Shape& s, RowPrefetch<T>& next, float* qf, float* acc, float* m, float* l) {
-  const int64_t heads = s.num_heads, d = s.head_dim, group = s.num_heads / s.num_kv_heads;
-  const int64_t row = s.num_kv_heads * d;
+  const int64_t heads = s.num_heads, d = s.head_dim, group = s.num_heads / s.num_kv_heads, hs = s.cache.head_stride;
   for (int64_t i = 0; i < heads * d; ++i) qf[i] = to_float(q[i]);
   std::fill(acc, acc + heads * d, 0.f);
   std::fill(l, l + heads, 0.f);
@@ -499,13 +511,13 @@ void attend_avx512(const TQ* q, float scale, const T* k_cache, const T* v_cache,
   const T* values[2 * kChunk];
   RowPrefetch<T> ahead = RowPrefetch<T>::ahead(k_cache, v_cache, table, s, t0, t1, heads);
   next.spread(heads);
-  for (ChunkWalker<T> w(k_cache, v_cache, table, s, t0, t1, 0, row); !w.done(); w.advance()) {
+  for (ChunkWalker<T> w(k_cache, v_cache, table, s, t0, t1, 0, s.num_kv_heads); !w.done(); w.advance()) {
     const auto [n0, n1] = w.take_two(first_keys, values);
     const bool two = n1 > 0;
     if (two) std::copy(w.values(), w.values() + kChunk, values + kChunk);
     for (int64_t h = 0; h < heads; ++h, ahead.step(), next.step())
-      attend_chunks(q + h * d, qf + h * d, first_keys, w.keys(), (h / group) * d, values, (h / group) * d, d, n0, n1,
-                    scale, acc + h * d, m[h], l[h]);
+      attend_chunks(q + h * d, qf + h * d, first_keys, w.keys(), (h / group) * hs, values, (h / group) * hs, d, n0,
+                    n1, scale, acc + h * d, m[h], l[h]);
     if (!two) break;
   }
 }
@@ -682,12 +694,12 @@ __attribute__((target("amx-tile,amx-bf16"))) void accumulate_pairs_amx(float* co
   sum_values_amx(acc, alpha, G, vp, d);
 }
 
-// A chunk's key rows for score_chunks_amx: in place when its 16 rows lie at one stride (a whole chunk inside a
+// A chunk's key rows for score_chunks_amx: in place when its 16 rows lie `stride` apart (a whole chunk inside a
 // block), else copied (lanes past the chunk repeat its first key) into scratch [16][d].
-inline std::pair<const bf16*, int64_t> chunk_key_rows(const bf16* const* keys, int64_t n, int64_t offset, int64_t row,
-                                                      int64_t d, bf16* scratch) {
-  if (n == kChunk && keys[kChunk - 1] - keys[0] == (kChunk - 1) * row)
-    return {keys[0] + offset, row * static_cast<int64_t>(sizeof(bf16))};
+inline std::pair<const bf16*, int64_t> chunk_key_rows(const bf16* const* keys, int64_t n, int64_t offset,
+                                                      int64_t stride, int64_t d, bf16* scratch) {
+  if (n == kChunk && keys[kChunk - 1] - keys[0] == (kChunk - 1) * stride)
+    return {keys[0] + offset, stride * static_cast<int64_t>(sizeof(bf16))};
   for (int64_t i = 0; i < kChunk; ++i) std::memcpy(scratch + i * d, keys[i] + offset, d * sizeof(bf16));
   return {scratch, d * static_cast<int64_t>(sizeof(bf16))};
 }
@@ -702,7 +714,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void attend_bf16_grouped(const bf16
                                                                        int64_t t0, int64_t t1, const Shape& s,
                                                                        RowPrefetch<bf16>& next, bool tiles,
                                                                        float* acc, float* m, float* l) {
-  const int64_t heads = s.num_heads, d = s.head_dim, row = s.num_kv_heads * d, blocks = d / 32;
+  const int64_t heads = s.num_heads, d = s.head_dim, hs = s.cache.head_stride, ts = s.cache.token_stride;
+  const int64_t blocks = d / 32;
   std::fill(acc, acc + heads * d, 0.f);
   std::fill(l, l + heads, 0.f);
   std::fill(m, m + heads, kNoScore);
@@ -732,7 +745,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void attend_bf16_grouped(const bf16
     ahead.step();
     next.step();
   };
-  for (ChunkWalker<bf16> w(k_cache, v_cache, table, s, t0, t1, 0, row); !w.done(); w.advance()) {
+  for (ChunkWalker<bf16> w(k_cache, v_cache, table, s, t0, t1, 0, s.num_kv_heads); !w.done(); w.advance()) {
     const auto [n0, n1] = w.take_two(first_keys, first_values);
     const bool two = n1 > 0;
     const __mmask16 valid0 = static_cast<__mmask16>((1u << n0) - 1), valid1 = static_cast<__mmask16>((1u << n1) - 1);
@@ -740,8 +753,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void attend_bf16_grouped(const bf16
     const int64_t pairs0 = (n0 + 1) / 2, pairs = two ? kPairs + (n1 + 1) / 2 : pairs0;
     if (tiles)  // every KV head's scores first: the tile products back to back
       for (int64_t kv = 0; kv < s.num_kv_heads; ++kv) {
-        const auto [k0, stride0] = chunk_key_rows(first_keys, n0, kv * d, row, d, scratch[0]);
-        const auto [k1, stride1] = two ? chunk_key_rows(w.keys(), n1, kv * d, row, d, scratch[1])
+        const auto [k0, stride0] = chunk_key_rows(first_keys, n0, kv * hs, ts, d, scratch[0]);
+        const auto [k1, stride1] = two ? chunk_key_rows(w.keys(), n1, kv * hs, ts, d, scratch[1])
                                        : std::pair<const bf16*, int64_t>{nullptr, 0};
         score_chunks_amx<G>(k0, stride0, k1, stride1, qp.data() + kv * d / 2 * G, d, &scores[2 * kv * kScores],
                             &scores[(2 * kv + 1) * kScores]);
@@ -753,10 +766,10 @@ __attribute__((target("amx-tile,amx-bf16"))) void attend_bf16_grouped(const bf16
         prefetch();
         const int64_t h = kv * G + g;
         sc0[g] = tiles ? score_column<G>(&scores[2 * kv * kScores], g)
-                       : score_chunk_bf16(q + h * d, first_keys, kv * d, d);
+                       : score_chunk_bf16(q + h * d, first_keys, kv * hs, d);
         sc1[g] = !two ? _mm512_setzero_ps()
                : tiles ? score_column<G>(&scores[(2 * kv + 1) * kScores], g)
-                       : score_chunk_bf16(q + h * d, w.keys(), kv * d, d);
+                       : score_chunk_bf16(q + h * d, w.keys(), kv * hs, d);
         v0[g] = valid0, v1[g] = valid1;
         rows[g] = acc + h * d;
       }
@@ -766,8 +779,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void attend_bf16_grouped(const bf16
         _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g] + kPairs), (__m256i)_mm512_cvtneps_pbh(sc1[g]));
       }
       prefetch();
-      interleave_value_pairs(first_values, kv * d, d, pairs0, vp);
-      if (two) interleave_value_pairs(w.values(), kv * d, d, pairs - kPairs, vp + kPairs * blocks * 2);
+      interleave_value_pairs(first_values, kv * hs, d, pairs0, vp);
+      if (two) interleave_value_pairs(w.values(), kv * hs, d, pairs - kPairs, vp + kPairs * blocks * 2);
       prefetch();
       if (tiles)
         accumulate_pairs_amx<G>(rows, alpha, pp, vp, d, pairs);
@@ -827,7 +840,7 @@ void for_each_prefill_tile(int64_t n, int64_t num_kv_heads, Make make) {
 template <typename TQ, typename T>
 void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* table,
                     int64_t n, int64_t first, TQ* out, int64_t out_stride, const Shape& s, float scale) {
-  const int64_t d = s.head_dim, group = s.num_heads / s.num_kv_heads, row = s.num_kv_heads * d;
+  const int64_t d = s.head_dim, group = s.num_heads / s.num_kv_heads, hs = s.cache.head_stride;
   const int64_t max_rows = kPrefillTile * group;
   for_each_prefill_tile(n, s.num_kv_heads, [&] {
     return [&, qf = std::vector<float>(max_rows * d), acc = std::vector<float>(max_rows * d),
@@ -846,22 +859,22 @@ void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_
       std::fill(l.begin(), l.begin() + rows, 0.f);
       const T* first_keys[kChunk];
       const T* first_values[kChunk];
-      for (ChunkWalker<T> w(k_cache, v_cache, table, s, 0, first + b, kvh * d, d); !w.done();
+      for (ChunkWalker<T> w(k_cache, v_cache, table, s, 0, first + b, kvh * hs, 1); !w.done();
            w.advance()) {
         const int64_t c0 = w.start();
         const auto [n0, n1] = w.take_two(first_keys, first_values);
         // The step's keys transposed and its values, in float32, once for all rows of the tile (lanes past a
         // chunk's end repeat its first key: scored, then masked out; a lone last chunk's second half repeats it
-        // too). Rows of the cache lie a whole K/V row apart (4 KiB for Qwen3 in float32), so reading them in place,
-        // 16 would share an L1 set.
+        // too). In a token-major cache rows lie a whole K/V row apart (4 KiB for Qwen3 in float32), so reading them
+        // in place, 16 would share an L1 set.
         for (int64_t c = 0; c < 2; ++c) {
           const T* const* keys = c == 1 && n1 > 0 ? w.keys() : first_keys;
           const T* const* values = c == 1 && n1 > 0 ? w.values() : first_values;
           for (int64_t eb = 0; eb < d; eb += 16) {  // 16 dims of the chunk's 16 keys: one 16 x 16 transpose
             __m512i block[kChunk];
             for (int64_t i = 0; i < kChunk; ++i) {
-              block[i] = _mm512_castps_si512(ps::load16(keys[i] + kvh * d + eb));
-              _mm512_storeu_ps(&vf[(c * kChunk + i) * d + eb], ps::load16(values[i] + kvh * d + eb));
+              block[i] = _mm512_castps_si512(ps::load16(keys[i] + kvh * hs + eb));
+              _mm512_storeu_ps(&vf[(c * kChunk + i) * d + eb], ps::load16(values[i] + kvh * hs + eb));
             }
             ps::transpose16x16(block);
             for (int64_t e = 0; e < 16; ++e) _mm512_storeu_si512(&kt[(eb + e) * 2 * kChunk + c * kChunk], block[e]);
@@ -994,7 +1007,7 @@ struct AmxPrefillTiles {
 void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, const bf16* v_cache,
                          const int64_t* table, int64_t n, int64_t first, bf16* out, int64_t out_stride, const Shape& s,
                          float scale) {
-  const int64_t d = s.head_dim, group = s.num_heads / s.num_kv_heads, row = s.num_kv_heads * d;
+  const int64_t d = s.head_dim, group = s.num_heads / s.num_kv_heads, hs = s.cache.head_stride;
   const int64_t max_rows = (kPrefillTile * group + 15) / 16 * 16, blocks = d / 32;  // whole tiles of 16 rows
   const bool tiles = ps::amx_tiles();
   for_each_prefill_tile(n, s.num_kv_heads, [&] {
@@ -1015,7 +1028,7 @@ void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, c
       }
       const bf16* first_keys[kChunk];
       const bf16* first_values[kChunk];
-      for (ChunkWalker<bf16> w(k_cache, v_cache, table, s, 0, first + b, kvh * d, d); !w.done();
+      for (ChunkWalker<bf16> w(k_cache, v_cache, table, s, 0, first + b, kvh * hs, 1); !w.done();
            w.advance()) {
         const int64_t c0 = w.start();
         const auto [n0, n1] = w.take_two(first_keys, first_values);
@@ -1025,11 +1038,11 @@ void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, c
           for (int64_t jb = 0; jb < d / 32; ++jb) {
             __m512i* block = kp.data() + c * d / 2 + jb * 16;
             for (int64_t i = 0; i < kChunk; ++i)
-              block[i] = _mm512_loadu_si512((c == 0 ? first_keys : second_keys)[i] + kvh * d + jb * 32);
+              block[i] = _mm512_loadu_si512((c == 0 ? first_keys : second_keys)[i] + kvh * hs + jb * 32);
             ps::transpose16x16(block);
           }
-        interleave_value_pairs(first_values, kvh * d, d, (n0 + 1) / 2, vp.data());
-        if (n1 > 0) interleave_value_pairs(w.values(), kvh * d, d, (n1 + 1) / 2, vp.data() + kPairs * blocks * 2);
+        interleave_value_pairs(first_values, kvh * hs, d, (n0 + 1) / 2, vp.data());
+        if (n1 > 0) interleave_value_pairs(w.values(), kvh * hs, d, (n1 + 1) / 2, vp.data() + kPairs * blocks * 2);
         // the tile's rows that see this step: r = (t - a) * group + g for its tokens t from max(a, c0 - first)
         const int64_t r_first = (std::max(a, c0 - first) - a) * group;
         if (tiles) {
@@ -1185,25 +1198,27 @@ void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_
   }
 }
 
-// The caches' block stride (elements). k_cache and v_cache: [num_blocks, block_size, KVH, D], one dtype, each
-// block's rows contiguous, any stride between blocks (the same for both): separate tensors, or the K and V halves of
-// one [num_blocks, 2, block_size, KVH, D] tensor, where a block's K and V are one contiguous run.
-int64_t block_stride_of(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+// The caches' layout. k_cache and v_cache: [num_blocks, block_size, KVH, D] views, one dtype and strides, each block
+// one dense run, token-major (a contiguous [block_size, KVH, D]) or head-major (the view of a [KVH, block_size, D]
+// block), any stride between blocks: separate tensors, or the K and V halves of one [num_blocks, 2, ...] tensor,
+// where a block's K and V are one contiguous run.
+CacheLayout layout_of(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
                   k_cache.scalar_type() == v_cache.scalar_type(),
               "K and V caches must be [num_blocks, block_size, KVH, D] tensors of one shape, dtype and layout");
-  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) &&
-                  k_cache.stride(1) == k_cache.size(2) * k_cache.size(3) &&
-                  k_cache.stride(0) >= k_cache.size(1) * k_cache.stride(1),
-              "each KV cache block's rows must be contiguous");
-  return k_cache.stride(0);
+  const int64_t bs = k_cache.size(1), kvh = k_cache.size(2), d = k_cache.size(3);
+  const bool token_major = k_cache.stride(2) == d && k_cache.stride(1) == kvh * d;
+  const bool head_major = k_cache.stride(1) == d && k_cache.stride(2) == bs * d;
+  TORCH_CHECK(k_cache.stride(3) == 1 && (token_major || head_major) && k_cache.stride(0) >= bs * kvh * d,
+              "each KV cache block must be one dense [block_size, KVH, D] or [KVH, block_size, D] run");
+  return {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
 }
 
 }  // namespace
 
 // q: [S, H, D] float32 or bfloat16 (heads contiguous, any stride between sequences: a view of the fused QKV
-// output); k_cache, v_cache: [num_blocks, block_size, KVH, D] float32, bfloat16 or float16 (block_stride_of: any
-// stride between blocks); block_tables:
+// output); k_cache, v_cache: [num_blocks, block_size, KVH, D] float32, bfloat16 or float16 (layout_of: token- or
+// head-major blocks, any stride between blocks); block_tables:
 // [S, max_blocks] int64; context_lens: [S] int64. Accumulates in float32; writes into `out` ([S, H, D], q's
 // dtype, contiguous) when given; returns it.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -1211,15 +1226,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      c10::optional<torch::Tensor> out_opt) {
   TORCH_CHECK(ps::is_act_dtype(q.scalar_type()) && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be float32 or bfloat16 [S, H, D] with contiguous heads");
-  const int64_t block_stride = block_stride_of(k_cache, v_cache);
+  const CacheLayout layout = layout_of(k_cache, v_cache);
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong);
   auto bt = block_tables.contiguous();
   auto lens = context_lens.contiguous();
   auto out = out_opt.has_value() ? *out_opt : torch::empty(q.sizes(), q.options());
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.is_contiguous() && out.sizes() == q.sizes(),
               "out must be a contiguous tensor shaped like q, of q's dtype");
-  const Shape s{q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), bt.size(1), q.stride(0),
-                block_stride};
+  const Shape s{q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), bt.size(1), q.stride(0), layout};
   const float sc = static_cast<float>(scale);
   const auto* tp = bt.data_ptr<int64_t>();
   const auto* lp = lens.data_ptr<int64_t>();
@@ -1252,13 +1266,13 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
               "q must be float32 or bfloat16 [T, H, D] with contiguous heads");
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.sizes() == q.sizes() && out.stride(2) == 1 &&
               out.stride(1) == out.size(2), "out must be shaped like q, of q's dtype, with contiguous heads");
-  const int64_t block_stride = block_stride_of(k_cache, v_cache);
+  const CacheLayout layout = layout_of(k_cache, v_cache);
   TORCH_CHECK(block_ids.scalar_type() == torch::kLong && first >= 0);
   auto table = block_ids.contiguous();
   TORCH_CHECK(table.numel() * k_cache.size(1) >= first + q.size(0), "block_ids do not cover the context");
   TORCH_CHECK(native_prefill(q.size(2)), "paged_prefill_attention: not built for head_dim ", q.size(2));
 #if defined(__AVX512F__)
-  const Shape s{1, q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), table.numel(), q.stride(0), block_stride};
+  const Shape s{1, q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), table.numel(), q.stride(0), layout};
   ps::with_act_type(q.scalar_type(), [&](auto* qtag) {
     using TQ = std::remove_pointer_t<decltype(qtag)>;
     ps::with_cache_type(k_cache.scalar_type(), [&](auto* tag) {
@@ -1283,27 +1297,32 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
 
 namespace {
 
+// Token i's KV heads (src: heads contiguous, d elements each) into its slot: one run per token where the cache is
+// token-major (head_stride == d), one per head where it is head-major.
 template <typename TS, typename T>
-void scatter_rows(const TS* src, int64_t src_stride, T* cache, const int64_t* slots, int64_t tokens, int64_t row,
-                  int64_t block_size, int64_t block_stride) {
+void scatter_rows(const TS* src, int64_t src_stride, T* cache, const int64_t* slots, int64_t tokens, int64_t heads,
+                  int64_t d, int64_t block_size, const CacheLayout& layout) {
+  const int64_t run = layout.head_stride == d ? heads * d : d, runs = heads * d / run;
   at::parallel_for(0, tokens, 64, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const TS* from = src + i * src_stride;
-      T* to = cache + slots[i] / block_size * block_stride + slots[i] % block_size * row;
-      if constexpr (std::is_same_v<TS, T>) {
-        std::memcpy(to, from, row * sizeof(T));
-      } else {
+    for (int64_t i = b; i < e; ++i)
+      for (int64_t r = 0; r < runs; ++r) {
+        const TS* from = src + i * src_stride + r * run;
+        T* to = cache + slots[i] / block_size * layout.block_stride + slots[i] % block_size * layout.token_stride +
+                r * layout.head_stride;
+        if constexpr (std::is_same_v<TS, T>) {
+          std::memcpy(to, from, run * sizeof(T));
+        } else {
 #pragma omp simd
-        for (int64_t j = 0; j < row; ++j) to[j] = from_float<T>(to_float(from[j]));
+          for (int64_t j = 0; j < run; ++j) to[j] = from_float<T>(to_float(from[j]));
+        }
       }
-    }
   });
 }
 
 }  // namespace
 
 // k, v: [T, KVH, D] float32 or bfloat16 (heads contiguous, any stride between tokens); caches [num_blocks,
-// block_size, KVH, D] float32, bfloat16 or float16 (block_stride_of); slot_mapping: [T] int64. Writes token i's K
+// block_size, KVH, D] float32, bfloat16 or float16 (layout_of); slot_mapping: [T] int64. Writes token i's K
 // and V at slot slot_mapping[i], converted to the cache dtype (rounded to nearest even).
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_mapping) {
@@ -1311,18 +1330,19 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
     TORCH_CHECK(ps::is_act_dtype(t.scalar_type()) && t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2),
                 "k and v must be float32 or bfloat16 [T, KVH, D] with contiguous heads");
   TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k and v must share a dtype");
-  const int64_t block_stride = block_stride_of(k_cache, v_cache), block_size = k_cache.size(1);
+  const CacheLayout layout = layout_of(k_cache, v_cache);
+  const int64_t block_size = k_cache.size(1);
   TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "k and v must match the cache's heads");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.numel() == k.size(0));
   auto slots = slot_mapping.contiguous();
-  const int64_t tokens = k.size(0), row = k.size(1) * k.size(2);
+  const int64_t tokens = k.size(0), heads = k.size(1), d = k.size(2);
   const int64_t* sp = slots.data_ptr<int64_t>();
   ps::with_act_type(k.scalar_type(), [&](auto* stag) {
     using TS = std::remove_pointer_t<decltype(stag)>;
     ps::with_cache_type(k_cache.scalar_type(), [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
-      scatter_rows(ps::ptr<TS>(k), k.stride(0), ps::ptr<T>(k_cache), sp, tokens, row, block_size, block_stride);
-      scatter_rows(ps::ptr<TS>(v), v.stride(0), ps::ptr<T>(v_cache), sp, tokens, row, block_size, block_stride);
+      scatter_rows(ps::ptr<TS>(k), k.stride(0), ps::ptr<T>(k_cache), sp, tokens, heads, d, block_size, layout);
+      scatter_rows(ps::ptr<TS>(v), v.stride(0), ps::ptr<T>(v_cache), sp, tokens, heads, d, block_size, layout);
     });
   });
 }
