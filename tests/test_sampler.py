@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.model_executor.sampler import Sampler, SamplingMetadata, apply_penalties, apply_top_k_top_p
+from pagedserve.model_executor.sampler import (Sampler, SamplingMetadata, apply_penalties, apply_top_k_top_p,
+                                               processed_logits)
 from pagedserve.sampling_params import SamplingParams
 
 sampler = Sampler()
@@ -61,6 +62,21 @@ def test_greedy_is_argmax() -> None:
     out = sampler(bf16, metadata([SamplingParams(temperature=0.0, logprobs=2)] * 8))
     assert torch.equal(out.sampled_token_ids, bf16.float().argmax(dim=-1))
     assert out.logprobs is not None and out.logprobs.top_logprobs.dtype == torch.float32
+
+
+def test_plain_greedy_bf16_logits_are_not_converted() -> None:
+    """Greedy rows with nothing to apply take the argmax of bf16 logits as they are (no float32 copy written and
+    read back), the same token as in float32, ties included; anything that works on the logits gets float32."""
+    logits = (torch.randn(5, 49152, generator=seeded(7)) * 3).to(torch.bfloat16)
+    logits[1, [100, 20000]] = logits[1].max() + 1  # a tie: the first wins
+    greedy = metadata([SamplingParams(temperature=0.0)] * 5)
+    assert processed_logits(logits, greedy)[0] is logits
+    out = sampler(logits, greedy)
+    assert torch.equal(out.sampled_token_ids, logits.float().max(dim=-1).indices)
+    assert out.sampled_token_ids[1].item() == 100
+    for params in (SamplingParams(temperature=0.0, logprobs=1), SamplingParams(temperature=0.8),
+                   SamplingParams(temperature=0.0, repetition_penalty=1.2)):
+        assert processed_logits(logits, metadata([params] * 5, output_token_ids=[[1]] * 5))[0].dtype == torch.float32
 
 
 def test_greedy_takes_the_first_of_tied_maxima() -> None:

@@ -148,7 +148,7 @@ class ParallelState:
         return buf[0], buf[1]
 
     def send_logits_to_driver(self, logits: torch.Tensor) -> None:
-        self.world_group.send([logits.cpu()], 0, TAG_LOGITS).wait()
+        self.world_group.send([logits.float().cpu()], 0, TAG_LOGITS).wait()  # the driver's buffer is float32
 
     def recv_logits_from_last_stage(self, num_rows: int, vocab_size: int) -> tuple[dist.Work, torch.Tensor]:
         """Posts the receive and returns at once (the last stage can send while this rank works on another batch):

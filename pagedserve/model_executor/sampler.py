@@ -130,12 +130,14 @@ class Sampler:
 def processed_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(float32 logits after penalties, bans and structured-output masks - a copy whenever anything here or in the
     random rows' sampling changes them, never the caller's tensor written; the raw logprobs when any row asked for
-    logprobs)."""
+    logprobs). Greedy rows with nothing to apply and no logprobs get the logits as they are, in the model's dtype."""
     # A float32 copy where the steps after this work in place (bf16 is too coarse for top-p/min-p cut-offs); greedy
-    # rows with nothing to apply read float32 logits as they are (a 6 MB copy less per step at 32 x 49152).
+    # rows with nothing to apply take the argmax of the logits as they are: bf16 converts to float32 exactly, so the
+    # argmax is the same, without writing and reading a float32 copy (at 32 x 49152, 6 MB less per step).
     in_place = (not metadata.all_greedy or metadata.repetition_penalty is not None or bool(metadata.banned_token_ids)
                 or metadata.token_mask_bias is not None)
-    logits = logits.to(torch.float32, copy=in_place)
+    if in_place or metadata.max_num_logprobs is not None or logits.dtype not in (torch.float32, torch.bfloat16):
+        logits = logits.to(torch.float32, copy=in_place)
     raw_logprobs = None if metadata.max_num_logprobs is None else torch.log_softmax(logits, dim=-1)
     logits = apply_penalties(logits, metadata)
     logits = apply_banned_tokens(logits, metadata.banned_token_ids)
@@ -145,12 +147,12 @@ def processed_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[
 
 
 def greedy_ids_of(logits: torch.Tensor) -> torch.Tensor:
-    """[N] each row's argmax (the first index on ties). On CPU the native kernel (one vectorized pass for the
-    maximum, then its first block) took 0.04-0.1 ms where max(dim) took 0.45 ms on [32, 49152] float32 logits;
-    elsewhere max(dim), which gives argmax's indices and on CPU took 0.38-0.55x argmax's time (BENCHMARKS.md
-    section 6, "Eighth pass" and "Twelfth pass")."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1 \
-            and logits.size(1) > 0 and (kernels := cpu_kernels()) is not None:
+    """[N] each row's argmax (the first index on ties), of float32 or bfloat16 logits. On CPU the native kernel
+    (one vectorized pass for the maximum, then its first block) took 0.04-0.1 ms where max(dim) took 0.45 ms on
+    [32, 49152] float32 logits; elsewhere max(dim), which gives argmax's indices and on CPU took 0.38-0.55x argmax's
+    time (BENCHMARKS.md section 6, "Eighth pass" and "Twelfth pass")."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and logits.dim() == 2 \
+            and logits.stride(1) == 1 and logits.size(1) > 0 and (kernels := cpu_kernels()) is not None:
         return kernels.argmax_rows(logits)
     return logits.max(dim=-1).indices
 

@@ -176,40 +176,75 @@ void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   });
 }
 
-// Each row's argmax, the first index on ties (as torch's max(dim)), in one pass: 16 lanes each keep their largest
-// value and its first index (strict >), then the lowest index among the lanes holding the row's maximum. NaN logits
-// are not expected (the kernels build with -ffast-math). An all -inf row gives index 0, as torch does.
-torch::Tensor argmax_rows(torch::Tensor logits) {
-  TORCH_CHECK(logits.scalar_type() == torch::kFloat && logits.dim() == 2 && logits.stride(1) == 1 &&
-                  logits.size(1) > 0,
-              "logits must be a float32 [rows, n] tensor with contiguous rows, n > 0");
-  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
-  auto out = torch::empty({rows}, logits.options().dtype(torch::kLong));
-  const float* lp = logits.data_ptr<float>();
-  int64_t* op = out.data_ptr<int64_t>();
+// Each row's argmax, the first index on ties (as torch's max(dim)), in one pass: kLanes lanes each keep their
+// largest value and its first index (strict >), then the lowest index among the lanes holding the row's maximum.
+// NaN logits are not expected (the kernels build with -ffast-math). An all -inf row gives index 0, as torch does.
+// bfloat16 logits are compared as the float32 values they convert to exactly: the same index, half the bytes read.
+template <typename T>
+void argmax_kernel(const T* logits, int64_t rows, int64_t n, int64_t stride, int64_t* out) {
+#if defined(__AVX512F__)
+  constexpr int64_t kLanes = 64;  // four independent compare-and-blend chains of 16: one would wait on its latency
+#else
   constexpr int64_t kLanes = 16;
+#endif
   at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
-      const float* x = lp + r * stride;
-      float best[kLanes];
-      int32_t where[kLanes];
-      for (int64_t j = 0; j < kLanes; ++j) best[j] = -INFINITY, where[j] = 0;
+      const T* x = logits + r * stride;
+      alignas(64) float best[kLanes];
+      alignas(64) int32_t where[kLanes];
       const int64_t body = n - n % kLanes;
+#if defined(__AVX512F__)
+      __m512 best_v[4];
+      __m512i where_v[4], index_v[4];
+      for (int c = 0; c < 4; ++c) {
+        best_v[c] = _mm512_set1_ps(-INFINITY);
+        where_v[c] = _mm512_setzero_si512();
+        index_v[c] = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                      _mm512_set1_epi32(16 * c));
+      }
+      const __m512i step = _mm512_set1_epi32(kLanes);
+      for (int64_t i0 = 0; i0 < body; i0 += kLanes)
+        for (int c = 0; c < 4; ++c) {
+          const __m512 v = ps::load16(x + i0 + 16 * c);
+          const __mmask16 more = _mm512_cmp_ps_mask(v, best_v[c], _CMP_GT_OQ);
+          best_v[c] = _mm512_mask_mov_ps(best_v[c], more, v);
+          where_v[c] = _mm512_mask_mov_epi32(where_v[c], more, index_v[c]);
+          index_v[c] = _mm512_add_epi32(index_v[c], step);
+        }
+      for (int c = 0; c < 4; ++c) {
+        _mm512_store_ps(best + 16 * c, best_v[c]);
+        _mm512_store_si512(where + 16 * c, where_v[c]);
+      }
+#else
+      for (int64_t j = 0; j < kLanes; ++j) best[j] = -INFINITY, where[j] = 0;
       for (int64_t i0 = 0; i0 < body; i0 += kLanes)
         for (int64_t j = 0; j < kLanes; ++j) {
-          const bool more = x[i0 + j] > best[j];
-          best[j] = more ? x[i0 + j] : best[j];
+          const float v = to_float(x[i0 + j]);
+          const bool more = v > best[j];
+          best[j] = more ? v : best[j];
           where[j] = more ? static_cast<int32_t>(i0 + j) : where[j];
         }
+#endif
       float mx = best[0];
       for (int64_t j = 1; j < kLanes; ++j) mx = std::max(mx, best[j]);
       int64_t index = n;  // some lane always holds mx (every lane when the body is empty: -inf at index 0)
       for (int64_t j = 0; j < kLanes; ++j)
         if (best[j] == mx) index = std::min<int64_t>(index, where[j]);
       for (int64_t i = body; i < n; ++i)  // the tail's indices follow the body's: only a larger value wins
-        if (x[i] > mx) mx = x[i], index = i;
-      op[r] = index;
+        if (to_float(x[i]) > mx) mx = to_float(x[i]), index = i;
+      out[r] = index;
     }
+  });
+}
+
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(ps::is_act_dtype(logits.scalar_type()) && logits.dim() == 2 && logits.stride(1) == 1 &&
+                  logits.size(1) > 0,
+              "logits must be a float32 or bfloat16 [rows, n] tensor with contiguous rows, n > 0");
+  auto out = torch::empty({logits.size(0)}, logits.options().dtype(torch::kLong));
+  ps::with_act_type(logits.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    argmax_kernel(ps::ptr<T>(logits), logits.size(0), logits.size(1), logits.stride(0), out.data_ptr<int64_t>());
   });
   return out;
 }

@@ -1384,7 +1384,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("out") = py::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] projection (float32 or bfloat16)");
   m.def("rotary_inplace", &rotary_inplace, "Neox-style rotary embedding in place (float32 or bfloat16)");
-  m.def("argmax_rows", &argmax_rows, "each row's argmax, the first index on ties (float32 [rows, n], contiguous rows)");
+  m.def("argmax_rows", &argmax_rows,
+        "each row's argmax, the first index on ties (float32 or bfloat16 [rows, n], contiguous rows)");
   m.def("native_small_gemm", &native_small_gemm, "whether small_gemm runs this dtype (and K; 0: any) natively in "
         "this build", py::arg("dtype"), py::arg("k") = 0);
   m.def("pack_small_gemm_weight", &pack_small_gemm_weight, "a [N, K] weight packed for small_gemm");

@@ -134,7 +134,8 @@ class LlamaForCausalLM(nn.Module):
             return None
         if logits_indices.numel() == 0:  # no row samples this step (every rank knows it): no collective
             return torch.empty((0, self.cfg.vocab_size), device=x.device)
-        logits = self.lm_head(self.norm(x[logits_indices], residual[logits_indices])).float()
+        # in the model dtype: the sampler converts to float32 where it needs to (greedy rows take the argmax as is)
+        logits = self.lm_head(self.norm(x[logits_indices], residual[logits_indices]))
         return ps.gather_vocab(logits, self.cfg.vocab_size)
 
     def set_linear_backend(self, backend: str) -> None:
