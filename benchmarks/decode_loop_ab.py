@@ -38,6 +38,21 @@ def median_decode_step(engine, batch: int, context: int, steps: int, seed: int) 
     return statistics.median(times) * 1e3
 
 
+def engine_for_case(case: str, args):
+    """(LLM, batch, context) for a PRECISION:BATCH:CONTEXT case: room for BATCH requests of CONTEXT prompt tokens
+    and `args.steps` decode steps, no prefix caching (every round prefills its own prompts)."""
+    from pagedserve import LLM
+
+    precision, batch, context = case.split(":")
+    batch, context = int(batch), int(context)
+    quantization = "int8" if precision == "int8" else None
+    dtype = "float32" if quantization else precision
+    llm = LLM(args.model, dtype=dtype, quantization=quantization, num_threads=args.num_threads,
+              num_kv_blocks=2 * batch * (context + args.steps + 64) // 16 + 64, max_num_seqs=batch,
+              max_model_len=context + args.steps + 64, enable_prefix_caching=False)
+    return llm, batch, context
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -47,19 +62,12 @@ def main() -> None:
     p.add_argument("--num-threads", type=int, default=2)
     args = p.parse_args()
 
-    from pagedserve import LLM
     from pagedserve.model_executor.models import llama
 
     native = llama.LlamaForCausalLM._native_decode
     off = lambda self, *a: None  # noqa: E731  (the Python layers run)
     for case in args.cases:
-        precision, batch, context = case.split(":")
-        batch, context = int(batch), int(context)
-        quantization = "int8" if precision == "int8" else None
-        dtype = "float32" if quantization else precision
-        llm = LLM(args.model, dtype=dtype, quantization=quantization, num_threads=args.num_threads,
-                  num_kv_blocks=2 * batch * (context + args.steps + 64) // 16 + 64, max_num_seqs=batch,
-                  max_model_len=context + args.steps + 64, enable_prefix_caching=False)
+        llm, batch, context = engine_for_case(case, args)
         times: dict[bool, list[float]] = {True: [], False: []}
         for r in range(args.rounds):
             for loop in ((True, False) if r % 2 == 0 else (False, True)):

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from decode_loop_ab import median_decode_step
+from decode_loop_ab import engine_for_case, median_decode_step
 
 
 def token_major_caches(caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -84,16 +84,8 @@ def main() -> None:
     if not args.model:
         p.error("--model is needed for engine cases")
 
-    from pagedserve import LLM
-
     for case in args.cases:
-        precision, batch, context = case.split(":")
-        batch, context = int(batch), int(context)
-        quantization = "int8" if precision == "int8" else None
-        dtype = "float32" if quantization else precision
-        llm = LLM(args.model, dtype=dtype, quantization=quantization, num_threads=args.num_threads,
-                  num_kv_blocks=2 * batch * (context + args.steps + 64) // 16 + 64, max_num_seqs=batch,
-                  max_model_len=context + args.steps + 64, enable_prefix_caching=False)
+        llm, batch, context = engine_for_case(case, args)
         runner = llm.llm_engine.runner
         assert runner.kv_caches[0][0].stride(1) == runner.kv_caches[0][0].shape[-1], "expected head-major blocks"
         caches = {"head-major": runner.kv_caches, "token-major": token_major_caches(runner.kv_caches)}
