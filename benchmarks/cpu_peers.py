@@ -42,6 +42,10 @@ Precision groups (pagedserve flag / vLLM flag / OpenVINO setting):
 
 A peer whose venv is missing (or does not import) is skipped with a message, so CI never needs the peers.
 
+--rounds N repeats every precision group N times, the engines' order alternating (A B, B A, ...): on these VMs two
+runs of the same command an hour apart differ by 10-15%, so one run per cell cannot tell a 1.15x target from noise.
+Ratios are then paired within a round and reported as median [min-max]; round k's files go to OUTPUT_DIR/round<k>.
+
 Outputs in --output-dir: cpu_peers.md (tables: output tok/s, TTFT p50/p99, ITL p50/p99, TPOT p50 per engine,
 precision and C; ratios pagedserve vs each peer), cpu_peers.json, every result JSON (`<engine>-<precision>-c<C>.json`,
 the `bench serve --save-result` shape), server / driver logs.
@@ -127,11 +131,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "vLLM's CPU docs recommend and its worker warns about), or a ':'-separated list of libraries")
     p.add_argument("--startup-timeout", type=float, default=900, help="seconds to wait for a server's /health")
     p.add_argument("--output-dir", default=None, help="default: bench_results/cpu_peers-<date>")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every precision group this many times, alternating the engines' order (A B, B A, ...); "
+                        "ratios are paired within a round and reported as median [min-max] (round k's files go to "
+                        "OUTPUT_DIR/round<k>)")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: rebuild cpu_peers.md/.json from the result JSONs already in --output-dir "
                         "(same flags as the run; e.g. after an interrupted run)")
     args = p.parse_args(argv)
     sbs.parse_engine_lists(p, args, ENGINES)
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     args.precision_list = [x.strip() for x in args.precisions.split(",") if x.strip()]
     bad = [x for x in args.precision_list if x not in PRECISIONS]
     if bad:
@@ -535,67 +545,123 @@ RUNNERS = {"pagedserve": run_pagedserve, "pagedserve-engine": run_pagedserve_eng
            "openvino": run_openvino}
 
 
+def round_dir(out_dir: str, k: int, rounds: int) -> str:
+    """Where round k's files go (results, specs, logs): OUTPUT_DIR itself when there is one round."""
+    return out_dir if rounds == 1 else os.path.join(out_dir, f"round{k}")
+
+
+def engine_order(engines: list[str], k: int) -> list[str]:
+    """Round k runs the engines in the given order when k is even and reversed when odd (A B, B A, A B, ...), so a
+    drift of the machine's speed within the run (10-15% within the hour on these VMs) falls on every engine alike."""
+    return list(engines) if k % 2 == 0 else list(reversed(engines))
+
+
 def collect_results(args, workloads: dict, out_dir: str, rows: list, skipped: dict) -> None:
     """--report-only: the rows of the result JSONs already in out_dir (notes are not kept in them)."""
     labels = [p for base in args.precision_list
               for p in (base, f"{base}+{args.structured_output}" if args.structured_output else None) if p]
-    for prec in labels:
-        for engine in ENGINES:
-            for c in args.concurrencies:
-                path = os.path.join(out_dir, result_name(engine, prec, c))
-                if os.path.isfile(path):
-                    with open(path) as f:
-                        rows.append(make_row(engine, prec, c, json.load(f), workloads[c], notes="(from --report-only)"))
-                elif engine in args.engine_list:
-                    skipped.setdefault(f"{LABELS[engine]} {prec} C={c}", "no result file")
+    for k in range(args.rounds):
+        d, where = round_dir(out_dir, k, args.rounds), f" round {k}" if args.rounds > 1 else ""
+        for prec in labels:
+            for engine in ENGINES:
+                for c in args.concurrencies:
+                    path = os.path.join(d, result_name(engine, prec, c))
+                    if os.path.isfile(path):
+                        with open(path) as f:
+                            row = make_row(engine, prec, c, json.load(f), workloads[c], notes="(from --report-only)")
+                        rows.append(dict(row, round=k))
+                    elif engine in args.engine_list:
+                        skipped.setdefault(f"{LABELS[engine]} {prec} C={c}{where}", "no result file")
 
 
 # ---------------------------------------------------------------------------------------------- report
 
 
+THROUGHPUT_METRICS = ("output_tok_s",)
+LATENCY_METRICS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+
+
 def ratios(rows: list[dict]) -> list[dict]:
-    """pagedserve (through its server; and its engine alone, when run) vs every peer in the same precision group and
-    C; > 1 = pagedserve better."""
+    """pagedserve (through its server; and its engine alone, when run) vs every peer in the same precision group, C
+    and round; > 1 = pagedserve better."""
     def div(a, b):
         return a / b if a is not None and b else float("nan")
 
     out = []
-    ours = sorted((r for r in rows if r["engine"] in OURS),
-                  key=lambda r: (precision_order(r["precision"]), r["concurrency"], ENGINES.index(r["engine"])))
+    ours = sorted((r for r in rows if r["engine"] in OURS), key=sort_key)
     for p in ours:
-        prec, c = p["precision"], p["concurrency"]
+        prec, c, k = p["precision"], p["concurrency"], p.get("round", 0)
         for o in rows:
-            if o["engine"] in OURS or o["precision"] != prec or o["concurrency"] != c:
+            if o["engine"] in OURS or o["precision"] != prec or o["concurrency"] != c or o.get("round", 0) != k:
                 continue
-            out.append({"precision": prec, "concurrency": c, "ours": p["label"], "ours_engine": p["engine"],
-                        "vs": o["label"], "vs_engine": o["engine"],
-                        "output_tok_s": div(p["output_tok_s"], o["output_tok_s"]),
-                        "ttft_p50": div(o["ttft_p50_ms"], p["ttft_p50_ms"]),
-                        "ttft_p99": div(o["ttft_p99_ms"], p["ttft_p99_ms"]),
-                        "itl_p50": div(o["itl_p50_ms"], p["itl_p50_ms"]),
-                        "itl_p99": div(o["itl_p99_ms"], p["itl_p99_ms"])})
+            out.append({"precision": prec, "concurrency": c, "round": k, "ours": p["label"],
+                        "ours_engine": p["engine"], "vs": o["label"], "vs_engine": o["engine"],
+                        **{m: div(p[m], o[m]) for m in THROUGHPUT_METRICS},
+                        **{m.removesuffix("_ms"): div(o[m], p[m]) for m in LATENCY_METRICS}})
     return out
 
 
+def spread(values: list[float]) -> dict:
+    """median, min and max of one metric over the rounds (NaNs, from a missing run, left out)."""
+    v = sorted(x for x in values if x is not None and not math.isnan(x))
+    if not v:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0}
+    mid = len(v) // 2
+    median = v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+    return {"median": median, "min": v[0], "max": v[-1], "n": len(v)}
+
+
+def summarize_rows(rows: list[dict]) -> list[dict]:
+    """One entry per engine, precision and C: every metric's spread over the rounds."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in sort_rows(rows):
+        groups.setdefault((r["precision"], r["concurrency"], r["engine"]), []).append(r)
+    metrics = (*THROUGHPUT_METRICS, *LATENCY_METRICS, "tpot_p50_ms")
+    return [{"precision": prec, "concurrency": c, "engine": e, "label": rs[0]["label"], "runs": len(rs),
+             "all_exact": all(r["exact_lengths"] and not r["failed"] for r in rs),
+             **{m: spread([r[m] for r in rs]) for m in metrics}} for (prec, c, e), rs in groups.items()]
+
+
+def summarize_ratios(rats: list[dict]) -> list[dict]:
+    """One entry per (ours, peer, precision, C): the spread of the ratios paired within each round."""
+    groups: dict[tuple, list[dict]] = {}
+    for q in rats:
+        groups.setdefault((q["precision"], q["concurrency"], q["ours_engine"], q["vs_engine"]), []).append(q)
+    metrics = (*THROUGHPUT_METRICS, *(m.removesuffix("_ms") for m in LATENCY_METRICS))
+    return [{"precision": prec, "concurrency": c, "ours": qs[0]["ours"], "vs": qs[0]["vs"],
+             "per_round": [q["output_tok_s"] for q in sorted(qs, key=lambda q: q["round"])],
+             **{m: spread([q[m] for q in qs]) for m in metrics}} for (prec, c, _, _), qs in groups.items()]
+
+
+def sort_key(r: dict) -> tuple:
+    return precision_order(r["precision"]), r["concurrency"], r.get("round", 0), ENGINES.index(r["engine"])
+
+
 def sort_rows(rows: list[dict]) -> list[dict]:
-    return sorted(rows, key=lambda r: (precision_order(r["precision"]), r["concurrency"], ENGINES.index(r["engine"])))
+    return sorted(rows, key=sort_key)
 
 
 def format_report(meta: dict, rows: list[dict], rats: list[dict], skipped: dict) -> str:
+    rounds = meta.get("rounds", 1)
     L = ["# pagedserve vs vLLM CPU vs OpenVINO GenAI (issue 12)", "",
          f"model `{meta['model']}`; {meta['threads']} threads per engine; workload {meta['dataset']}: "
          f"{meta['workload']}; closed loop at concurrency C, exact output lengths (ignore_eos), greedy; seed "
          f"{meta['seed']}; {meta['date']}", "",
-         "versions: " + "; ".join(f"{k}: {v}" for k, v in meta["versions"].items()), "",
-         "| precision | C | engine | done/failed | exact lens | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | "
-         "ITL p50 (ms) | ITL p99 (ms) | TPOT p50 (ms) |",
-         "| --- | ---: | --- | ---: | :---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+         "versions: " + "; ".join(f"{k}: {v}" for k, v in meta["versions"].items()), ""]
+    if rounds > 1:
+        L += multi_round_tables(rounds, rows, rats) + ["", "Every run:", ""]
+    every_run = rounds > 1
+    L += ["| precision | C | " + ("round | " if every_run else "") + "engine | done/failed | exact lens | "
+          "output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) | TPOT p50 (ms) |",
+          "| --- | ---: | " + ("---: | " if every_run else "") + "--- | ---: | :---: | ---: | ---: | ---: | ---: | ---: | "
+          "---: |"]
     for r in sort_rows(rows):
-        L.append(f"| {r['precision']} | {r['concurrency']} | {r['label']} | {r['completed']}/{r['failed']} | "
+        L.append(f"| {r['precision']} | {r['concurrency']} | " + (f"{r.get('round', 0)} | " if every_run else "") +
+                 f"{r['label']} | {r['completed']}/{r['failed']} | "
                  f"{'yes' if r['exact_lengths'] else 'NO'} | {r['output_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | "
                  f"{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | "
                  f"{r['tpot_p50_ms'] or 0:.1f} |")
-    if rats:
+    if rats and not every_run:
         L += ["", "Ratios, pagedserve vs the peer in the same precision group and C (> 1 = pagedserve better: its "
                   "throughput / theirs, their latency / its latency):", "",
               "| precision | C | pagedserve | vs | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |",
@@ -613,6 +679,36 @@ def format_report(meta: dict, rows: list[dict], rats: list[dict], skipped: dict)
     if skipped:
         L += ["", "Skipped: " + "; ".join(f"{k}: {v}" for k, v in skipped.items())]
     return "\n".join(L) + "\n"
+
+
+def multi_round_tables(rounds: int, rows: list[dict], rats: list[dict]) -> list[str]:
+    """--rounds > 1: each engine's medians over the rounds, and the ratios paired within a round as median
+    [min-max]."""
+    def rng(s: dict, fmt: str, unit: str = "") -> str:
+        return f"{s['median']:{fmt}}{unit} [{s['min']:{fmt}}-{s['max']:{fmt}}]"
+
+    L = [f"Medians over {rounds} rounds (the engines' order alternates from round to round), [min-max] where it "
+         "matters:", "",
+         "| precision | C | engine | runs | exact lens | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | "
+         "ITL p99 (ms) | TPOT p50 (ms) |",
+         "| --- | ---: | --- | ---: | :---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for g in summarize_rows(rows):
+        L.append(f"| {g['precision']} | {g['concurrency']} | {g['label']} | {g['runs']} | "
+                 f"{'yes' if g['all_exact'] else 'NO'} | {rng(g['output_tok_s'], '.1f')} | "
+                 f"{g['ttft_p50_ms']['median']:.0f} | {rng(g['ttft_p99_ms'], '.0f')} | {g['itl_p50_ms']['median']:.1f} | "
+                 f"{rng(g['itl_p99_ms'], '.1f')} | {g['tpot_p50_ms']['median']:.1f} |")
+    if rats:
+        L += ["", "Ratios, pagedserve vs the peer in the same precision group and C, paired within each round (> 1 = "
+                  "pagedserve better: its throughput / theirs, their latency / its latency); median [min-max] over "
+                  "the rounds, and output tok/s round by round:", "",
+              "| precision | C | pagedserve | vs | output tok/s | per round | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |",
+              "| --- | ---: | --- | --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+        for q in summarize_ratios(rats):
+            L.append(f"| {q['precision']} | {q['concurrency']} | {q['ours']} | {q['vs']} | "
+                     f"{rng(q['output_tok_s'], '.2f', 'x')} | {', '.join(f'{x:.2f}' for x in q['per_round'])} | "
+                     f"{q['ttft_p50']['median']:.2f}x | {rng(q['ttft_p99'], '.2f', 'x')} | {q['itl_p50']['median']:.2f}x | "
+                     f"{rng(q['itl_p99'], '.2f', 'x')} |")
+    return L
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -658,19 +754,24 @@ def main(argv=None) -> int:
         collect_results(args, workloads, out_dir, rows, skipped)
     try:
         for prec in ([] if args.report_only else args.precision_list):  # every engine back to back within a group
-            for engine in args.engine_list:
-                # the 1-minute load average before/after: this benchmark shares the machine with whatever else runs
-                n, before = len(rows), os.getloadavg()[0]
-                RUNNERS[engine](args, prec, workloads, out_dir, rows, skipped)
-                after = os.getloadavg()[0]
-                for r in rows[n:]:
-                    r["loadavg_1min"] = [round(before, 2), round(after, 2)]
+            for k in range(args.rounds):
+                d = round_dir(out_dir, k, args.rounds)
+                os.makedirs(d, exist_ok=True)
+                for engine in engine_order(args.engine_list, k):
+                    # the 1-minute load average before/after: this benchmark shares the machine with whatever runs
+                    n, before, round_skips = len(rows), os.getloadavg()[0], {}
+                    RUNNERS[engine](args, prec, workloads, d, rows, round_skips)
+                    after = os.getloadavg()[0]
+                    for r in rows[n:]:
+                        r.update(loadavg_1min=[round(before, 2), round(after, 2)], round=k)
+                    skipped.update({f"{key} (round {k})" if args.rounds > 1 else key: why
+                                    for key, why in round_skips.items()})
     finally:
         sbs.stop_all_servers()
 
     meta = {"model": args.model, "threads": args.threads, "dataset": args.dataset, "workload": workload,
             "seed": args.seed, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "versions": versions}
+            "versions": versions, "rounds": args.rounds}
     rats = ratios(rows)
     report = format_report(meta, rows, rats, skipped)
     log("")
@@ -680,7 +781,8 @@ def main(argv=None) -> int:
     payload = dict(meta, concurrency=args.concurrencies, precisions=args.precision_list, num_prompts=args.num_prompts,
                    c1_num_prompts=args.c1_num_prompts,
                    max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                   rows=sort_rows(rows), ratios=rats, skipped=skipped)
+                   rows=sort_rows(rows), ratios=rats, skipped=skipped,
+                   summary={"rows": summarize_rows(rows), "ratios": summarize_ratios(rats)})
     with open(os.path.join(out_dir, "cpu_peers.json"), "w") as f:
         json.dump(payload, f, indent=2)
     log(f"saved {out_dir}/cpu_peers.md and cpu_peers.json")

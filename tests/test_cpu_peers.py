@@ -221,3 +221,57 @@ def test_engine_driver_runs_the_closed_loop_in_process(cp, tiny, tmp_path):
         assert r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] > 0
     spec = json.loads((tmp_path / "pagedserve-engine-fp32-spec.json").read_text())
     assert "--num-kv-blocks" in spec["engine_flags"] and spec["engine_flags"][-2:] == ["--dtype", "float32"]
+
+
+def test_rounds_alternate_and_pair_within_a_round(cp, tmp_path):
+    """--rounds: the engines' order flips every round, each round writes its own directory, ratios pair runs of the
+    same round only, and the report gives the median [min-max] of the paired ratios."""
+    a = cp.parse_args(["--model", "m", "--rounds", "3"])
+    assert a.rounds == 3
+    with pytest.raises(SystemExit):
+        cp.parse_args(["--model", "m", "--rounds", "0"])
+    assert [cp.engine_order(["a", "b"], k) for k in range(3)] == [["a", "b"], ["b", "a"], ["a", "b"]]
+    assert cp.round_dir("out", 0, 1) == "out" and cp.round_dir("out", 2, 3) == os.path.join("out", "round2")
+
+    def row(engine, k, tok_s, ttft_p99):
+        return {"engine": engine, "label": cp.LABELS[engine], "precision": "bf16", "concurrency": 16, "round": k,
+                "completed": 4, "failed": 0, "exact_lengths": True, "output_tok_s": tok_s, "ttft_p50_ms": 10.0,
+                "ttft_p99_ms": ttft_p99, "itl_p50_ms": 5.0, "itl_p99_ms": 9.0, "tpot_p50_ms": 5.0, "notes": ""}
+
+    # round 1's OpenVINO run was slow for the machine, not for OpenVINO: pairing by round keeps that out of round 0/2
+    rows = [row("pagedserve-engine", 0, 120.0, 100.0), row("openvino", 0, 100.0, 110.0),
+            row("pagedserve-engine", 1, 90.0, 100.0), row("openvino", 1, 60.0, 90.0),
+            row("pagedserve-engine", 2, 130.0, 100.0), row("openvino", 2, 100.0, 100.0)]
+    rats = cp.ratios(rows)
+    assert [(q["round"], round(q["output_tok_s"], 2)) for q in rats] == [(0, 1.2), (1, 1.5), (2, 1.3)]
+    (s,) = cp.summarize_ratios(rats)
+    assert s["per_round"] == pytest.approx([1.2, 1.5, 1.3])
+    assert s["output_tok_s"] == pytest.approx({"median": 1.3, "min": 1.2, "max": 1.5, "n": 3})
+    assert s["ttft_p99"]["min"] == pytest.approx(0.9) and s["ttft_p99"]["median"] == pytest.approx(1.0)
+    by_engine = {g["engine"]: g for g in cp.summarize_rows(rows)}
+    assert by_engine["openvino"]["output_tok_s"]["median"] == 100.0 and by_engine["openvino"]["runs"] == 3
+    assert cp.spread([2.0, float("nan"), 4.0])["median"] == 3.0 and cp.spread([])["n"] == 0
+
+    meta = {"model": "m", "threads": 2, "dataset": "mixed", "workload": "w", "seed": 0, "date": "d",
+            "versions": {}, "rounds": 3}
+    md = cp.format_report(meta, rows, rats, {})
+    assert "| bf16 | 16 | pagedserve engine (in-process) | OpenVINO GenAI CB | 1.30x [1.20-1.50] | 1.20, 1.50, 1.30 |" \
+        in md
+    assert "| bf16 | 16 | OpenVINO GenAI CB | 3 | yes | 100.0 [60.0-100.0] |" in md
+    assert "| bf16 | 16 | 1 | OpenVINO GenAI CB | 4/0 | yes | 60.0 |" in md  # every run, with its round
+
+
+def test_report_only_reads_every_round(cp, tiny, tmp_path):
+    a = cp.parse_args(["--model", tiny, "--num-prompts", "2", "--concurrency", "2", "--precisions", "fp32",
+                       "--engines", "openvino", "--rounds", "2", "--output-dir", str(tmp_path)])
+    w, _ = cp.build_workloads(a)
+    run = {"duration": 1.0, "requests": [
+        {"success": True, "prompt_len": s.prompt_len, "output_tokens": s.expected_output_len, "ttft": 0.1,
+         "itl": [0.01] * (s.expected_output_len - 1), "latency": 0.5, "start_time": 0.0} for s in w[2]]}
+    (tmp_path / "round1").mkdir()
+    (tmp_path / "round1" / cp.result_name("openvino", "fp32", 2)).write_text(
+        json.dumps(cp.result_from_driver(run, 2, "x")))
+    rows, skipped = [], {}
+    cp.collect_results(a, w, str(tmp_path), rows, skipped)
+    assert [(r["engine"], r["round"]) for r in rows] == [("openvino", 1)]
+    assert list(skipped) == ["OpenVINO GenAI CB fp32 C=2 round 0"]
