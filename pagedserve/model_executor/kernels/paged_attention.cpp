@@ -306,14 +306,26 @@ class ChunkWalker {
   const T* rows_[2][2][kChunk];  // [current/next chunk][K/V][token]: each token's KV head 0
 };
 
+// The online softmax's weights exp(scale s - m) for raw scores s (m: the running max of the scaled scores) as
+// 2^(s scale log2(e) - m log2(e)): one FMA into exp2_16, where a multiply, a subtract and exp16's own range
+// reduction and clamps took ~2x the instructions (the softmax was a third of the bf16 prefill kernel's time).
+// Deg: exp2_16's polynomial (4 where the weights are rounded to bfloat16 next). The max is taken over the raw
+// scores: scale > 0, so max(scale s) = scale max(s).
+constexpr float kLog2e = 1.44269504088896341f;
+
+template <int Deg>
+inline __m512 softmax_weights(__m512 raw, float scale, float m_new) {
+  return ps::exp2_16<Deg>(_mm512_fmsub_ps(raw, _mm512_set1_ps(scale * kLog2e), _mm512_set1_ps(m_new * kLog2e)));
+}
+
 // One online-softmax step with a chunk's raw scores sc (lanes outside `valid` ignored): m (running max of the
 // scaled scores) and l (running sum of exp(score - m)) move to the new max; alpha = exp(m_old - m_new), by which
 // the caller rescales its value sums. Returns exp(score - m_new) (0 in ignored lanes).
 inline __m512 softmax_update(__m512 sc, __mmask16 valid, float scale, float& m, float& l, float& alpha) {
-  sc = _mm512_mask_mov_ps(_mm512_set1_ps(kNoScore), valid, _mm512_mul_ps(sc, _mm512_set1_ps(scale)));
-  const float m_new = std::max(m, _mm512_reduce_max_ps(sc));
+  sc = _mm512_mask_mov_ps(_mm512_set1_ps(kNoScore), valid, sc);
+  const float m_new = std::max(m, _mm512_reduce_max_ps(sc) * scale);
   alpha = m_new == m ? 1.f : std::exp(m - m_new);  // the max moves rarely after the first chunks
-  const __m512 pv = _mm512_maskz_mov_ps(valid, ps::exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
+  const __m512 pv = _mm512_maskz_mov_ps(valid, softmax_weights<6>(sc, scale, m_new));
   l = l * alpha + _mm512_reduce_add_ps(pv);
   m = m_new;
   return pv;
@@ -322,16 +334,16 @@ inline __m512 softmax_update(__m512 sc, __mmask16 valid, float scale, float& m, 
 // softmax_update over two chunks at once (their raw scores a and b, lanes outside va / vb ignored): one running
 // max, one rescale, one sum for 32 keys, so the serial part (max reduction, scalar exp, sum) is paid once per 32.
 // The chunks' exp(score - m_new) come back in a and b.
+template <int Deg = 6>
 inline void softmax_update2(__m512& a, __mmask16 va, __m512& b, __mmask16 vb, float scale, float& m, float& l,
                             float& alpha) {
-  const __m512 none = _mm512_set1_ps(kNoScore), sv = _mm512_set1_ps(scale);
-  a = _mm512_mask_mov_ps(none, va, _mm512_mul_ps(a, sv));
-  b = _mm512_mask_mov_ps(none, vb, _mm512_mul_ps(b, sv));
-  const float m_new = std::max(m, _mm512_reduce_max_ps(_mm512_max_ps(a, b)));
+  const __m512 none = _mm512_set1_ps(kNoScore);
+  a = _mm512_mask_mov_ps(none, va, a);
+  b = _mm512_mask_mov_ps(none, vb, b);
+  const float m_new = std::max(m, _mm512_reduce_max_ps(_mm512_max_ps(a, b)) * scale);
   alpha = m_new == m ? 1.f : std::exp(m - m_new);
-  const __m512 mv = _mm512_set1_ps(m_new);
-  a = _mm512_maskz_mov_ps(va, ps::exp16(_mm512_sub_ps(a, mv)));
-  b = _mm512_maskz_mov_ps(vb, ps::exp16(_mm512_sub_ps(b, mv)));
+  a = _mm512_maskz_mov_ps(va, softmax_weights<Deg>(a, scale, m_new));
+  b = _mm512_maskz_mov_ps(vb, softmax_weights<Deg>(b, scale, m_new));
   l = l * alpha + _mm512_reduce_add_ps(_mm512_add_ps(a, b));
   m = m_new;
 }
@@ -353,12 +365,12 @@ inline __m128 reduce4(const __m512* v, Op op) {
 // m[r], l[r], alpha[r]): the rows' max and sum reductions and rescale factors share one tree and one exp each, so
 // the serial part of a step is paid once for up to four rows (one call per row spent a quarter of the bf16 prefill
 // kernel's time on it; BENCHMARKS.md section 6, "Tenth pass").
-template <int NR, bool kTwo = true>
+template <int NR, bool kTwo = true, int Deg = 6>
 __attribute__((always_inline)) inline void softmax_update2_four(__m512* a, const __mmask16* va, __m512* b,
                                                                 const __mmask16* vb, float scale, float* m, float* l,
                                                                 float* alpha) {
   static_assert(NR >= 1 && NR <= 4);
-  const __m512 none = _mm512_set1_ps(kNoScore), sv = _mm512_set1_ps(scale);
+  const __m512 none = _mm512_set1_ps(kNoScore);
   const __mmask8 rows = static_cast<__mmask8>((1u << NR) - 1);
   __m512 v[4];
   for (int r = 0; r < 4; ++r) {
@@ -366,12 +378,13 @@ __attribute__((always_inline)) inline void softmax_update2_four(__m512* a, const
       v[r] = none;
       continue;
     }
-    a[r] = _mm512_mask_mov_ps(none, va[r], _mm512_mul_ps(a[r], sv));
-    if constexpr (kTwo) b[r] = _mm512_mask_mov_ps(none, vb[r], _mm512_mul_ps(b[r], sv));
+    a[r] = _mm512_mask_mov_ps(none, va[r], a[r]);
+    if constexpr (kTwo) b[r] = _mm512_mask_mov_ps(none, vb[r], b[r]);
     v[r] = kTwo ? _mm512_max_ps(a[r], b[r]) : a[r];
   }
   const __m128 m_old = _mm_maskz_loadu_ps(rows, m);
-  const __m128 m_new = _mm_max_ps(m_old, reduce4(v, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); }));
+  const __m128 raw_max = reduce4(v, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); });
+  const __m128 m_new = _mm_max_ps(m_old, _mm_mul_ps(raw_max, _mm_set1_ps(scale)));
   const __m128 al = _mm512_castps512_ps128(ps::exp16(_mm512_zextps128_ps512(_mm_sub_ps(m_old, m_new))));
   alignas(16) float mn[4];
   _mm_store_ps(mn, m_new);
@@ -380,9 +393,8 @@ __attribute__((always_inline)) inline void softmax_update2_four(__m512* a, const
       v[r] = _mm512_setzero_ps();
       continue;
     }
-    const __m512 mv = _mm512_set1_ps(mn[r]);
-    a[r] = _mm512_maskz_mov_ps(va[r], ps::exp16(_mm512_sub_ps(a[r], mv)));
-    if constexpr (kTwo) b[r] = _mm512_maskz_mov_ps(vb[r], ps::exp16(_mm512_sub_ps(b[r], mv)));
+    a[r] = _mm512_maskz_mov_ps(va[r], softmax_weights<Deg>(a[r], scale, mn[r]));
+    if constexpr (kTwo) b[r] = _mm512_maskz_mov_ps(vb[r], softmax_weights<Deg>(b[r], scale, mn[r]));
     v[r] = kTwo ? _mm512_add_ps(a[r], b[r]) : a[r];
   }
   const __m128 sums = reduce4(v, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
@@ -392,13 +404,13 @@ __attribute__((always_inline)) inline void softmax_update2_four(__m512* a, const
 }
 
 // softmax_update2_four for NR <= 8 rows, four at a time (kTwo false: one chunk, b and vb unused).
-template <int NR, bool kTwo = true>
+template <int NR, bool kTwo = true, int Deg = 6>
 inline void softmax_update2_rows(__m512* a, const __mmask16* va, __m512* b, const __mmask16* vb, float scale,
                                  float* m, float* l, float* alpha) {
-  softmax_update2_four<std::min(NR, 4), kTwo>(a, va, b, vb, scale, m, l, alpha);
+  softmax_update2_four<std::min(NR, 4), kTwo, Deg>(a, va, b, vb, scale, m, l, alpha);
   if constexpr (NR > 4)
-    softmax_update2_four<NR - 4, kTwo>(a + 4, va + 4, kTwo ? b + 4 : b, kTwo ? vb + 4 : vb, scale, m + 4, l + 4,
-                                       alpha + 4);
+    softmax_update2_four<NR - 4, kTwo, Deg>(a + 4, va + 4, kTwo ? b + 4 : b, kTwo ? vb + 4 : vb, scale, m + 4,
+                                            l + 4, alpha + 4);
 }
 
 // The lanes of a two-chunk step that each of NR rows sees (visible[r] of its 2 kChunk keys, the first chunk first):
@@ -773,7 +785,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void attend_bf16_grouped(const bf16
         v0[g] = valid0, v1[g] = valid1;
         rows[g] = acc + h * d;
       }
-      softmax_update2_rows<G>(sc0, v0, sc1, v1, scale, m + kv * G, l + kv * G, alpha);
+      softmax_update2_rows<G, true, 4>(sc0, v0, sc1, v1, scale, m + kv * G, l + kv * G, alpha);
       for (int g = 0; g < G; ++g) {
         _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g]), (__m256i)_mm512_cvtneps_pbh(sc0[g]));
         _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g] + kPairs), (__m256i)_mm512_cvtneps_pbh(sc1[g]));
@@ -937,7 +949,7 @@ inline void prefill_rows_bf16(const uint32_t* const* q, const int64_t* visible, 
 #pragma GCC unroll 8
   for (int r = 0; r < NR; ++r) p0[r] = s0[r], p1[r] = s1[r];
   const int64_t most = step_masks<NR>(visible, v0, v1);
-  softmax_update2_rows<NR>(p0, v0, p1, v1, scale, m, l, alpha);
+  softmax_update2_rows<NR, true, 4>(p0, v0, p1, v1, scale, m, l, alpha);
 #pragma GCC unroll 8
   for (int r = 0; r < NR; ++r) {
     _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]), (__m256i)_mm512_cvtneps_pbh(p0[r]));
@@ -979,7 +991,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void prefill_block_amx(const bf16* 
       const int64_t v0 = std::min(visible[r], kChunk), v1 = visible[r] - v0;
       p0 = _mm512_load_ps(&scores[r][0]);
       p1 = _mm512_load_ps(&scores[r][kChunk]);
-      softmax_update2(p0, static_cast<__mmask16>((1u << v0) - 1), p1, static_cast<__mmask16>((1u << v1) - 1), scale,
+      softmax_update2<4>(p0, static_cast<__mmask16>((1u << v0) - 1), p1, static_cast<__mmask16>((1u << v1) - 1), scale,
                       m[r], l[r], alpha[r]);
     }
     _mm256_store_si256(reinterpret_cast<__m256i*>(&p[r][0]), (__m256i)_mm512_cvtneps_pbh(p0));
@@ -1227,6 +1239,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(ps::is_act_dtype(q.scalar_type()) && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be float32 or bfloat16 [S, H, D] with contiguous heads");
   const CacheLayout layout = layout_of(k_cache, v_cache);
+  TORCH_CHECK(scale > 0, "scale must be positive (the softmax takes the max of the unscaled scores)");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong);
   auto bt = block_tables.contiguous();
   auto lens = context_lens.contiguous();
@@ -1268,6 +1281,7 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
               out.stride(1) == out.size(2), "out must be shaped like q, of q's dtype, with contiguous heads");
   const CacheLayout layout = layout_of(k_cache, v_cache);
   TORCH_CHECK(block_ids.scalar_type() == torch::kLong && first >= 0);
+  TORCH_CHECK(scale > 0, "scale must be positive (the softmax takes the max of the unscaled scores)");
   auto table = block_ids.contiguous();
   TORCH_CHECK(table.numel() * k_cache.size(1) >= first + q.size(0), "block_ids do not cover the context");
   TORCH_CHECK(native_prefill(q.size(2)), "paged_prefill_attention: not built for head_dim ", q.size(2));

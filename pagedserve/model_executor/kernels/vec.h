@@ -111,6 +111,31 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 2^x per lane for the online softmax's exponents (x <= 0 up to rounding: a score's distance below the running
+// max, in log2 units). x = n + r, n an integer and |r| <= 1/2 (exact), 2^r by a polynomial of degree Deg, times 2^n
+// by VSCALEFPS. Deg 6: ~1e-7 relative, float32's own rounding; Deg 4: ~5e-6, for weights that are rounded to
+// bfloat16 next (2^-9 relative). No clamp: a very negative x gives 0, and a masked lane's -1e30 gives r = 0, 2^n = 0.
+template <int Deg = 6>
+inline __m512 exp2_16(__m512 x) {
+  static_assert(Deg == 4 || Deg == 6);
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(x, n);
+  __m512 p;
+  if constexpr (Deg == 6) {  // least-squares fits of 2^r on [-1/2, 1/2], relative error weighted
+    p = _mm512_fmadd_ps(_mm512_set1_ps(1.5332507609855384e-4f), r, _mm512_set1_ps(1.3394701527431607e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.618490934371948e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5503424257040024e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.24022647738456726f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.6931471824645996f));
+  } else {
+    p = _mm512_fmadd_ps(_mm512_set1_ps(9.55411046743393e-3f), r, _mm512_set1_ps(5.587037652730942e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.2402469664812088f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.6931280493736267f));
+  }
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(Deg == 6 ? 1.f : 0.999999463558197f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // Transposes the 16 x 16 matrix of 32-bit elements whose row i is v[i], in place (lane i of v[j] becomes element j of
 // the old row i): three levels of unpacks within 128-bit lanes, then two of 128-bit lane shuffles, 64 in all.
 inline void transpose16x16(__m512i* v) {
