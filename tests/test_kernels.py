@@ -194,14 +194,15 @@ def _check_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, layout
 @pytest.mark.parametrize("q_dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                    (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)])
 @pytest.mark.parametrize("n, first, threads, layout", [(37, 0, 1, "heads"), (20, 45, 2, "split"), (1, 16, 1, "heads"),
-                                                     (70, 3, 2, "joint"), (50, 21, 2, "heads")])
+                                                     (70, 3, 2, "joint"), (50, 21, 2, "heads"), (45, 290, 2, "heads")])
 @pytest.mark.parametrize("heads, kvh, d, bs", [(9, 3, 64, 16), (4, 2, 128, 8), (6, 6, 48, 4), (5, 1, 32, 16)])
 @pytest.mark.parametrize("amx", [True, False])
 def test_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, layout, heads, kvh, d, bs, amx):
     """A prefill chunk of n tokens after `first` cached ones, causal over the paged cache (tiles of 32 query tokens
-    and chunks of 16 keys cut at odd places); built on AVX-512 for head_dim % 16 == 0 only. In bfloat16 with a
-    bfloat16 cache and head_dim % 32 == 0 the rows go four at a time (5 heads per KV head: a tile's rows end in
-    blocks of 1-3), or 16 at a time on AMX tiles where the CPU has them (amx=False keeps the vector path there)."""
+    and chunks of 16 keys cut at odd places); built on AVX-512 for head_dim % 16 == 0 only. The vector paths take
+    rows eight at a time (5 heads per KV head: a tile's rows end in blocks of 1-7) with one softmax update per 256
+    keys (335 keys: a full update, then a partial one). In bfloat16 with a bfloat16 cache and head_dim % 32 == 0
+    the rows go 16 at a time on AMX tiles where the CPU has them (amx=False keeps the vector path there)."""
     if amx and not ops.amx_tiles():
         pytest.skip("no AMX tiles in this build or on this CPU (the amx=False case runs the vector path)")
     ops.set_amx_tiles(amx)
@@ -217,7 +218,8 @@ def _check_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, layou
     if not ops.native_prefill(d):
         return
     g = torch.Generator().manual_seed(n + first)
-    ctx, blocks = first + n, 60
+    ctx = first + n
+    blocks = max(60, -(-ctx // bs) + 4)
     k_cache, v_cache = _kv_caches(blocks, bs, kvh, d, cache_dtype, layout, g)
     block_ids = torch.randperm(blocks, generator=g)[:-(-ctx // bs)]
     qkv = torch.randn(n, (heads + 2 * kvh) * d, generator=g).to(q_dtype)

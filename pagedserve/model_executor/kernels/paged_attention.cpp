@@ -413,19 +413,6 @@ inline void softmax_update2_rows(__m512* a, const __mmask16* va, __m512* b, cons
                                             l + 4, alpha + 4);
 }
 
-// The lanes of a two-chunk step that each of NR rows sees (visible[r] of its 2 kChunk keys, the first chunk first):
-// v0[r], v1[r] per chunk. Returns the most any row sees.
-template <int NR>
-inline int64_t step_masks(const int64_t* visible, __mmask16* v0, __mmask16* v1) {
-  int64_t most = 0;
-  for (int r = 0; r < NR; ++r) {
-    const int64_t n0 = std::min(visible[r], kChunk);
-    v0[r] = static_cast<__mmask16>((1u << n0) - 1), v1[r] = static_cast<__mmask16>((1u << (visible[r] - n0)) - 1);
-    most = std::max(most, visible[r]);
-  }
-  return most;
-}
-
 // Online softmax of one query head over the scores sc0 of the first n0 keys of a chunk and sc1 of the first n1 of
 // the chunk after it (none when n1 = 0): m, l and acc (d floats, the running sum of exp(score - m) * value) are
 // rescaled once for both and updated. v_rows: both chunks' value rows, the second's from index n0 (a first chunk
@@ -482,29 +469,91 @@ inline void score_rows(const float* qf, int64_t d, const float* kt, __m512* s0, 
   for (int r = 0; r < R; ++r) s0[r] = a0[r], s1[r] = a1[r];
 }
 
+// Two-chunk steps per online-softmax update in the prefill kernels' vector paths: the update's serial part (the max
+// and sum reduction trees, the rescale factor's exp) is paid once per 32 kWideSteps keys instead of once per 32, and
+// its exps run side by side. One update per 256 keys measured 1.12-1.25x the bf16 kernel's speed against one per 32
+// (64 keys 1.0-1.1x less than 128, 128 up to 1.1x less than 256, 512 level; BENCHMARKS.md section 6).
+constexpr int kWideSteps = 8;
+constexpr int kWideVecs = 2 * kWideSteps;            // score vectors per row and update
+constexpr int64_t kWidePairs = kWideVecs * kChunk / 2;  // token pairs per update (the bf16 value sums)
+
+// softmax_update2_four over up to kWideVecs score vectors per row (sc[r][k]: keys 16k .. 16k + 15 of the update;
+// row r sees its first visible[r]), for NR <= 4 rows: one max tree, one sum tree and one rescale exp for all of
+// them. Each vector's weights (exp2_16 of degree Deg) go to store(r, k, weights).
+template <int NR, int Deg, typename Store>
+__attribute__((always_inline)) inline void softmax_update_wide_four(__m512 (*sc)[kWideVecs], int nvec,
+                                                                    const int64_t* visible, float scale, float* m,
+                                                                    float* l, float* alpha, Store store) {
+  static_assert(NR >= 1 && NR <= 4);
+  const __m512 none = _mm512_set1_ps(kNoScore);
+  const __mmask8 rows = static_cast<__mmask8>((1u << NR) - 1);
+  __mmask16 mask[4][kWideVecs];
+  __m512 v[4];
+  for (int r = 0; r < 4; ++r) {
+    v[r] = none;
+    if (r >= NR) continue;
+    for (int k = 0; k < nvec; ++k) {
+      const int64_t n = std::clamp<int64_t>(visible[r] - kChunk * k, 0, kChunk);
+      mask[r][k] = static_cast<__mmask16>((1u << n) - 1);
+      v[r] = _mm512_max_ps(v[r], _mm512_mask_mov_ps(none, mask[r][k], sc[r][k]));
+    }
+  }
+  const __m128 m_old = _mm_maskz_loadu_ps(rows, m);
+  const __m128 raw_max = reduce4(v, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); });
+  const __m128 m_new = _mm_max_ps(m_old, _mm_mul_ps(raw_max, _mm_set1_ps(scale)));
+  const __m128 al = _mm512_castps512_ps128(ps::exp16(_mm512_zextps128_ps512(_mm_sub_ps(m_old, m_new))));
+  alignas(16) float mn[4];
+  _mm_store_ps(mn, m_new);
+  for (int r = 0; r < 4; ++r) {
+    v[r] = _mm512_setzero_ps();
+    if (r >= NR) continue;
+    for (int k = 0; k < nvec; ++k) {
+      const __m512 p = _mm512_maskz_mov_ps(mask[r][k], softmax_weights<Deg>(sc[r][k], scale, mn[r]));
+      v[r] = _mm512_add_ps(v[r], p);
+      store(r, k, p);
+    }
+  }
+  const __m128 sums = reduce4(v, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
+  _mm_mask_storeu_ps(l, rows, _mm_fmadd_ps(_mm_maskz_loadu_ps(rows, l), al, sums));
+  _mm_mask_storeu_ps(m, rows, m_new);
+  _mm_mask_storeu_ps(alpha, rows, al);
+}
+
+// softmax_update_wide_four for NR <= 8 rows, four at a time.
+template <int NR, int Deg, typename Store>
+inline void softmax_update_wide(__m512 (*sc)[kWideVecs], int nvec, const int64_t* visible, float scale, float* m,
+                                float* l, float* alpha, Store store) {
+  softmax_update_wide_four<std::min(NR, 4), Deg>(sc, nvec, visible, scale, m, l, alpha, store);
+  if constexpr (NR > 4)
+    softmax_update_wide_four<NR - 4, Deg>(sc + 4, nvec, visible + 4, scale, m + 4, l + 4, alpha + 4,
+                                          [&](int r, int k, __m512 p) { store(r + 4, k, p); });
+}
+
 // NR consecutive rows of a float32 prefill tile (qf, acc: d floats per row; m, l: one per row; visible[j]: how many
-// of the step's 2 kChunk keys row j sees) against a step of two chunks (kt: their keys transposed; vf_rows: their
-// values in float32): the scores from one pass over kt, one online-softmax step for all rows and both chunks, then
-// the value sums of all NR rows together, each value vector loaded once for all of them (p = 0 past a row's visible
-// keys).
+// of the update's keys row j sees) against up to kWideSteps steps of two chunks (kt + s 2 kChunk d: step s's keys
+// transposed; vf_rows: the update's value rows in float32): the scores a step at a time from one pass over its kt,
+// one online-softmax update for all rows and keys, then the value sums of all NR rows together, each value vector
+// loaded once for all of them (p = 0 past a row's visible keys).
 template <int NR>
 inline void prefill_rows(const float* qf, const float* kt, const float* const* vf_rows, const int64_t* visible,
                          int64_t d, float scale, float* acc, float* m, float* l) {
-  __m512 s0[NR], s1[NR];
-  score_rows<NR>(qf, d, kt, s0, s1);
-  alignas(64) float p[NR][2 * kChunk];
+  int64_t most = 0;
+  for (int r = 0; r < NR; ++r) most = std::max(most, visible[r]);
+  const int nvec = static_cast<int>((most + kChunk - 1) / kChunk);
+  __m512 sc[NR][kWideVecs];
+  for (int k = 0; k < nvec; k += 2) {  // chunks k and k + 1 (past nvec: scored, masked out)
+    __m512 s0[NR], s1[NR];
+    score_rows<NR>(qf, d, kt + k * kChunk * d, s0, s1);
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) sc[r][k] = s0[r], sc[r][k + 1] = s1[r];
+  }
+  alignas(64) float p[NR][kWideVecs * kChunk];
   const float* pr[NR];
   float* ar[NR];
   float alpha[NR];
-  __mmask16 v0[NR], v1[NR];
-  const int64_t most = step_masks<NR>(visible, v0, v1);
-  softmax_update2_rows<NR>(s0, v0, s1, v1, scale, m, l, alpha);
-  for (int j = 0; j < NR; ++j) {
-    _mm512_store_ps(p[j], s0[j]);
-    _mm512_store_ps(p[j] + kChunk, s1[j]);
-    pr[j] = p[j];
-    ar[j] = acc + j * d;
-  }
+  softmax_update_wide<NR, 6>(sc, nvec, visible, scale, m, l, alpha,
+                             [&](int r, int k, __m512 w) { _mm512_store_ps(p[r] + kChunk * k, w); });
+  for (int j = 0; j < NR; ++j) pr[j] = p[j], ar[j] = acc + j * d;
   sum_values<NR>(ar, alpha, pr, vf_rows, 0, d, most);
 }
 
@@ -857,10 +906,10 @@ void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_
   for_each_prefill_tile(n, s.num_kv_heads, [&] {
     return [&, qf = std::vector<float>(max_rows * d), acc = std::vector<float>(max_rows * d),
             m = std::vector<float>(max_rows), l = std::vector<float>(max_rows),
-            vf = std::vector<float>(2 * kChunk * d),
-            kt = std::vector<float>(2 * kChunk * d)](int64_t kvh, int64_t a, int64_t b) mutable {
-      const float* vf_rows[2 * kChunk];
-      for (int64_t i = 0; i < 2 * kChunk; ++i) vf_rows[i] = vf.data() + i * d;
+            vf = std::vector<float>(kWideVecs * kChunk * d),
+            kt = std::vector<float>(kWideVecs * kChunk * d)](int64_t kvh, int64_t a, int64_t b) mutable {
+      const float* vf_rows[kWideVecs * kChunk];
+      for (int64_t i = 0; i < kWideVecs * kChunk; ++i) vf_rows[i] = vf.data() + i * d;
       const int64_t rows = (b - a) * group;
       for (int64_t r = 0; r < rows; ++r) {
         const TQ* src = q + (a + r / group) * q_stride + (kvh * group + r % group) * d;
@@ -871,32 +920,39 @@ void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_
       std::fill(l.begin(), l.begin() + rows, 0.f);
       const T* first_keys[kChunk];
       const T* first_values[kChunk];
-      for (ChunkWalker<T> w(k_cache, v_cache, table, s, 0, first + b, kvh * hs, 1); !w.done();
-           w.advance()) {
+      ChunkWalker<T> w(k_cache, v_cache, table, s, 0, first + b, kvh * hs, 1);
+      while (!w.done()) {
+        // The update's keys transposed (step s's two chunks at kt + s 2 kChunk d) and its values, in float32, once
+        // for all rows of the tile (lanes past a chunk's end repeat its first key: scored, then masked out; a lone
+        // last chunk's second half repeats it too). In a token-major cache rows lie a whole K/V row apart (4 KiB
+        // for Qwen3 in float32), so reading them in place, 16 would share an L1 set.
         const int64_t c0 = w.start();
-        const auto [n0, n1] = w.take_two(first_keys, first_values);
-        // The step's keys transposed and its values, in float32, once for all rows of the tile (lanes past a
-        // chunk's end repeat its first key: scored, then masked out; a lone last chunk's second half repeats it
-        // too). In a token-major cache rows lie a whole K/V row apart (4 KiB for Qwen3 in float32), so reading them
-        // in place, 16 would share an L1 set.
-        for (int64_t c = 0; c < 2; ++c) {
-          const T* const* keys = c == 1 && n1 > 0 ? w.keys() : first_keys;
-          const T* const* values = c == 1 && n1 > 0 ? w.values() : first_values;
-          for (int64_t eb = 0; eb < d; eb += 16) {  // 16 dims of the chunk's 16 keys: one 16 x 16 transpose
-            __m512i block[kChunk];
-            for (int64_t i = 0; i < kChunk; ++i) {
-              block[i] = _mm512_castps_si512(ps::load16(keys[i] + kvh * hs + eb));
-              _mm512_storeu_ps(&vf[(c * kChunk + i) * d + eb], ps::load16(values[i] + kvh * hs + eb));
+        int64_t keys = 0;
+        for (int64_t step = 0; step < kWideSteps && !w.done(); ++step, w.advance()) {
+          const auto [n0, n1] = w.take_two(first_keys, first_values);
+          float* step_kt = kt.data() + step * 2 * kChunk * d;
+          for (int64_t c = 0; c < 2; ++c) {
+            const T* const* chunk_keys = c == 1 && n1 > 0 ? w.keys() : first_keys;
+            const T* const* values = c == 1 && n1 > 0 ? w.values() : first_values;
+            float* chunk_vf = vf.data() + (2 * step + c) * kChunk * d;
+            for (int64_t eb = 0; eb < d; eb += 16) {  // 16 dims of the chunk's 16 keys: one 16 x 16 transpose
+              __m512i block[kChunk];
+              for (int64_t i = 0; i < kChunk; ++i) {
+                block[i] = _mm512_castps_si512(ps::load16(chunk_keys[i] + kvh * hs + eb));
+                _mm512_storeu_ps(&chunk_vf[i * d + eb], ps::load16(values[i] + kvh * hs + eb));
+              }
+              ps::transpose16x16(block);
+              for (int64_t e = 0; e < 16; ++e)
+                _mm512_storeu_si512(&step_kt[(eb + e) * 2 * kChunk + c * kChunk], block[e]);
             }
-            ps::transpose16x16(block);
-            for (int64_t e = 0; e < 16; ++e) _mm512_storeu_si512(&kt[(eb + e) * 2 * kChunk + c * kChunk], block[e]);
           }
+          keys += n0 + n1;
         }
-        // the tile's rows (token, head) that see this step, kPrefillRows at a time
+        // the tile's rows (token, head) that see this update, kPrefillRows at a time
         for (int64_t r = (std::max(a, c0 - first) - a) * group; r < rows; r += kPrefillRows) {
           const int64_t nr = std::min<int64_t>(kPrefillRows, rows - r);
           int64_t visible[kPrefillRows];
-          for (int64_t j = 0; j < nr; ++j) visible[j] = std::min(n0 + n1, first + a + (r + j) / group - c0 + 1);
+          for (int64_t j = 0; j < nr; ++j) visible[j] = std::min(keys, first + a + (r + j) / group - c0 + 1);
           const float* qr = qf.data() + r * d;
           float* ar = acc.data() + r * d;
           switch (nr) {
@@ -907,7 +963,6 @@ void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_
             default: break;
           }
         }
-        if (n1 == 0) break;
       }
       for (int64_t r = 0; r < rows; ++r) {
         const float inv = 1.f / l[r];
@@ -919,43 +974,42 @@ void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_
 }
 
 #if defined(__AVX512BF16__)
-// NR rows (query pairs q[r], each row's `visible` keys of the step's 32) of a prefill tile against two chunks whose
-// keys are transposed into pairs (kp[j] lane i: dims 2j, 2j+1 of key i of the first chunk, kp[d/2 + j] the same for
-// the second) and values interleaved (vp): each row's 2 x 16 scores come straight out of VDPBF16PS with its query
-// pairs broadcast (lane i = key i, no reduction tree), each broadcast serving both chunks and each kp vector all NR
-// rows; then one online-softmax step per row for all 32 keys (half the softmax work per key of a 16-key step) and
-// the value sums of all NR rows together.
+// NR rows (query pairs q[r], row r seeing the first visible[r] keys of the update) of a prefill tile against up to
+// kWideVecs chunks whose keys are transposed into pairs (kp + k d/2, lane i of vector j: dims 2j, 2j+1 of key i of
+// chunk k) and values interleaved (vp): the scores two chunks at a time straight out of VDPBF16PS with each row's
+// query pairs broadcast (lane i = key i, no reduction tree; each broadcast serves both chunks, each kp vector all NR
+// rows), then one online-softmax update for all the keys, then the value sums of all NR rows together.
 template <int NR>
 inline void prefill_rows_bf16(const uint32_t* const* q, const int64_t* visible, const __m512i* kp, const __m512i* vp,
                               int64_t d, float scale, float* const* acc, float* m, float* l) {
-  __m512 s0[NR], s1[NR];  // the two chunks' scores: two independent chains per row
-  for (int r = 0; r < NR; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
+  int64_t most = 0;
+  for (int r = 0; r < NR; ++r) most = std::max(most, visible[r]);
+  const int nvec = static_cast<int>((most + kChunk - 1) / kChunk);
   const int64_t half = d / 2;
-  for (int64_t j = 0; j < half; ++j) {
-    const __m512bh k0 = (__m512bh)kp[j], k1 = (__m512bh)kp[half + j];
-    for (int r = 0; r < NR; ++r) {
-      const __m512bh qj = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r][j]));
-      s0[r] = _mm512_dpbf16_ps(s0[r], k0, qj);
-      s1[r] = _mm512_dpbf16_ps(s1[r], k1, qj);
+  __m512 sc[NR][kWideVecs];
+  for (int k = 0; k < nvec; k += 2) {  // chunks k and k + 1 (past nvec: scored, masked out)
+    __m512 s0[NR], s1[NR];  // two independent chains per row
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
+    const __m512i* kk = kp + k * half;
+    for (int64_t j = 0; j < half; ++j) {
+      const __m512bh k0 = (__m512bh)kk[j], k1 = (__m512bh)kk[half + j];
+#pragma GCC unroll 8
+      for (int r = 0; r < NR; ++r) {
+        const __m512bh qj = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r][j]));
+        s0[r] = _mm512_dpbf16_ps(s0[r], k0, qj);
+        s1[r] = _mm512_dpbf16_ps(s1[r], k1, qj);
+      }
     }
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) sc[r][k] = s0[r], sc[r][k + 1] = s1[r];
   }
-  alignas(64) uint32_t pp[NR][2 * kPairs];
+  alignas(64) uint32_t pp[NR][kWidePairs];
   float alpha[NR];
-  // The scores copied out: with s0 / s1 indexed by a run-time r (or passed by reference) GCC keeps them on the stack
-  // and stores all eight accumulators on every step of the loop above (that measured 1.2-1.3x slower than one chunk
-  // per step).
-  __m512 p0[NR], p1[NR];
-  __mmask16 v0[NR], v1[NR];
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r) p0[r] = s0[r], p1[r] = s1[r];
-  const int64_t most = step_masks<NR>(visible, v0, v1);
-  softmax_update2_rows<NR, true, 4>(p0, v0, p1, v1, scale, m, l, alpha);
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r) {
-    _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]), (__m256i)_mm512_cvtneps_pbh(p0[r]));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r] + kPairs), (__m256i)_mm512_cvtneps_pbh(p1[r]));
-  }
-  accumulate_pairs<NR, 2 * kPairs>(acc, alpha, pp, vp, d, (most + 1) / 2);
+  softmax_update_wide<NR, 4>(sc, nvec, visible, scale, m, l, alpha, [&](int r, int k, __m512 p) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r] + kPairs * k), (__m256i)_mm512_cvtneps_pbh(p));
+  });
+  accumulate_pairs<NR, kWidePairs>(acc, alpha, pp, vp, d, (most + 1) / 2);
 }
 
 // The same step for 16 rows at once on AMX tiles (CPUs with AMX-BF16, ps::amx_tiles()). The pair layouts built
@@ -1013,19 +1067,20 @@ struct AmxPrefillTiles {
   __attribute__((target("amx-tile"))) ~AmxPrefillTiles() { _tile_release(); }
 };
 
-// prefill_kernel on the bfloat16 path: per step of two key chunks and per tile, the keys transposed into pairs and
-// the values interleaved once, then the tile's (token, head) rows four at a time (prefill_rows_bf16), or 16 at a
-// time on AMX tiles (prefill_block_amx).
+// prefill_kernel on the bfloat16 path: per update and tile, the keys of its chunks transposed into pairs and their
+// values interleaved once, then the tile's (token, head) rows eight at a time (prefill_rows_bf16, kWideSteps two-chunk
+// steps per update), or 16 at a time on AMX tiles (prefill_block_amx, one two-chunk step per update).
 void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, const bf16* v_cache,
                          const int64_t* table, int64_t n, int64_t first, bf16* out, int64_t out_stride, const Shape& s,
                          float scale) {
   const int64_t d = s.head_dim, group = s.num_heads / s.num_kv_heads, hs = s.cache.head_stride;
   const int64_t max_rows = (kPrefillTile * group + 15) / 16 * 16, blocks = d / 32;  // whole tiles of 16 rows
   const bool tiles = ps::amx_tiles();
+  const int steps_per_update = tiles ? 1 : kWideSteps;
   for_each_prefill_tile(n, s.num_kv_heads, [&] {
     return [&, acc = std::vector<float>(max_rows * d), m = std::vector<float>(max_rows),
-            l = std::vector<float>(max_rows), kp = std::vector<__m512i>(d),
-            vp = std::vector<__m512i>(2 * kPairs * 2 * d / 32),
+            l = std::vector<float>(max_rows), kp = std::vector<__m512i>(kWideSteps * d),
+            vp = std::vector<__m512i>(kWideVecs * kPairs * 2 * d / 32),
             qt = std::vector<bf16>(tiles ? max_rows * d : 0)](int64_t kvh, int64_t a, int64_t b) mutable {
       const int64_t rows = (b - a) * group;
       std::fill(acc.begin(), acc.begin() + rows * d, 0.f);
@@ -1040,32 +1095,39 @@ void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, c
       }
       const bf16* first_keys[kChunk];
       const bf16* first_values[kChunk];
-      for (ChunkWalker<bf16> w(k_cache, v_cache, table, s, 0, first + b, kvh * hs, 1); !w.done();
-           w.advance()) {
+      ChunkWalker<bf16> w(k_cache, v_cache, table, s, 0, first + b, kvh * hs, 1);
+      while (!w.done()) {
+        // the update's keys: two-chunk steps from the walker, chunk k's keys at kp + k d/2 in blocks of 16 dim pairs
+        // (one 16 x 16 transpose each), its values interleaved at vp + k kPairs d/16; a lone last chunk's partner
+        // repeats its keys (scored, then masked out) and adds no pairs
         const int64_t c0 = w.start();
-        const auto [n0, n1] = w.take_two(first_keys, first_values);
-        // a lone last chunk: the second one's lanes repeat its keys (scored, then masked out) and add no pairs
-        const bf16* const* second_keys = n1 > 0 ? w.keys() : first_keys;
-        for (int c = 0; c < 2; ++c)  // each chunk's keys in blocks of 16 dim pairs, one 16 x 16 transpose each
-          for (int64_t jb = 0; jb < d / 32; ++jb) {
-            __m512i* block = kp.data() + c * d / 2 + jb * 16;
-            for (int64_t i = 0; i < kChunk; ++i)
-              block[i] = _mm512_loadu_si512((c == 0 ? first_keys : second_keys)[i] + kvh * hs + jb * 32);
-            ps::transpose16x16(block);
-          }
-        interleave_value_pairs(first_values, kvh * hs, d, (n0 + 1) / 2, vp.data());
-        if (n1 > 0) interleave_value_pairs(w.values(), kvh * hs, d, (n1 + 1) / 2, vp.data() + kPairs * blocks * 2);
-        // the tile's rows that see this step: r = (t - a) * group + g for its tokens t from max(a, c0 - first)
+        int64_t keys = 0;
+        for (int step = 0; step < steps_per_update && !w.done(); ++step, w.advance()) {
+          const auto [n0, n1] = w.take_two(first_keys, first_values);
+          const bf16* const* second_keys = n1 > 0 ? w.keys() : first_keys;
+          for (int c = 0; c < 2; ++c)
+            for (int64_t jb = 0; jb < blocks; ++jb) {
+              __m512i* block = kp.data() + (2 * step + c) * d / 2 + jb * 16;
+              for (int64_t i = 0; i < kChunk; ++i)
+                block[i] = _mm512_loadu_si512((c == 0 ? first_keys : second_keys)[i] + kvh * hs + jb * 32);
+              ps::transpose16x16(block);
+            }
+          interleave_value_pairs(first_values, kvh * hs, d, (n0 + 1) / 2, vp.data() + 2 * step * kPairs * blocks * 2);
+          if (n1 > 0)
+            interleave_value_pairs(w.values(), kvh * hs, d, (n1 + 1) / 2,
+                                   vp.data() + (2 * step + 1) * kPairs * blocks * 2);
+          keys += n0 + n1;
+        }
+        // the tile's rows that see this update: r = (t - a) * group + g for its tokens t from max(a, c0 - first)
         const int64_t r_first = (std::max(a, c0 - first) - a) * group;
         if (tiles) {
           for (int64_t r0 = r_first / 16 * 16; r0 < rows; r0 += 16) {
             int64_t visible[16];
-            for (int64_t i = 0; i < 16; ++i)  // rows before the step's first key see none of it
-              visible[i] = std::clamp<int64_t>(first + a + (r0 + i) / group - c0 + 1, 0, n0 + n1);
+            for (int64_t i = 0; i < 16; ++i)  // rows before the update's first key see none of it
+              visible[i] = std::clamp<int64_t>(first + a + (r0 + i) / group - c0 + 1, 0, keys);
             prefill_block_amx(&qt[r0 * d], visible, std::min<int64_t>(16, rows - r0), kp.data(), vp.data(), d, scale,
                               acc.data() + r0 * d, m.data() + r0, l.data() + r0);
           }
-          if (n1 == 0) break;
           continue;
         }
         for (int64_t r = r_first; r < rows; r += kPrefillRows) {
@@ -1076,7 +1138,7 @@ void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, c
           for (int i = 0; i < nr; ++i) {
             const int64_t t = a + (r + i) / group, h = kvh * group + (r + i) % group;
             qr[i] = reinterpret_cast<const uint32_t*>(q + t * q_stride + h * d);
-            visible[i] = std::min(n0 + n1, first + t - c0 + 1);
+            visible[i] = std::min(keys, first + t - c0 + 1);
             ar[i] = acc.data() + (r + i) * d;
           }
           float* mr = m.data() + r;
@@ -1089,7 +1151,6 @@ void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, c
             default: break;
           }
         }
-        if (n1 == 0) break;
       }
       for (int64_t r = 0; r < rows; ++r) {
         float* ar = acc.data() + r * d;
