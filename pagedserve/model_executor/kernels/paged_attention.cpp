@@ -472,7 +472,8 @@ inline void score_rows(const float* qf, int64_t d, const float* kt, __m512* s0, 
 // Two-chunk steps per online-softmax update in the prefill kernels' vector paths: the update's serial part (the max
 // and sum reduction trees, the rescale factor's exp) is paid once per 32 kWideSteps keys instead of once per 32, and
 // its exps run side by side. One update per 256 keys measured 1.12-1.25x the bf16 kernel's speed against one per 32
-// (64 keys 1.0-1.1x less than 128, 128 up to 1.1x less than 256, 512 level; BENCHMARKS.md section 6).
+// (per 64 keys 0.97-1.01x the speed of per 128, per 128 0.91-0.98x of per 256, per 512 level; BENCHMARKS.md
+// section 6, "Fifteenth pass").
 constexpr int kWideSteps = 8;
 constexpr int kWideVecs = 2 * kWideSteps;            // score vectors per row and update
 constexpr int64_t kWidePairs = kWideVecs * kChunk / 2;  // token pairs per update (the bf16 value sums)
