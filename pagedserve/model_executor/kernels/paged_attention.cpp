@@ -361,6 +361,26 @@ inline __m128 reduce4(const __m512* v, Op op) {
   return _mm512_castps512_ps128(w);
 }
 
+// The rescale step of an online-softmax update for up to four rows (the rows set in `rows`): lane r of the result's
+// m_new is max(m[r], scale * the max over v[r]'s lanes (raw scores)), also stored to mn[r]; alpha = exp(m - m_new).
+__attribute__((always_inline)) inline std::pair<__m128, __m128> new_maxes(const __m512* v, __mmask8 rows, float scale,
+                                                                          const float* m, float* mn) {
+  const __m128 m_old = _mm_maskz_loadu_ps(rows, m);
+  const __m128 raw_max = reduce4(v, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); });
+  const __m128 m_new = _mm_max_ps(m_old, _mm_mul_ps(raw_max, _mm_set1_ps(scale)));
+  _mm_store_ps(mn, m_new);
+  return {m_new, _mm512_castps512_ps128(ps::exp16(_mm512_zextps128_ps512(_mm_sub_ps(m_old, m_new))))};
+}
+
+// The end of that update: l[r] = alpha l[r] + the sum over v[r]'s lanes (the new weights), m[r] = m_new, alpha[r].
+__attribute__((always_inline)) inline void store_update(const __m512* v, __mmask8 rows, __m128 m_new, __m128 al,
+                                                        float* m, float* l, float* alpha) {
+  const __m128 sums = reduce4(v, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
+  _mm_mask_storeu_ps(l, rows, _mm_fmadd_ps(_mm_maskz_loadu_ps(rows, l), al, sums));
+  _mm_mask_storeu_ps(m, rows, m_new);
+  _mm_mask_storeu_ps(alpha, rows, al);
+}
+
 // softmax_update2 for NR <= 4 rows at once (row r: raw scores a[r], b[r], lanes outside va[r] / vb[r] ignored; its
 // m[r], l[r], alpha[r]): the rows' max and sum reductions and rescale factors share one tree and one exp each, so
 // the serial part of a step is paid once for up to four rows (one call per row spent a quarter of the bf16 prefill
@@ -382,12 +402,8 @@ __attribute__((always_inline)) inline void softmax_update2_four(__m512* a, const
     if constexpr (kTwo) b[r] = _mm512_mask_mov_ps(none, vb[r], b[r]);
     v[r] = kTwo ? _mm512_max_ps(a[r], b[r]) : a[r];
   }
-  const __m128 m_old = _mm_maskz_loadu_ps(rows, m);
-  const __m128 raw_max = reduce4(v, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); });
-  const __m128 m_new = _mm_max_ps(m_old, _mm_mul_ps(raw_max, _mm_set1_ps(scale)));
-  const __m128 al = _mm512_castps512_ps128(ps::exp16(_mm512_zextps128_ps512(_mm_sub_ps(m_old, m_new))));
   alignas(16) float mn[4];
-  _mm_store_ps(mn, m_new);
+  const auto [m_new, al] = new_maxes(v, rows, scale, m, mn);
   for (int r = 0; r < 4; ++r) {
     if (r >= NR) {
       v[r] = _mm512_setzero_ps();
@@ -397,10 +413,7 @@ __attribute__((always_inline)) inline void softmax_update2_four(__m512* a, const
     if constexpr (kTwo) b[r] = _mm512_maskz_mov_ps(vb[r], softmax_weights<Deg>(b[r], scale, mn[r]));
     v[r] = kTwo ? _mm512_add_ps(a[r], b[r]) : a[r];
   }
-  const __m128 sums = reduce4(v, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
-  _mm_mask_storeu_ps(l, rows, _mm_fmadd_ps(_mm_maskz_loadu_ps(rows, l), al, sums));
-  _mm_mask_storeu_ps(m, rows, m_new);
-  _mm_mask_storeu_ps(alpha, rows, al);
+  store_update(v, rows, m_new, al, m, l, alpha);
 }
 
 // softmax_update2_four for NR <= 8 rows, four at a time (kTwo false: one chunk, b and vb unused).
@@ -499,12 +512,8 @@ __attribute__((always_inline)) inline void softmax_update_wide_four(__m512 (*sc)
       v[r] = _mm512_max_ps(v[r], _mm512_mask_mov_ps(none, mask[r][k], sc[r][k]));
     }
   }
-  const __m128 m_old = _mm_maskz_loadu_ps(rows, m);
-  const __m128 raw_max = reduce4(v, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); });
-  const __m128 m_new = _mm_max_ps(m_old, _mm_mul_ps(raw_max, _mm_set1_ps(scale)));
-  const __m128 al = _mm512_castps512_ps128(ps::exp16(_mm512_zextps128_ps512(_mm_sub_ps(m_old, m_new))));
   alignas(16) float mn[4];
-  _mm_store_ps(mn, m_new);
+  const auto [m_new, al] = new_maxes(v, rows, scale, m, mn);
   for (int r = 0; r < 4; ++r) {
     v[r] = _mm512_setzero_ps();
     if (r >= NR) continue;
@@ -514,10 +523,7 @@ __attribute__((always_inline)) inline void softmax_update_wide_four(__m512 (*sc)
       store(r, k, p);
     }
   }
-  const __m128 sums = reduce4(v, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
-  _mm_mask_storeu_ps(l, rows, _mm_fmadd_ps(_mm_maskz_loadu_ps(rows, l), al, sums));
-  _mm_mask_storeu_ps(m, rows, m_new);
-  _mm_mask_storeu_ps(alpha, rows, al);
+  store_update(v, rows, m_new, al, m, l, alpha);
 }
 
 // softmax_update_wide_four for NR <= 8 rows, four at a time.
