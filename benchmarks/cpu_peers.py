@@ -57,6 +57,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -603,12 +604,10 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 def spread(values: list[float]) -> dict:
     """median, min and max of one metric over the rounds (NaNs, from a missing run, left out)."""
-    v = sorted(x for x in values if x is not None and not math.isnan(x))
+    v = [x for x in values if x is not None and not math.isnan(x)]
     if not v:
         return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0}
-    mid = len(v) // 2
-    median = v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
-    return {"median": median, "min": v[0], "max": v[-1], "n": len(v)}
+    return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}
 
 
 def summarize_rows(rows: list[dict]) -> list[dict]:

@@ -191,6 +191,21 @@ def _check_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, layout
                                                                 dict(atol=1e-5, rtol=1e-4)))
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.125])
+def test_attention_refuses_a_scale_that_is_not_positive(ops, scale):
+    """The softmax takes its running max over the unscaled scores (max(scale s) = scale max(s) needs scale > 0), so
+    both attention ops refuse any other scale with a clear error instead of returning wrong weights."""
+    if not ops.native_prefill(64):
+        pytest.skip("no native prefill attention in this build")
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = _kv_caches(4, 16, 2, 64, torch.float32, "heads", g)
+    q = torch.randn(3, 4, 64, generator=g)
+    with pytest.raises(RuntimeError, match="scale must be positive"):
+        ops.paged_decode_attention(q, k_cache, v_cache, torch.tensor([[0], [1], [2]]), torch.tensor([5, 9, 16]), scale)
+    with pytest.raises(RuntimeError, match="scale must be positive"):
+        ops.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0]), 0, scale, torch.empty_like(q))
+
+
 @pytest.mark.parametrize("q_dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                    (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)])
 @pytest.mark.parametrize("n, first, threads, layout", [(37, 0, 1, "heads"), (20, 45, 2, "split"), (1, 16, 1, "heads"),

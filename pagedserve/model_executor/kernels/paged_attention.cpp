@@ -385,7 +385,7 @@ __attribute__((always_inline)) inline void store_update(const __m512* v, __mmask
 // m[r], l[r], alpha[r]): the rows' max and sum reductions and rescale factors share one tree and one exp each, so
 // the serial part of a step is paid once for up to four rows (one call per row spent a quarter of the bf16 prefill
 // kernel's time on it; BENCHMARKS.md section 6, "Tenth pass").
-template <int NR, bool kTwo = true, int Deg = 6>
+template <int NR, int Deg>
 __attribute__((always_inline)) inline void softmax_update2_four(__m512* a, const __mmask16* va, __m512* b,
                                                                 const __mmask16* vb, float scale, float* m, float* l,
                                                                 float* alpha) {
@@ -399,8 +399,8 @@ __attribute__((always_inline)) inline void softmax_update2_four(__m512* a, const
       continue;
     }
     a[r] = _mm512_mask_mov_ps(none, va[r], a[r]);
-    if constexpr (kTwo) b[r] = _mm512_mask_mov_ps(none, vb[r], b[r]);
-    v[r] = kTwo ? _mm512_max_ps(a[r], b[r]) : a[r];
+    b[r] = _mm512_mask_mov_ps(none, vb[r], b[r]);
+    v[r] = _mm512_max_ps(a[r], b[r]);
   }
   alignas(16) float mn[4];
   const auto [m_new, al] = new_maxes(v, rows, scale, m, mn);
@@ -410,20 +410,19 @@ __attribute__((always_inline)) inline void softmax_update2_four(__m512* a, const
       continue;
     }
     a[r] = _mm512_maskz_mov_ps(va[r], softmax_weights<Deg>(a[r], scale, mn[r]));
-    if constexpr (kTwo) b[r] = _mm512_maskz_mov_ps(vb[r], softmax_weights<Deg>(b[r], scale, mn[r]));
-    v[r] = kTwo ? _mm512_add_ps(a[r], b[r]) : a[r];
+    b[r] = _mm512_maskz_mov_ps(vb[r], softmax_weights<Deg>(b[r], scale, mn[r]));
+    v[r] = _mm512_add_ps(a[r], b[r]);
   }
   store_update(v, rows, m_new, al, m, l, alpha);
 }
 
-// softmax_update2_four for NR <= 8 rows, four at a time (kTwo false: one chunk, b and vb unused).
-template <int NR, bool kTwo = true, int Deg = 6>
+// softmax_update2_four for NR <= 8 rows, four at a time.
+template <int NR, int Deg>
 inline void softmax_update2_rows(__m512* a, const __mmask16* va, __m512* b, const __mmask16* vb, float scale,
                                  float* m, float* l, float* alpha) {
-  softmax_update2_four<std::min(NR, 4), kTwo, Deg>(a, va, b, vb, scale, m, l, alpha);
+  softmax_update2_four<std::min(NR, 4), Deg>(a, va, b, vb, scale, m, l, alpha);
   if constexpr (NR > 4)
-    softmax_update2_four<NR - 4, kTwo, Deg>(a + 4, va + 4, kTwo ? b + 4 : b, kTwo ? vb + 4 : vb, scale, m + 4,
-                                            l + 4, alpha + 4);
+    softmax_update2_four<NR - 4, Deg>(a + 4, va + 4, b + 4, vb + 4, scale, m + 4, l + 4, alpha + 4);
 }
 
 // Online softmax of one query head over the scores sc0 of the first n0 keys of a chunk and sc1 of the first n1 of
@@ -841,7 +840,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void attend_bf16_grouped(const bf16
         v0[g] = valid0, v1[g] = valid1;
         rows[g] = acc + h * d;
       }
-      softmax_update2_rows<G, true, 4>(sc0, v0, sc1, v1, scale, m + kv * G, l + kv * G, alpha);
+      softmax_update2_rows<G, 4>(sc0, v0, sc1, v1, scale, m + kv * G, l + kv * G, alpha);
       for (int g = 0; g < G; ++g) {
         _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g]), (__m256i)_mm512_cvtneps_pbh(sc0[g]));
         _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g] + kPairs), (__m256i)_mm512_cvtneps_pbh(sc1[g]));
