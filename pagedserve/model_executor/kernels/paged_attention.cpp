@@ -601,12 +601,14 @@ void attend_avx512(const TQ* q, float scale, const T* k_cache, const T* v_cache,
 constexpr int64_t kMaxDim = 256;
 constexpr int64_t kPairs = kChunk / 2;
 
-// acc + pairs(v) . pairs(broadcast *p): VDPBF16PS with its pair broadcast from memory inside the instruction
-// ({1to16}), so no shuffle uop competes with the dot products (the compiler splits a set1 into vpbroadcastd, and
-// into shifts plus a register broadcast when it has kept the pairs in a register).
-inline __m512 dot_pairs_broadcast(__m512 acc, __m512bh v, const uint32_t* p) {
-  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(v), "m"(*p));
-  return acc;
+// *p (a pair of bfloat16 weights) in every lane, by a load-port broadcast: the compiler turns a set1 of a pair it
+// has kept in a register into shifts plus a shuffle-port broadcast, which compete with VDPBF16PS. One broadcast
+// serves two VDPBF16PS; the pair broadcast inside each of them ({1to16}) ran 1.04-1.16x slower on AMD Zen 5
+// (BENCHMARKS.md section 6, "Sixteenth pass": 6.2 G VDPBF16PS/s per core against 7.1).
+inline __m512bh broadcast_pair(const uint32_t* p) {
+  __m512i v;
+  asm("vpbroadcastd %1, %0" : "=v"(v) : "m"(*p));
+  return (__m512bh)v;
 }
 
 // A chunk's value rows (at `offset`), interleaved in token pairs: vp[(j * d/32 + b) * 2 + {0, 1}] = the lo and hi
@@ -638,8 +640,9 @@ inline void accumulate_pairs(float* const* acc, const float* alpha, const uint32
     for (int64_t j = 0; j < pairs; ++j) {
       const __m512bh vlo = (__m512bh)vp[(j * blocks + b) * 2], vhi = (__m512bh)vp[(j * blocks + b) * 2 + 1];
       for (int r = 0; r < NR; ++r) {
-        lo[r] = dot_pairs_broadcast(lo[r], vlo, &pp[r][j]);
-        hi[r] = dot_pairs_broadcast(hi[r], vhi, &pp[r][j]);
+        const __m512bh pair = broadcast_pair(&pp[r][j]);
+        lo[r] = _mm512_dpbf16_ps(lo[r], vlo, pair);
+        hi[r] = _mm512_dpbf16_ps(hi[r], vhi, pair);
       }
     }
     for (int r = 0; r < NR; ++r) {
@@ -877,8 +880,10 @@ inline bool attend_bf16(const bf16* q, float scale, const bf16* k_cache, const b
 }
 #endif
 
-// Query tokens per task: they share each key chunk's transposed / interleaved copy. 32 against 16 measured 1.04x
-// (bf16) and 1.08x (float32) on SmolLM2's prefill attention in the engine and 1.11x on Qwen3's (bf16); 64 no better.
+// Query tokens per task: they share each update's keys and values while those are in cache. 32 against 16 measured
+// 1.04x (bf16) and 1.08x (float32) on SmolLM2's prefill attention in the engine and 1.11x on Qwen3's (bf16), when
+// each tile still built its own transposed copies; 64 no better then, and level with 32 since the copies are built
+// once per call (pair_chunks, transpose_chunks).
 constexpr int64_t kPrefillTile = 32;
 // (token, head) rows the prefill kernels' vector paths score and sum together (prefill_rows, prefill_rows_bf16):
 // 8-16 independent FMA / VDPBF16PS chains, enough to cover their latency (4 rows measured 0.8x on AMD Zen 5).
@@ -901,21 +906,66 @@ void for_each_prefill_tile(int64_t n, int64_t num_kv_heads, Make make) {
   });
 }
 
+// Every KV head's keys [0, ctx) of one sequence transposed in float32 for the float32 prefill steps, and its values
+// in float32, built once per call (each tile built them again for every update it saw): per head, `steps` steps of
+// two 16-key chunks (step s: 32 floats per dim, at keys_t + (h steps + s) 2 kChunk d), then the values d floats a
+// token (at values + (h steps 2 kChunk + token) d). Tokens past ctx are zeros.
+template <typename T>
+void transpose_chunks(const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx, int64_t steps,
+                      const Shape& s, float* keys_t, float* values) {
+  const int64_t d = s.head_dim, step_floats = 2 * kChunk * d;
+  at::parallel_for(0, s.num_kv_heads * steps, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / steps, step = task % steps;
+      float* step_kt = keys_t + task * step_floats;
+      float* step_v = values + task * step_floats;
+      for (int64_t c = 0; c < 2; ++c) {
+        const T* keys[kChunk];
+        const T* vals[kChunk];
+        for (int64_t i = 0; i < kChunk; ++i) {
+          const int64_t t = (2 * step + c) * kChunk + i;
+          const int64_t at = t < ctx ? table[t / s.block_size] * s.cache.block_stride +
+                                           t % s.block_size * s.cache.token_stride + h * s.cache.head_stride
+                                     : -1;
+          keys[i] = at < 0 ? nullptr : k_cache + at;
+          vals[i] = at < 0 ? nullptr : v_cache + at;
+        }
+        for (int64_t eb = 0; eb < d; eb += 16) {  // 16 dims of the chunk's 16 keys: one 16 x 16 transpose
+          __m512i block[kChunk];
+          for (int64_t i = 0; i < kChunk; ++i) {
+            const __m512 k = keys[i] == nullptr ? _mm512_setzero_ps() : ps::load16(keys[i] + eb);
+            const __m512 v = vals[i] == nullptr ? _mm512_setzero_ps() : ps::load16(vals[i] + eb);
+            block[i] = _mm512_castps_si512(k);
+            _mm512_storeu_ps(&step_v[(c * kChunk + i) * d + eb], v);
+          }
+          ps::transpose16x16(block);
+          for (int64_t e = 0; e < 16; ++e) _mm512_storeu_si512(&step_kt[(eb + e) * 2 * kChunk + c * kChunk], block[e]);
+        }
+      }
+    }
+  });
+}
+
 // Attention of a prefill chunk (head_dim % 16 == 0): its token i, at position first + i, over the sequence's keys
-// [0, first + i] (the chunk's own K/V are already in the cache). One task per (KV head, tile of query tokens) with
-// the group's query heads: each key chunk is read once per tile and serves every (token, head) row of it.
+// [0, first + i] (the chunk's own K/V are already in the cache). The context's keys are transposed and its values
+// widened to float32 once (transpose_chunks); then one task per (KV head, tile of query tokens) with the group's
+// query heads: each update's keys and values serve every (token, head) row of the tile.
 template <typename TQ, typename T>
 void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* table,
                     int64_t n, int64_t first, TQ* out, int64_t out_stride, const Shape& s, float scale) {
-  const int64_t d = s.head_dim, group = s.num_heads / s.num_kv_heads, hs = s.cache.head_stride;
-  const int64_t max_rows = kPrefillTile * group;
+  const int64_t d = s.head_dim, group = s.num_heads / s.num_kv_heads;
+  const int64_t max_rows = kPrefillTile * group, update_keys = kWideVecs * kChunk;
+  const int64_t steps = (first + n + 2 * kChunk - 1) / (2 * kChunk), head_floats = steps * 2 * kChunk * d;
+  // kept between calls (a fresh buffer of several MB per call would fault its pages in); the workers see it
+  // through the pointers (a thread_local named in the lambdas would be each worker's own)
+  thread_local std::vector<float> buffer;
+  buffer.resize(std::max<size_t>(buffer.size(), 2 * s.num_kv_heads * head_floats));
+  const float* keys_t = buffer.data();
+  const float* values = buffer.data() + s.num_kv_heads * head_floats;
+  transpose_chunks(k_cache, v_cache, table, first + n, steps, s, buffer.data(), buffer.data() + s.num_kv_heads * head_floats);
   for_each_prefill_tile(n, s.num_kv_heads, [&] {
     return [&, qf = std::vector<float>(max_rows * d), acc = std::vector<float>(max_rows * d),
-            m = std::vector<float>(max_rows), l = std::vector<float>(max_rows),
-            vf = std::vector<float>(kWideVecs * kChunk * d),
-            kt = std::vector<float>(kWideVecs * kChunk * d)](int64_t kvh, int64_t a, int64_t b) mutable {
-      const float* vf_rows[kWideVecs * kChunk];
-      for (int64_t i = 0; i < kWideVecs * kChunk; ++i) vf_rows[i] = vf.data() + i * d;
+            m = std::vector<float>(max_rows), l = std::vector<float>(max_rows)](int64_t kvh, int64_t a, int64_t b) mutable {
       const int64_t rows = (b - a) * group;
       for (int64_t r = 0; r < rows; ++r) {
         const TQ* src = q + (a + r / group) * q_stride + (kvh * group + r % group) * d;
@@ -924,36 +974,11 @@ void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_
       std::fill(acc.begin(), acc.begin() + rows * d, 0.f);
       std::fill(m.begin(), m.begin() + rows, kNoScore);
       std::fill(l.begin(), l.begin() + rows, 0.f);
-      const T* first_keys[kChunk];
-      const T* first_values[kChunk];
-      ChunkWalker<T> w(k_cache, v_cache, table, s, 0, first + b, kvh * hs, 1);
-      while (!w.done()) {
-        // The update's keys transposed (step s's two chunks at kt + s 2 kChunk d) and its values, in float32, once
-        // for all rows of the tile (lanes past a chunk's end repeat its first key: scored, then masked out; a lone
-        // last chunk's second half repeats it too). In a token-major cache rows lie a whole K/V row apart (4 KiB
-        // for Qwen3 in float32), so reading them in place, 16 would share an L1 set.
-        const int64_t c0 = w.start();
-        int64_t keys = 0;
-        for (int64_t step = 0; step < kWideSteps && !w.done(); ++step, w.advance()) {
-          const auto [n0, n1] = w.take_two(first_keys, first_values);
-          float* step_kt = kt.data() + step * 2 * kChunk * d;
-          for (int64_t c = 0; c < 2; ++c) {
-            const T* const* chunk_keys = c == 1 && n1 > 0 ? w.keys() : first_keys;
-            const T* const* values = c == 1 && n1 > 0 ? w.values() : first_values;
-            float* chunk_vf = vf.data() + (2 * step + c) * kChunk * d;
-            for (int64_t eb = 0; eb < d; eb += 16) {  // 16 dims of the chunk's 16 keys: one 16 x 16 transpose
-              __m512i block[kChunk];
-              for (int64_t i = 0; i < kChunk; ++i) {
-                block[i] = _mm512_castps_si512(ps::load16(chunk_keys[i] + kvh * hs + eb));
-                _mm512_storeu_ps(&chunk_vf[i * d + eb], ps::load16(values[i] + kvh * hs + eb));
-              }
-              ps::transpose16x16(block);
-              for (int64_t e = 0; e < 16; ++e)
-                _mm512_storeu_si512(&step_kt[(eb + e) * 2 * kChunk + c * kChunk], block[e]);
-            }
-          }
-          keys += n0 + n1;
-        }
+      const float* vf_rows[kWideVecs * kChunk];
+      for (int64_t c0 = 0; c0 < first + b; c0 += update_keys) {
+        const int64_t keys = std::min(update_keys, first + b - c0);
+        const float* kt = keys_t + kvh * head_floats + c0 * d;
+        for (int64_t i = 0; i < keys; ++i) vf_rows[i] = values + kvh * head_floats + (c0 + i) * d;
         // the tile's rows (token, head) that see this update, kPrefillRows at a time
         for (int64_t r = (std::max(a, c0 - first) - a) * group; r < rows; r += kPrefillRows) {
           const int64_t nr = std::min<int64_t>(kPrefillRows, rows - r);
@@ -963,7 +988,7 @@ void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_
           float* ar = acc.data() + r * d;
           switch (nr) {
 #define PS_ROWS(NR) \
-  case NR: prefill_rows<NR>(qr, kt.data(), vf_rows, visible, d, scale, ar, m.data() + r, l.data() + r); break;
+  case NR: prefill_rows<NR>(qr, kt, vf_rows, visible, d, scale, ar, m.data() + r, l.data() + r); break;
             PS_ROWS(8) PS_ROWS(7) PS_ROWS(6) PS_ROWS(5) PS_ROWS(4) PS_ROWS(3) PS_ROWS(2) PS_ROWS(1)
 #undef PS_ROWS
             default: break;
@@ -1002,7 +1027,7 @@ inline void prefill_rows_bf16(const uint32_t* const* q, const int64_t* visible, 
       const __m512bh k0 = (__m512bh)kk[j], k1 = (__m512bh)kk[half + j];
 #pragma GCC unroll 8
       for (int r = 0; r < NR; ++r) {
-        const __m512bh qj = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r][j]));
+        const __m512bh qj = broadcast_pair(&q[r][j]);
         s0[r] = _mm512_dpbf16_ps(s0[r], k0, qj);
         s1[r] = _mm512_dpbf16_ps(s1[r], k1, qj);
       }
@@ -1073,20 +1098,59 @@ struct AmxPrefillTiles {
   __attribute__((target("amx-tile"))) ~AmxPrefillTiles() { _tile_release(); }
 };
 
-// prefill_kernel on the bfloat16 path: per update and tile, the keys of its chunks transposed into pairs and their
-// values interleaved once, then the tile's (token, head) rows eight at a time (prefill_rows_bf16, kWideSteps two-chunk
-// steps per update), or 16 at a time on AMX tiles (prefill_block_amx, one two-chunk step per update).
+// Every KV head's keys [0, ctx) of one sequence in the layouts the bfloat16 prefill steps read, built once per call
+// (each tile built them again for every update it saw: a 2048-token prompt's 64 tiles re-transposed each chunk ~32
+// times): per head, `chunks` chunks of 16 keys transposed into pairs (d/2 vectors each, one 16 x 16 transpose per 32
+// dims), then as many chunks of values interleaved in token pairs (d/2 vectors each). Tokens past ctx are zeros,
+// and so is at least the last chunk: the two-chunk steps score one chunk past the keys.
+void pair_chunks(const bf16* k_cache, const bf16* v_cache, const int64_t* table, int64_t ctx, int64_t chunks,
+                 const Shape& s, __m512i* pairs) {
+  static const bf16 zeros[kMaxDim] = {};
+  const int64_t d = s.head_dim, blocks = d / 32;
+  at::parallel_for(0, s.num_kv_heads * chunks, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / chunks, c = task % chunks;
+      const bf16* keys[kChunk];
+      const bf16* values[kChunk];
+      for (int64_t i = 0; i < kChunk; ++i) {
+        const int64_t t = c * kChunk + i;
+        const int64_t at = t < ctx ? table[t / s.block_size] * s.cache.block_stride +
+                                         t % s.block_size * s.cache.token_stride + h * s.cache.head_stride
+                                   : -1;
+        keys[i] = at < 0 ? zeros : k_cache + at;
+        values[i] = at < 0 ? zeros : v_cache + at;
+      }
+      __m512i* kp = pairs + (2 * h * chunks + c) * d / 2;
+      for (int64_t jb = 0; jb < blocks; ++jb) {
+        __m512i* block = kp + jb * 16;
+        for (int64_t i = 0; i < kChunk; ++i) block[i] = _mm512_loadu_si512(keys[i] + jb * 32);
+        ps::transpose16x16(block);
+      }
+      interleave_value_pairs(values, 0, d, kPairs, kp + chunks * d / 2);
+    }
+  });
+}
+
+// prefill_kernel on the bfloat16 path: the context's keys and values paired once (pair_chunks), then per tile and
+// update the tile's (token, head) rows eight at a time (prefill_rows_bf16, kWideSteps two-chunk steps per update),
+// or 16 at a time on AMX tiles (prefill_block_amx, one two-chunk step per update).
 void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, const bf16* v_cache,
                          const int64_t* table, int64_t n, int64_t first, bf16* out, int64_t out_stride, const Shape& s,
                          float scale) {
-  const int64_t d = s.head_dim, group = s.num_heads / s.num_kv_heads, hs = s.cache.head_stride;
-  const int64_t max_rows = (kPrefillTile * group + 15) / 16 * 16, blocks = d / 32;  // whole tiles of 16 rows
+  const int64_t d = s.head_dim, group = s.num_heads / s.num_kv_heads;
+  const int64_t max_rows = (kPrefillTile * group + 15) / 16 * 16;  // whole tiles of 16 rows
   const bool tiles = ps::amx_tiles();
-  const int steps_per_update = tiles ? 1 : kWideSteps;
+  const int64_t update_keys = (tiles ? 1 : kWideSteps) * 2 * kChunk;
+  const int64_t chunks = (first + n + kChunk - 1) / kChunk + 1;
+  // kept between calls (a fresh buffer of several MB per call would fault its pages in); the workers see it
+  // through `pairs` (a thread_local named in the lambdas would be each worker's own)
+  thread_local std::vector<__m512i> buffer;
+  buffer.resize(std::max<size_t>(buffer.size(), s.num_kv_heads * chunks * d));
+  const __m512i* pairs = buffer.data();
+  pair_chunks(k_cache, v_cache, table, first + n, chunks, s, buffer.data());
   for_each_prefill_tile(n, s.num_kv_heads, [&] {
     return [&, acc = std::vector<float>(max_rows * d), m = std::vector<float>(max_rows),
-            l = std::vector<float>(max_rows), kp = std::vector<__m512i>(kWideSteps * d),
-            vp = std::vector<__m512i>(kWideVecs * kPairs * 2 * d / 32),
+            l = std::vector<float>(max_rows),
             qt = std::vector<bf16>(tiles ? max_rows * d : 0)](int64_t kvh, int64_t a, int64_t b) mutable {
       const int64_t rows = (b - a) * group;
       std::fill(acc.begin(), acc.begin() + rows * d, 0.f);
@@ -1099,31 +1163,12 @@ void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, c
           std::memcpy(&qt[r * d], q + (a + r / group) * q_stride + (kvh * group + r % group) * d, d * sizeof(bf16));
         std::fill(qt.begin() + rows * d, qt.begin() + (rows + 15) / 16 * 16 * d, bf16{0});
       }
-      const bf16* first_keys[kChunk];
-      const bf16* first_values[kChunk];
-      ChunkWalker<bf16> w(k_cache, v_cache, table, s, 0, first + b, kvh * hs, 1);
-      while (!w.done()) {
-        // the update's keys: two-chunk steps from the walker, chunk k's keys at kp + k d/2 in blocks of 16 dim pairs
-        // (one 16 x 16 transpose each), its values interleaved at vp + k kPairs d/16; a lone last chunk's partner
-        // repeats its keys (scored, then masked out) and adds no pairs
-        const int64_t c0 = w.start();
-        int64_t keys = 0;
-        for (int step = 0; step < steps_per_update && !w.done(); ++step, w.advance()) {
-          const auto [n0, n1] = w.take_two(first_keys, first_values);
-          const bf16* const* second_keys = n1 > 0 ? w.keys() : first_keys;
-          for (int c = 0; c < 2; ++c)
-            for (int64_t jb = 0; jb < blocks; ++jb) {
-              __m512i* block = kp.data() + (2 * step + c) * d / 2 + jb * 16;
-              for (int64_t i = 0; i < kChunk; ++i)
-                block[i] = _mm512_loadu_si512((c == 0 ? first_keys : second_keys)[i] + kvh * hs + jb * 32);
-              ps::transpose16x16(block);
-            }
-          interleave_value_pairs(first_values, kvh * hs, d, (n0 + 1) / 2, vp.data() + 2 * step * kPairs * blocks * 2);
-          if (n1 > 0)
-            interleave_value_pairs(w.values(), kvh * hs, d, (n1 + 1) / 2,
-                                   vp.data() + (2 * step + 1) * kPairs * blocks * 2);
-          keys += n0 + n1;
-        }
+      const __m512i* head_keys = pairs + kvh * chunks * d;
+      const __m512i* head_values = head_keys + chunks * d / 2;
+      for (int64_t c0 = 0; c0 < first + b; c0 += update_keys) {
+        const int64_t keys = std::min(update_keys, first + b - c0);
+        const __m512i* kp = head_keys + c0 / kChunk * d / 2;
+        const __m512i* vp = head_values + c0 / kChunk * d / 2;
         // the tile's rows that see this update: r = (t - a) * group + g for its tokens t from max(a, c0 - first)
         const int64_t r_first = (std::max(a, c0 - first) - a) * group;
         if (tiles) {
@@ -1131,7 +1176,7 @@ void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, c
             int64_t visible[16];
             for (int64_t i = 0; i < 16; ++i)  // rows before the update's first key see none of it
               visible[i] = std::clamp<int64_t>(first + a + (r0 + i) / group - c0 + 1, 0, keys);
-            prefill_block_amx(&qt[r0 * d], visible, std::min<int64_t>(16, rows - r0), kp.data(), vp.data(), d, scale,
+            prefill_block_amx(&qt[r0 * d], visible, std::min<int64_t>(16, rows - r0), kp, vp, d, scale,
                               acc.data() + r0 * d, m.data() + r0, l.data() + r0);
           }
           continue;
@@ -1151,7 +1196,7 @@ void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, c
           float* lr = l.data() + r;
           switch (nr) {
 #define PS_ROWS(NR) \
-  case NR: prefill_rows_bf16<NR>(qr, visible, kp.data(), vp.data(), d, scale, ar, mr, lr); break;
+  case NR: prefill_rows_bf16<NR>(qr, visible, kp, vp, d, scale, ar, mr, lr); break;
             PS_ROWS(8) PS_ROWS(7) PS_ROWS(6) PS_ROWS(5) PS_ROWS(4) PS_ROWS(3) PS_ROWS(2) PS_ROWS(1)
 #undef PS_ROWS
             default: break;
