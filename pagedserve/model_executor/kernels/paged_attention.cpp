@@ -52,6 +52,23 @@ struct Shape {
   CacheLayout cache;
 };
 
+// Where token t's KV head h starts in a K or V cache, in elements (table: the sequence's blocks in order).
+inline int64_t cache_row(const int64_t* table, const Shape& s, int64_t t, int64_t h) {
+  return table[t / s.block_size] * s.cache.block_stride + t % s.block_size * s.cache.token_stride +
+         h * s.cache.head_stride;
+}
+
+// A buffer of at least n elements for the calling thread, kept between calls: the prefill kernels' copies of a
+// context are several MB, and a fresh buffer per call would fault its pages in each time. It grows to the largest
+// context seen and stays. (Hand its pointer to the parallel workers: a thread_local named inside their lambdas
+// would be each worker's own.)
+template <typename E>
+E* kept_buffer(size_t n) {
+  thread_local std::vector<E> buffer;
+  if (buffer.size() < n) buffer.resize(n);
+  return buffer.data();
+}
+
 // Per head: the max score m, the sum l of exp(score - m) over n scores (overwritten by exp(score - m)).
 inline void softmax_rows(float* scores, int64_t heads, int64_t n, float* m, float* l) {
   for (int64_t h = 0; h < heads; ++h) {
@@ -74,19 +91,19 @@ template <typename T>
 void attend(const float* qf, const T* k_cache, const T* v_cache, const int64_t* table, int64_t t0, int64_t t1,
             const Shape& s, std::vector<float>& scores, float* acc, float* m, float* l) {
   const int64_t heads = s.num_heads, d = s.head_dim, group = s.num_heads / s.num_kv_heads;
-  const int64_t ts = s.cache.token_stride, hs = s.cache.head_stride, n = t1 - t0;
+  const int64_t hs = s.cache.head_stride, n = t1 - t0;
   std::fill(acc, acc + heads * d, 0.f);
   std::fill(l, l + heads, 0.f);
   std::fill(m, m + heads, 0.f);
   if (n <= 0) return;
   scores.resize(heads * n);
   for (int64_t t = t0; t < t1; ++t) {
-    const T* k_row = k_cache + table[t / s.block_size] * s.cache.block_stride + t % s.block_size * ts;
+    const T* k_row = k_cache + cache_row(table, s, t, 0);
     for (int64_t h = 0; h < heads; ++h) scores[h * n + t - t0] = dot(qf + h * d, k_row + (h / group) * hs, d);
   }
   softmax_rows(scores.data(), heads, n, m, l);
   for (int64_t t = t0; t < t1; ++t) {
-    const T* v_row = v_cache + table[t / s.block_size] * s.cache.block_stride + t % s.block_size * ts;
+    const T* v_row = v_cache + cache_row(table, s, t, 0);
     for (int64_t h = 0; h < heads; ++h) axpy(scores[h * n + t - t0], v_row + (h / group) * hs, acc + h * d, d);
   }
 }
@@ -243,16 +260,14 @@ inline void sum_values(float* const* a, const float* alpha, const float* const* 
 
 // Walks a sequence's tokens [t0, t1) through its block table in chunks of kChunk: the K and V row pointers of the
 // current chunk (lanes past the end point at its first token again: scored, then masked out), while the next
-// chunk's rows - scattered in memory, block by block - are prefetched into L2 (only what the caller reads: the
-// `heads` KV heads from the one at `offset`, head_dim elements each).
+// chunk's rows - scattered in memory, block by block - are prefetched into L2 (every KV head's head_dim elements).
 template <typename T>
 class ChunkWalker {
  public:
-  ChunkWalker(const T* k_cache, const T* v_cache, const int64_t* table, const Shape& s, int64_t t0, int64_t t1,
-              int64_t offset, int64_t heads)
+  ChunkWalker(const T* k_cache, const T* v_cache, const int64_t* table, const Shape& s, int64_t t0, int64_t t1)
       : k_cache_(k_cache), v_cache_(v_cache), table_(table), bs_(s.block_size), token_stride_(s.cache.token_stride),
-        head_stride_(s.cache.head_stride), block_stride_(s.cache.block_stride), c0_(t0), t1_(t1), offset_(offset),
-        heads_(heads), width_(s.head_dim) {
+        head_stride_(s.cache.head_stride), block_stride_(s.cache.block_stride), c0_(t0), t1_(t1),
+        heads_(s.num_kv_heads), width_(s.head_dim) {
     if (t0 < t1) fill(t0, rows_[0]);
   }
   bool done() const { return c0_ >= t1_; }
@@ -268,7 +283,7 @@ class ChunkWalker {
     for (int64_t i = 0; i < n; ++i)
       for (int64_t h = 0; h < heads_; ++h)
         for (int64_t byte = 0; byte < bytes; byte += 64) {
-          const int64_t at = offset_ + h * head_stride_;
+          const int64_t at = h * head_stride_;
           _mm_prefetch(reinterpret_cast<const char*>(rows_[cur_ ^ 1][0][i] + at) + byte, _MM_HINT_T1);
           _mm_prefetch(reinterpret_cast<const char*>(rows_[cur_ ^ 1][1][i] + at) + byte, _MM_HINT_T1);
         }
@@ -302,7 +317,7 @@ class ChunkWalker {
   const T* k_cache_;
   const T* v_cache_;
   const int64_t* table_;
-  int64_t bs_, token_stride_, head_stride_, block_stride_, c0_, t1_, offset_, heads_, width_, cur_ = 0;
+  int64_t bs_, token_stride_, head_stride_, block_stride_, c0_, t1_, heads_, width_, cur_ = 0;
   const T* rows_[2][2][kChunk];  // [current/next chunk][K/V][token]: each token's KV head 0
 };
 
@@ -578,7 +593,7 @@ void attend_avx512(const TQ* q, float scale, const T* k_cache, const T* v_cache,
   const T* values[2 * kChunk];
   RowPrefetch<T> ahead = RowPrefetch<T>::ahead(k_cache, v_cache, table, s, t0, t1, heads);
   next.spread(heads);
-  for (ChunkWalker<T> w(k_cache, v_cache, table, s, t0, t1, 0, s.num_kv_heads); !w.done(); w.advance()) {
+  for (ChunkWalker<T> w(k_cache, v_cache, table, s, t0, t1); !w.done(); w.advance()) {
     const auto [n0, n1] = w.take_two(first_keys, values);
     const bool two = n1 > 0;
     if (two) std::copy(w.values(), w.values() + kChunk, values + kChunk);
@@ -815,7 +830,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void attend_bf16_grouped(const bf16
     ahead.step();
     next.step();
   };
-  for (ChunkWalker<bf16> w(k_cache, v_cache, table, s, t0, t1, 0, s.num_kv_heads); !w.done(); w.advance()) {
+  for (ChunkWalker<bf16> w(k_cache, v_cache, table, s, t0, t1); !w.done(); w.advance()) {
     const auto [n0, n1] = w.take_two(first_keys, first_values);
     const bool two = n1 > 0;
     const __mmask16 valid0 = static_cast<__mmask16>((1u << n0) - 1), valid1 = static_cast<__mmask16>((1u << n1) - 1);
@@ -924,11 +939,8 @@ void transpose_chunks(const T* k_cache, const T* v_cache, const int64_t* table, 
         const T* vals[kChunk];
         for (int64_t i = 0; i < kChunk; ++i) {
           const int64_t t = (2 * step + c) * kChunk + i;
-          const int64_t at = t < ctx ? table[t / s.block_size] * s.cache.block_stride +
-                                           t % s.block_size * s.cache.token_stride + h * s.cache.head_stride
-                                     : -1;
-          keys[i] = at < 0 ? nullptr : k_cache + at;
-          vals[i] = at < 0 ? nullptr : v_cache + at;
+          keys[i] = t < ctx ? k_cache + cache_row(table, s, t, h) : nullptr;
+          vals[i] = t < ctx ? v_cache + cache_row(table, s, t, h) : nullptr;
         }
         for (int64_t eb = 0; eb < d; eb += 16) {  // 16 dims of the chunk's 16 keys: one 16 x 16 transpose
           __m512i block[kChunk];
@@ -956,13 +968,9 @@ void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_
   const int64_t d = s.head_dim, group = s.num_heads / s.num_kv_heads;
   const int64_t max_rows = kPrefillTile * group, update_keys = kWideVecs * kChunk;
   const int64_t steps = (first + n + 2 * kChunk - 1) / (2 * kChunk), head_floats = steps * 2 * kChunk * d;
-  // kept between calls (a fresh buffer of several MB per call would fault its pages in); the workers see it
-  // through the pointers (a thread_local named in the lambdas would be each worker's own)
-  thread_local std::vector<float> buffer;
-  buffer.resize(std::max<size_t>(buffer.size(), 2 * s.num_kv_heads * head_floats));
-  const float* keys_t = buffer.data();
-  const float* values = buffer.data() + s.num_kv_heads * head_floats;
-  transpose_chunks(k_cache, v_cache, table, first + n, steps, s, buffer.data(), buffer.data() + s.num_kv_heads * head_floats);
+  float* const keys_t = kept_buffer<float>(2 * s.num_kv_heads * head_floats);
+  float* const values = keys_t + s.num_kv_heads * head_floats;
+  transpose_chunks(k_cache, v_cache, table, first + n, steps, s, keys_t, values);
   for_each_prefill_tile(n, s.num_kv_heads, [&] {
     return [&, qf = std::vector<float>(max_rows * d), acc = std::vector<float>(max_rows * d),
             m = std::vector<float>(max_rows), l = std::vector<float>(max_rows)](int64_t kvh, int64_t a, int64_t b) mutable {
@@ -1114,11 +1122,8 @@ void pair_chunks(const bf16* k_cache, const bf16* v_cache, const int64_t* table,
       const bf16* values[kChunk];
       for (int64_t i = 0; i < kChunk; ++i) {
         const int64_t t = c * kChunk + i;
-        const int64_t at = t < ctx ? table[t / s.block_size] * s.cache.block_stride +
-                                         t % s.block_size * s.cache.token_stride + h * s.cache.head_stride
-                                   : -1;
-        keys[i] = at < 0 ? zeros : k_cache + at;
-        values[i] = at < 0 ? zeros : v_cache + at;
+        keys[i] = t < ctx ? k_cache + cache_row(table, s, t, h) : zeros;
+        values[i] = t < ctx ? v_cache + cache_row(table, s, t, h) : zeros;
       }
       __m512i* kp = pairs + (2 * h * chunks + c) * d / 2;
       for (int64_t jb = 0; jb < blocks; ++jb) {
@@ -1142,12 +1147,8 @@ void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, c
   const bool tiles = ps::amx_tiles();
   const int64_t update_keys = (tiles ? 1 : kWideSteps) * 2 * kChunk;
   const int64_t chunks = (first + n + kChunk - 1) / kChunk + 1;
-  // kept between calls (a fresh buffer of several MB per call would fault its pages in); the workers see it
-  // through `pairs` (a thread_local named in the lambdas would be each worker's own)
-  thread_local std::vector<__m512i> buffer;
-  buffer.resize(std::max<size_t>(buffer.size(), s.num_kv_heads * chunks * d));
-  const __m512i* pairs = buffer.data();
-  pair_chunks(k_cache, v_cache, table, first + n, chunks, s, buffer.data());
+  __m512i* const pairs = kept_buffer<__m512i>(s.num_kv_heads * chunks * d);
+  pair_chunks(k_cache, v_cache, table, first + n, chunks, s, pairs);
   for_each_prefill_tile(n, s.num_kv_heads, [&] {
     return [&, acc = std::vector<float>(max_rows * d), m = std::vector<float>(max_rows),
             l = std::vector<float>(max_rows),
