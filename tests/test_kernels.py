@@ -255,10 +255,11 @@ def _check_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, layou
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, n, k", [(1, 163, 100), (1, 1536, 576), (3, 5, 32), (8, 64, 34), (9, 49, 2),
-                                        (13, 200, 64), (40, 33, 96)])
+                                        (13, 200, 64), (16, 200, 576), (24, 97, 1040), (40, 33, 96)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_small_gemm(ops, dtype, rows, n, k, bias):
-    """Every row tile (1-8 rows, 8-row tiles then a tail), 1-3 column blocks per task and a partial last block."""
+    """Every row tile (1-8 rows, 8-row tiles then a tail), 1-3 column blocks per task and a partial last block; 9-24
+    rows take K in chunks of 64 k steps (K = 576 and 1040: several chunks, a partial last one, several groups)."""
     if not ops.native_small_gemm(dtype):
         # the "native" Linear falls back to oneDNN here (test_layers); only AVX2 / AVX-512 without BF16 land here
         assert ops.isa() in ("avx2", "generic") or (ops.isa() == "avx512" and dtype == torch.bfloat16)
@@ -300,7 +301,7 @@ def _quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, n, k", [(1, 163, 100), (1, 1536, 576), (3, 5, 32), (8, 64, 36), (9, 49, 4),
-                                        (13, 200, 64), (40, 33, 96), (20, 1536, 576), (40, 70, 128)])
+                                        (13, 200, 64), (40, 33, 96), (20, 1536, 576), (16, 97, 1040), (40, 70, 128)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("amx", [True, False])
 def test_small_gemm_int8(ops, dtype, rows, n, k, bias, amx):

@@ -8,7 +8,8 @@
 //     (VPDPBUSD's quads);
 //   * a tile is MT rows x NB blocks of accumulators (up to 8 x 3 = 24 of the 32 registers); each k step loads NB
 //     weight vectors and broadcasts one x element (pair, quad) per row: NB multiply-adds per broadcast;
-//   * threads split the column blocks; a thread runs all row tiles over its blocks, the blocks staying in L2.
+//   * threads split the column blocks (in groups of three); a thread runs all row tiles over each group, the group
+//     staying in cache (from 9 to 24 rows the tiles take turns over chunks of K: thread_groups).
 //
 // int8 (weight-only int8 models, `--quantization int8`): weights symmetric per output channel; the activations are
 // quantized per row on the fly (symmetric, scale max|x| / 127) and shifted by +128 into the unsigned bytes VPDPBUSD
@@ -124,30 +125,62 @@ struct Int8Out {
   }
 };
 
-// The next block group's weights, brought into L2 by the row tiles after a group's first: the first tile streams
-// its group from memory, the later ones compute from cache, and without this their compute and the next group's
-// memory stream add up instead of overlapping (BENCHMARKS.md section 6, "Tenth pass").
-struct NextGroup {
-  const char* line = nullptr;  // this tile's first line to prefetch
-  int64_t lines_per_step = 0;
+// What a row tile prefetches besides the lines it reads, in one of two ways (`issue` at every k step):
+//   * WholeK (the tile runs all of K): each block's own lines kPrefetchSteps ahead; the tiles after a group's first,
+//     which compute from L2, also bring `per_step` lines of the thread's next group into L2, each tile its own part
+//     (BENCHMARKS.md section 6, "Tenth pass").
+//   * Chunked (the tiles take turns over chunks of K): the chunk after this one into L1, shared by all the chunk's
+//     tiles through one cursor, `per_step` lines at a time, step by step across the group's blocks (the order its
+//     first tile reads them).
+struct WholeK {
+  static constexpr bool kOwnStream = true;
+  const char* line = nullptr;  // this tile's part of the next group
+  int64_t per_step = 0;
+  void issue(int64_t s) const {
+    for (int64_t i = 0; i < per_step; ++i) _mm_prefetch(line + (s * per_step + i) * 64, _MM_HINT_T1);
+  }
 };
 
-// Rows [m0, m0 + MT) x blocks [b0, b0 + NB) of y.
-template <typename W, int MT, int NB, typename Out>
-inline void tile(const typename Packed<W>::X* x, int64_t m0, const W* w, const Out& out, int64_t n, int64_t k,
-                 int64_t b0, NextGroup next) {
+struct ChunkCursor {
+  const char* line;  // the next line to prefetch
+  int64_t left, per_step, blocks, block_bytes, block;
+};
+
+struct Chunked {
+  static constexpr bool kOwnStream = false;
+  ChunkCursor* cursor;
+  // Inlined: a call in the tile's loop would spill the accumulators (every zmm register is caller-saved).
+  __attribute__((always_inline)) void issue(int64_t) const {
+    ChunkCursor& c = *cursor;
+    for (int64_t i = 0; i < c.per_step && c.left > 0; ++i, --c.left) {
+      _mm_prefetch(c.line, _MM_HINT_T0);
+      c.line += c.block_bytes;
+      if (++c.block == c.blocks) c.block = 0, c.line += 64 - c.blocks * c.block_bytes;
+    }
+  }
+};
+
+// Rows [m0, m0 + MT) x blocks [b0, b0 + NB) of y, over k steps [s0, s1). `kept` holds the tile's sums between its
+// chunks (unused when [s0, s1) is all of K); the sums start at zero at step 0 and go to y after the last step.
+// Not inlined: inlined into the group loop, the whole-K tiles ran 2-7% slower at 64-128 rows than the same code
+// alone (register allocation in one large function).
+template <typename W, int MT, int NB, typename Ahead, typename Out>
+__attribute__((noinline)) void tile(const typename Packed<W>::X* x, int64_t m0, const W* w, const Out& out,
+                                    int64_t n, int64_t k, int64_t b0, int64_t s0, int64_t s1,
+                                    typename Packed<W>::Acc* kept, Ahead ahead) {
   using P = Packed<W>;
   const int64_t steps = k / P::kStep, block_elems = steps * kBlock * P::kStep;
+  if (Ahead::kOwnStream) s0 = 0, s1 = steps;  // whole K, known at compile time: no kept sums in its code
   const W* wb = w + b0 * block_elems;
   typename P::Acc acc[MT][NB];
   for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NB; ++j) acc[m][j] = P::zero();
-  for (int64_t s = 0; s < steps; ++s) {
-    for (int j = 0; j < NB; ++j)  // a hint only: past the block's end it touches the next one, never faults
-      _mm_prefetch(reinterpret_cast<const char*>(wb + j * block_elems + (s + kPrefetchSteps) * kBlock * P::kStep),
-                   _MM_HINT_T0);
-    for (int64_t i = 0; i < next.lines_per_step; ++i)
-      _mm_prefetch(next.line + (s * next.lines_per_step + i) * 64, _MM_HINT_T1);
+    for (int j = 0; j < NB; ++j) acc[m][j] = s0 == 0 ? P::zero() : kept[m * NB + j];
+  for (int64_t s = s0; s < s1; ++s) {
+    ahead.issue(s - s0);
+    if (Ahead::kOwnStream)
+      for (int j = 0; j < NB; ++j)  // a hint only: past the block's end it touches the next one, never faults
+        _mm_prefetch(reinterpret_cast<const char*>(wb + j * block_elems + (s + kPrefetchSteps) * kBlock * P::kStep),
+                     _MM_HINT_T0);
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j)
       wv[j] = _mm512_loadu_si512(wb + j * block_elems + s * kBlock * P::kStep);
@@ -155,6 +188,11 @@ inline void tile(const typename Packed<W>::X* x, int64_t m0, const W* w, const O
       const auto* xs = x + (m0 + m) * k + s * P::kStep;
       for (int j = 0; j < NB; ++j) acc[m][j] = P::madd(acc[m][j], wv[j], xs);
     }
+  }
+  if (s1 < steps) {
+    for (int m = 0; m < MT; ++m)
+      for (int j = 0; j < NB; ++j) kept[m * NB + j] = acc[m][j];
+    return;
   }
   for (int j = 0; j < NB; ++j) {
     const int64_t col = (b0 + j) * kBlock;
@@ -164,49 +202,92 @@ inline void tile(const typename Packed<W>::X* x, int64_t m0, const W* w, const O
   }
 }
 
-// Every row tile over blocks [b0, b0 + NB); the tiles after the first also prefetch `next_blocks` blocks from b0 + NB
-// into L2, spread evenly over them (from 17 rows on).
-template <typename W, int NB, typename Out>
-void rows_over_blocks(const typename Packed<W>::X* x, int64_t rows, const W* w, const Out& out, int64_t n,
-                      int64_t k, int64_t b0, int64_t next_blocks) {
-  constexpr int64_t kLine = 64;  // one k step of one block
-  const int64_t steps = k / Packed<W>::kStep, later_tiles = (rows + 7) / 8 - 1;
-  // Only with two later tiles or more: with one (9-16 rows) it had to fetch three lines per k step and measured
-  // 0.95-1.13x.
-  const int64_t per_step = later_tiles > 1 ? (next_blocks + later_tiles - 1) / later_tiles : 0;
-  const char* next_group = reinterpret_cast<const char*>(w) + (b0 + NB) * steps * kLine;
-  int64_t m = 0, t = 0;
-  const auto next = [&] {  // tile t's share of the next group (none for the first tile)
-    if (t++ == 0 || per_step == 0) return NextGroup{};
-    return NextGroup{next_group + (t - 2) * steps * per_step * kLine, per_step};
-  };
-  for (; m + 8 <= rows; m += 8) tile<W, 8, NB>(x, m, w, out, n, k, b0, next());
-  switch (rows - m) {
-    case 7: tile<W, 7, NB>(x, m, w, out, n, k, b0, next()); break;
-    case 6: tile<W, 6, NB>(x, m, w, out, n, k, b0, next()); break;
-    case 5: tile<W, 5, NB>(x, m, w, out, n, k, b0, next()); break;
-    case 4: tile<W, 4, NB>(x, m, w, out, n, k, b0, next()); break;
-    case 3: tile<W, 3, NB>(x, m, w, out, n, k, b0, next()); break;
-    case 2: tile<W, 2, NB>(x, m, w, out, n, k, b0, next()); break;
-    case 1: tile<W, 1, NB>(x, m, w, out, n, k, b0, next()); break;
+// The same for a tile of `rows` (1-8) rows over the group's nb (1-3) blocks.
+template <typename W, int NB, typename Ahead, typename Out>
+inline void row_tile(const typename Packed<W>::X* x, int64_t m0, int64_t rows, const W* w, const Out& out, int64_t n,
+                     int64_t k, int64_t b0, int64_t s0, int64_t s1, typename Packed<W>::Acc* kept, Ahead ahead) {
+  switch (rows) {
+    case 8: tile<W, 8, NB>(x, m0, w, out, n, k, b0, s0, s1, kept, ahead); break;
+    case 7: tile<W, 7, NB>(x, m0, w, out, n, k, b0, s0, s1, kept, ahead); break;
+    case 6: tile<W, 6, NB>(x, m0, w, out, n, k, b0, s0, s1, kept, ahead); break;
+    case 5: tile<W, 5, NB>(x, m0, w, out, n, k, b0, s0, s1, kept, ahead); break;
+    case 4: tile<W, 4, NB>(x, m0, w, out, n, k, b0, s0, s1, kept, ahead); break;
+    case 3: tile<W, 3, NB>(x, m0, w, out, n, k, b0, s0, s1, kept, ahead); break;
+    case 2: tile<W, 2, NB>(x, m0, w, out, n, k, b0, s0, s1, kept, ahead); break;
+    case 1: tile<W, 1, NB>(x, m0, w, out, n, k, b0, s0, s1, kept, ahead); break;
     default: break;
+  }
+}
+template <typename W, typename Ahead, typename Out>
+inline void group_tile(const typename Packed<W>::X* x, int64_t m0, int64_t rows, const W* w, const Out& out,
+                       int64_t n, int64_t k, int64_t b0, int64_t nb, int64_t s0, int64_t s1,
+                       typename Packed<W>::Acc* kept, Ahead ahead) {
+  if (nb == 3) row_tile<W, 3>(x, m0, rows, w, out, n, k, b0, s0, s1, kept, ahead);
+  else if (nb == 2) row_tile<W, 2>(x, m0, rows, w, out, n, k, b0, s0, s1, kept, ahead);
+  else row_tile<W, 1>(x, m0, rows, w, out, n, k, b0, s0, s1, kept, ahead);
+}
+
+constexpr int64_t kGroup = 3;  // blocks per task: 3 x 8 accumulators + 3 weight vectors fit the registers
+constexpr int64_t kTileRows = 8;
+constexpr int64_t kChunkedMaxRows = 24;  // rows from 9 to this many take K in chunks
+constexpr int64_t kChunkSteps = 64;  // k steps per chunk (12 KiB of a group's weights)
+
+// One thread's block groups [g0, g1), every row, in row tiles of up to 8.
+//   * Up to 8 rows: one tile per group over the whole K, streaming the weights.
+//   * 9-24 rows: the tiles take turns over each chunk of K. Only the first tile's loads could miss, the others read
+//     L1, and all of them prefetch the chunk after it (after a group's last, the next group's first), so the stream
+//     runs under all their arithmetic. With the whole K per tile, the first tile streamed the group and the others
+//     computed from L2 with nothing streaming under them: 16 rows took about the stream's time plus half the
+//     arithmetic's (BENCHMARKS.md section 6, "Seventeenth pass").
+//   * More rows: the whole K per tile (the arithmetic is the larger part there; chunks measured 0.93-0.97x at 32-64
+//     rows). The first tile streams its group, the later ones bring the next group into L2.
+template <typename W, typename Out>
+void thread_groups(const typename Packed<W>::X* x, int64_t rows, const W* w, const Out& out, int64_t n, int64_t k,
+                   int64_t g0, int64_t g1) {
+  using P = Packed<W>;
+  const int64_t blocks = (n + kBlock - 1) / kBlock, steps = k / P::kStep, block_bytes = steps * 64;
+  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+  const auto group_blocks = [&](int64_t g) { return std::min(kGroup, blocks - g * kGroup); };
+  if (tiles == 1 || rows > kChunkedMaxRows) {
+    // The later tiles' share of the next group: only with two or more (with one, 9-16 rows, it had to fetch three
+    // lines per k step and measured 0.95-1.13x).
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t nb = group_blocks(g), next_blocks = g + 1 < g1 ? group_blocks(g + 1) : 0;
+      const int64_t per_step = tiles > 2 ? (next_blocks + tiles - 2) / (tiles - 1) : 0;
+      const char* next_group = reinterpret_cast<const char*>(w) + (g + 1) * kGroup * block_bytes;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const WholeK ahead = t == 0 ? WholeK{} : WholeK{next_group + (t - 1) * steps * per_step * 64, per_step};
+        group_tile<W>(x, t * kTileRows, std::min(kTileRows, rows - t * kTileRows), w, out, n, k, g * kGroup, nb, 0,
+                      steps, nullptr, ahead);
+      }
+    }
+    return;
+  }
+  alignas(64) typename P::Acc kept[kChunkedMaxRows / kTileRows][kTileRows * kGroup];
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t nb = group_blocks(g);
+    for (int64_t s0 = 0; s0 < steps; s0 += kChunkSteps) {
+      const int64_t s1 = std::min(steps, s0 + kChunkSteps);
+      const int64_t next_group = s1 < steps ? g : g + 1, next_step = s1 < steps ? s1 : 0;
+      ChunkCursor cursor{};
+      if (next_group < g1) {
+        const int64_t next_blocks = group_blocks(next_group);
+        const int64_t lines = next_blocks * std::min(kChunkSteps, steps - next_step);
+        cursor = ChunkCursor{reinterpret_cast<const char*>(w) + next_group * kGroup * block_bytes + next_step * 64,
+                             lines, (lines + tiles * (s1 - s0) - 1) / (tiles * (s1 - s0)), next_blocks, block_bytes, 0};
+      }
+      for (int64_t t = 0; t < tiles; ++t)
+        group_tile<W>(x, t * kTileRows, std::min(kTileRows, rows - t * kTileRows), w, out, n, k, g * kGroup, nb, s0,
+                      s1, kept[t], Chunked{&cursor});
+    }
   }
 }
 
 template <typename W, typename Out>
 void small_gemm_kernel(const typename Packed<W>::X* x, int64_t rows, const W* w, const Out& out, int64_t n,
                        int64_t k) {
-  constexpr int64_t kGroup = 3;  // blocks per task: 3 x 8 accumulators + 3 weight vectors fit the registers
   const int64_t blocks = (n + kBlock - 1) / kBlock, groups = (blocks + kGroup - 1) / kGroup;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t b0 = g * kGroup, nb = std::min(kGroup, blocks - b0);
-      const int64_t next_blocks = g + 1 < g1 ? std::min(kGroup, blocks - b0 - nb) : 0;  // this thread's next group
-      if (nb == 3) rows_over_blocks<W, 3>(x, rows, w, out, n, k, b0, next_blocks);
-      else if (nb == 2) rows_over_blocks<W, 2>(x, rows, w, out, n, k, b0, next_blocks);
-      else rows_over_blocks<W, 1>(x, rows, w, out, n, k, b0, next_blocks);
-    }
-  });
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) { thread_groups<W>(x, rows, w, out, n, k, g0, g1); });
 }
 
 #if defined(__AVX512BF16__)
