@@ -9,7 +9,7 @@
 //   * a tile is MT rows x NB blocks of accumulators (up to 8 x 3 = 24 of the 32 registers); each k step loads NB
 //     weight vectors and broadcasts one x element (pair, quad) per row: NB multiply-adds per broadcast;
 //   * threads split the column blocks (in groups of three); a thread runs all row tiles over each group, the group
-//     staying in cache (from 9 to 24 rows the tiles take turns over chunks of K: thread_groups).
+//     staying in cache (from 9 to 20 rows the tiles take turns over chunks of K: thread_groups).
 //
 // int8 (weight-only int8 models, `--quantization int8`): weights symmetric per output channel; the activations are
 // quantized per row on the fly (symmetric, scale max|x| / 127) and shifted by +128 into the unsigned bytes VPDPBUSD
@@ -229,12 +229,12 @@ inline void group_tile(const typename Packed<W>::X* x, int64_t m0, int64_t rows,
 
 constexpr int64_t kGroup = 3;  // blocks per task: 3 x 8 accumulators + 3 weight vectors fit the registers
 constexpr int64_t kTileRows = 8;
-constexpr int64_t kChunkedMaxRows = 24;  // rows from 9 to this many take K in chunks
+constexpr int64_t kChunkedMaxRows = 20;  // rows from 9 to this many take K in chunks (21-24: 0.88-1.08x)
 constexpr int64_t kChunkSteps = 64;  // k steps per chunk (12 KiB of a group's weights)
 
 // One thread's block groups [g0, g1), every row, in row tiles of up to 8.
 //   * Up to 8 rows: one tile per group over the whole K, streaming the weights.
-//   * 9-24 rows: the tiles take turns over each chunk of K. Only the first tile's loads could miss, the others read
+//   * 9-20 rows: the tiles take turns over each chunk of K. Only the first tile's loads could miss, the others read
 //     L1, and all of them prefetch the chunk after it (after a group's last, the next group's first), so the stream
 //     runs under all their arithmetic. With the whole K per tile, the first tile streamed the group and the others
 //     computed from L2 with nothing streaming under them: 16 rows took about the stream's time plus half the
@@ -263,7 +263,7 @@ void thread_groups(const typename Packed<W>::X* x, int64_t rows, const W* w, con
     }
     return;
   }
-  alignas(64) typename P::Acc kept[kChunkedMaxRows / kTileRows][kTileRows * kGroup];
+  alignas(64) typename P::Acc kept[(kChunkedMaxRows + kTileRows - 1) / kTileRows][kTileRows * kGroup];
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t nb = group_blocks(g);
     for (int64_t s0 = 0; s0 < steps; s0 += kChunkSteps) {
