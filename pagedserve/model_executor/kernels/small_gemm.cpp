@@ -133,7 +133,7 @@ struct Int8Out {
 //     tiles through one cursor, `per_step` lines at a time, step by step across the group's blocks (the order its
 //     first tile reads them).
 struct WholeK {
-  static constexpr bool kOwnStream = true;
+  static constexpr bool kWholeK = true;
   const char* line = nullptr;  // this tile's part of the next group
   int64_t per_step = 0;
   void issue(int64_t s) const {
@@ -147,7 +147,7 @@ struct ChunkCursor {
 };
 
 struct Chunked {
-  static constexpr bool kOwnStream = false;
+  static constexpr bool kWholeK = false;
   ChunkCursor* cursor;
   // Inlined: a call in the tile's loop would spill the accumulators (every zmm register is caller-saved).
   __attribute__((always_inline)) void issue(int64_t) const {
@@ -170,14 +170,14 @@ __attribute__((noinline)) void tile(const typename Packed<W>::X* x, int64_t m0, 
                                     typename Packed<W>::Acc* kept, Ahead ahead) {
   using P = Packed<W>;
   const int64_t steps = k / P::kStep, block_elems = steps * kBlock * P::kStep;
-  if (Ahead::kOwnStream) s0 = 0, s1 = steps;  // whole K, known at compile time: no kept sums in its code
+  if (Ahead::kWholeK) s0 = 0, s1 = steps;  // whole K, known at compile time: no kept sums in its code
   const W* wb = w + b0 * block_elems;
   typename P::Acc acc[MT][NB];
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = s0 == 0 ? P::zero() : kept[m * NB + j];
   for (int64_t s = s0; s < s1; ++s) {
     ahead.issue(s - s0);
-    if (Ahead::kOwnStream)
+    if (Ahead::kWholeK)
       for (int j = 0; j < NB; ++j)  // a hint only: past the block's end it touches the next one, never faults
         _mm_prefetch(reinterpret_cast<const char*>(wb + j * block_elems + (s + kPrefetchSteps) * kBlock * P::kStep),
                      _MM_HINT_T0);
@@ -202,7 +202,7 @@ __attribute__((noinline)) void tile(const typename Packed<W>::X* x, int64_t m0, 
   }
 }
 
-// The same for a tile of `rows` (1-8) rows over the group's nb (1-3) blocks.
+// The same for a tile of `rows` (1-8) rows.
 template <typename W, int NB, typename Ahead, typename Out>
 inline void row_tile(const typename Packed<W>::X* x, int64_t m0, int64_t rows, const W* w, const Out& out, int64_t n,
                      int64_t k, int64_t b0, int64_t s0, int64_t s1, typename Packed<W>::Acc* kept, Ahead ahead) {
@@ -218,15 +218,6 @@ inline void row_tile(const typename Packed<W>::X* x, int64_t m0, int64_t rows, c
     default: break;
   }
 }
-template <typename W, typename Ahead, typename Out>
-inline void group_tile(const typename Packed<W>::X* x, int64_t m0, int64_t rows, const W* w, const Out& out,
-                       int64_t n, int64_t k, int64_t b0, int64_t nb, int64_t s0, int64_t s1,
-                       typename Packed<W>::Acc* kept, Ahead ahead) {
-  if (nb == 3) row_tile<W, 3>(x, m0, rows, w, out, n, k, b0, s0, s1, kept, ahead);
-  else if (nb == 2) row_tile<W, 2>(x, m0, rows, w, out, n, k, b0, s0, s1, kept, ahead);
-  else row_tile<W, 1>(x, m0, rows, w, out, n, k, b0, s0, s1, kept, ahead);
-}
-
 constexpr int64_t kGroup = 3;  // blocks per task: 3 x 8 accumulators + 3 weight vectors fit the registers
 constexpr int64_t kTileRows = 8;
 constexpr int64_t kChunkedMaxRows = 20;  // rows from 9 to this many take K in chunks (21-24: 0.88-1.08x)
@@ -248,23 +239,29 @@ void thread_groups(const typename Packed<W>::X* x, int64_t rows, const W* w, con
   const int64_t blocks = (n + kBlock - 1) / kBlock, steps = k / P::kStep, block_bytes = steps * 64;
   const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
   const auto group_blocks = [&](int64_t g) { return std::min(kGroup, blocks - g * kGroup); };
+  // Row tile t over group g's blocks, k steps [s0, s1).
+  const auto run_tile = [&](int64_t t, int64_t g, int64_t s0, int64_t s1, typename P::Acc* kept, auto ahead) {
+    const int64_t m0 = t * kTileRows, tile_rows = std::min(kTileRows, rows - m0), b0 = g * kGroup;
+    const int64_t nb = group_blocks(g);
+    if (nb == 3) row_tile<W, 3>(x, m0, tile_rows, w, out, n, k, b0, s0, s1, kept, ahead);
+    else if (nb == 2) row_tile<W, 2>(x, m0, tile_rows, w, out, n, k, b0, s0, s1, kept, ahead);
+    else row_tile<W, 1>(x, m0, tile_rows, w, out, n, k, b0, s0, s1, kept, ahead);
+  };
   if (tiles == 1 || rows > kChunkedMaxRows) {
     // Each tile after the first prefetches its share of the next group (here one tile, or three and more).
     for (int64_t g = g0; g < g1; ++g) {
-      const int64_t nb = group_blocks(g), next_blocks = g + 1 < g1 ? group_blocks(g + 1) : 0;
+      const int64_t next_blocks = g + 1 < g1 ? group_blocks(g + 1) : 0;
       const int64_t per_step = tiles > 1 ? (next_blocks + tiles - 2) / (tiles - 1) : 0;
       const char* next_group = reinterpret_cast<const char*>(w) + (g + 1) * kGroup * block_bytes;
       for (int64_t t = 0; t < tiles; ++t) {
-        const WholeK ahead = t == 0 ? WholeK{} : WholeK{next_group + (t - 1) * steps * per_step * 64, per_step};
-        group_tile<W>(x, t * kTileRows, std::min(kTileRows, rows - t * kTileRows), w, out, n, k, g * kGroup, nb, 0,
-                      steps, nullptr, ahead);
+        run_tile(t, g, 0, steps, nullptr,
+                 t == 0 ? WholeK{} : WholeK{next_group + (t - 1) * steps * per_step * 64, per_step});
       }
     }
     return;
   }
   alignas(64) typename P::Acc kept[(kChunkedMaxRows + kTileRows - 1) / kTileRows][kTileRows * kGroup];
   for (int64_t g = g0; g < g1; ++g) {
-    const int64_t nb = group_blocks(g);
     for (int64_t s0 = 0; s0 < steps; s0 += kChunkSteps) {
       const int64_t s1 = std::min(steps, s0 + kChunkSteps);
       const int64_t next_group = s1 < steps ? g : g + 1, next_step = s1 < steps ? s1 : 0;
@@ -275,9 +272,7 @@ void thread_groups(const typename Packed<W>::X* x, int64_t rows, const W* w, con
         cursor = ChunkCursor{reinterpret_cast<const char*>(w) + next_group * kGroup * block_bytes + next_step * 64,
                              lines, (lines + tiles * (s1 - s0) - 1) / (tiles * (s1 - s0)), next_blocks, block_bytes, 0};
       }
-      for (int64_t t = 0; t < tiles; ++t)
-        group_tile<W>(x, t * kTileRows, std::min(kTileRows, rows - t * kTileRows), w, out, n, k, g * kGroup, nb, s0,
-                      s1, kept[t], Chunked{&cursor});
+      for (int64_t t = 0; t < tiles; ++t) run_tile(t, g, s0, s1, kept[t], Chunked{&cursor});
     }
   }
 }
