@@ -2,6 +2,7 @@
 AVX2), against the PyTorch reference, in float32 and bfloat16."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -257,13 +258,43 @@ def _check_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, layou
 @pytest.mark.parametrize("rows, n, k", [(1, 163, 100), (1, 1536, 576), (3, 5, 32), (8, 64, 34), (9, 49, 2),
                                         (13, 200, 64), (16, 200, 576), (20, 97, 1040), (40, 33, 96)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_small_gemm(ops, dtype, rows, n, k, bias):
+@pytest.mark.parametrize("chunks", [True, False])
+def test_small_gemm(ops, dtype, rows, n, k, bias, chunks):
     """Every row tile (1-8 rows, 8-row tiles then a tail), 1-3 column blocks per task and a partial last block; 9-20
-    rows take K in chunks of 64 k steps (K = 576 and 1040: several chunks, a partial last one, several groups)."""
+    rows take K in chunks of 64 k steps (K = 576 and 1040: several chunks, a partial last one, several groups) with
+    chunks=True, whatever this CPU's default (small_gemm_chunks)."""
     if not ops.native_small_gemm(dtype):
         # the "native" Linear falls back to oneDNN here (test_layers); only AVX2 / AVX-512 without BF16 land here
         assert ops.isa() in ("avx2", "generic") or (ops.isa() == "avx512" and dtype == torch.bfloat16)
         return
+    with small_gemm_chunks(ops, chunks):
+        _check_small_gemm(ops, dtype, rows, n, k, bias)
+
+
+@contextlib.contextmanager
+def small_gemm_chunks(ops, enable: bool):
+    """The small GEMM's chunks of K on or off for the block (the CPU's default after)."""
+    default = ops.small_gemm_chunks()
+    assert ops.set_small_gemm_chunks(enable) == enable
+    try:
+        yield
+    finally:
+        ops.set_small_gemm_chunks(default)
+
+
+def test_small_gemm_chunks_default(ops):
+    """The chunks run by default only where they were measured faster: AMD Zen 5 and later (family 0x1A+); never in
+    builds without AVX-512."""
+    info = {}
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    measured_faster = info.get("vendor_id") == "AuthenticAMD" and int(info.get("cpu family", "0")) >= 0x1A
+    assert ops.small_gemm_chunks() == (measured_faster and ops.isa() not in ("avx2", "generic"))
+
+
+def _check_small_gemm(ops, dtype, rows, n, k, bias):
     g = torch.Generator().manual_seed(rows * n * k)
     x = torch.randn(rows, k, generator=g).to(dtype)
     w = torch.randn(n, k, generator=g).to(dtype)
@@ -304,11 +335,12 @@ def _quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                                         (13, 200, 64), (40, 33, 96), (20, 1536, 576), (16, 97, 1040), (40, 70, 128)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("amx", [True, False])
-def test_small_gemm_int8(ops, dtype, rows, n, k, bias, amx):
+@pytest.mark.parametrize("chunks", [True, False])
+def test_small_gemm_int8(ops, dtype, rows, n, k, bias, amx, chunks):
     """The VNNI int8 path: x quantized per row (round(x / s) with s = max|x| / 127), then exact integer sums,
     scaled back by the row's and the column's scales. Reference: the same quantization in float64. On AMX CPUs 2+
     rows with K % 64 == 0 run on AMX-INT8 tiles (one or two 16-row tiles per pass of up to 32 rows; an odd number
-    of column blocks); amx=False keeps VNNI there."""
+    of column blocks); amx=False keeps VNNI there. chunks: as in test_small_gemm."""
     if not ops.native_small_gemm(torch.int8):
         assert ops.isa() != "avx512bf16"  # every AVX512-BF16 CPU has VNNI; the int8 Linear stays on fbgemm elsewhere
         return
@@ -316,7 +348,8 @@ def test_small_gemm_int8(ops, dtype, rows, n, k, bias, amx):
         pytest.skip("no AMX tiles in this build or on this CPU (the amx=False case runs the VNNI path)")
     ops.set_amx_tiles(amx)
     try:
-        _check_small_gemm_int8(ops, dtype, rows, n, k, bias)
+        with small_gemm_chunks(ops, chunks):
+            _check_small_gemm_int8(ops, dtype, rows, n, k, bias)
     finally:
         ops.set_amx_tiles(True)
 

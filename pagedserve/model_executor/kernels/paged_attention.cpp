@@ -1485,6 +1485,8 @@ const char* kernel_isa();
 bool native_small_gemm(at::ScalarType dtype, int64_t k);
 torch::Tensor pack_small_gemm_weight(torch::Tensor weight);
 bool set_amx_tiles(bool enable);
+bool set_small_gemm_chunks(bool enable);
+bool small_gemm_chunks();
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
 torch::Tensor small_gemm_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor col_scale, torch::Tensor col_shift,
                               int64_t n, c10::optional<torch::Tensor> bias);
@@ -1527,5 +1529,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether small_gemm calls of 2+ rows (bfloat16, K % 32 == 0; int8 weights, K % 64 == 0, with AMX-INT8) and "
         "bfloat16 prefill and decode attention run on AMX tiles");
   m.def("set_amx_tiles", &set_amx_tiles, "turn the AMX path on or off where available; returns amx_tiles()");
+  m.def("small_gemm_chunks", &small_gemm_chunks,
+        "whether small_gemm calls of 9-20 rows take K in chunks (on CPUs where that was measured faster)");
+  m.def("set_small_gemm_chunks", &set_small_gemm_chunks, "turn those chunks on or off; returns small_gemm_chunks()");
   m.def("isa", &kernel_isa, "the instruction-set level this build targets");
 }

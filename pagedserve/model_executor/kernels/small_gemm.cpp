@@ -9,7 +9,8 @@
 //   * a tile is MT rows x NB blocks of accumulators (up to 8 x 3 = 24 of the 32 registers); each k step loads NB
 //     weight vectors and broadcasts one x element (pair, quad) per row: NB multiply-adds per broadcast;
 //   * threads split the column blocks (in groups of three); a thread runs all row tiles over each group, the group
-//     staying in cache (from 9 to 20 rows the tiles take turns over chunks of K: thread_groups).
+//     staying in cache (from 9 to 20 rows, on CPUs where it measured faster, the tiles take turns over chunks
+//     of K: thread_groups).
 //
 // int8 (weight-only int8 models, `--quantization int8`): weights symmetric per output channel; the activations are
 // quantized per row on the fly (symmetric, scale max|x| / 127) and shifted by +128 into the unsigned bytes VPDPBUSD
@@ -223,14 +224,27 @@ constexpr int64_t kTileRows = 8;
 constexpr int64_t kChunkedMaxRows = 20;  // rows from 9 to this many take K in chunks (21-24: 0.88-1.08x)
 constexpr int64_t kChunkSteps = 64;  // k steps per chunk (12 KiB of a group's weights)
 
+// Whether the chunks run on this CPU: where they were measured faster. On AMD Zen 5 (family 0x1A) chunks took 9-20
+// rows 1.07-1.28x faster; on AMD Zen 4 (0x19: 512-bit FMAs in two 256-bit halves, a 32 KiB L1) they were
+// 0.78-1.00x the whole-K tiles at 12-20 rows, with 32 k steps per chunk no better (BENCHMARKS.md section 6,
+// "Eighteenth pass"). Other CPUs, unmeasured, keep the whole-K tiles. set_small_gemm_chunks overrides (tests).
+bool chunks_measured_faster() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541 || d != 0x69746e65 || c != 0x444d4163) return false;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return false;  // ("AuthenticAMD" above)
+  const unsigned base = (a >> 8) & 0xf, family = base == 0xf ? base + ((a >> 20) & 0xff) : base;
+  return family >= 0x1a;
+}
+std::atomic<bool> chunks_on{chunks_measured_faster()};
+
 // One thread's block groups [g0, g1), every row, in row tiles of up to 8.
 //   * Up to 8 rows: one tile per group over the whole K, streaming the weights.
-//   * 9-20 rows: the tiles take turns over each chunk of K. Only the first tile's loads could miss, the others read
-//     L1, and all of them prefetch the chunk after it (after a group's last, the next group's first), so the stream
-//     runs under all their arithmetic. With the whole K per tile, the first tile streamed the group and the others
-//     computed from L2 with nothing streaming under them: 16 rows took about the stream's time plus half the
-//     arithmetic's (BENCHMARKS.md section 6, "Seventeenth pass").
-//   * More rows: the whole K per tile (the arithmetic is the larger part there; chunks measured 0.93-0.97x at 32-64
+//   * 9-20 rows, where chunks_on: the tiles take turns over each chunk of K. Only the first tile's loads could
+//     miss, the others read L1, and all of them prefetch the chunk after it (after a group's last, the next group's
+//     first), so the stream runs under all their arithmetic. With the whole K per tile, the first tile streamed the
+//     group and the others computed from L2 with nothing streaming under them: on Zen 5, 16 rows took about the
+//     stream's time plus half the arithmetic's (BENCHMARKS.md section 6, "Seventeenth pass").
+//   * More rows, or no chunks_on: the whole K per tile (the arithmetic is the larger part there; chunks measured 0.93-0.97x at 32-64
 //     rows). The first tile streams its group, the later ones bring the next group into L2.
 template <typename W, typename Out>
 void thread_groups(const typename Packed<W>::X* x, int64_t rows, const W* w, const Out& out, int64_t n, int64_t k,
@@ -247,7 +261,7 @@ void thread_groups(const typename Packed<W>::X* x, int64_t rows, const W* w, con
     else if (nb == 2) row_tile<W, 2>(x, m0, tile_rows, w, out, n, k, b0, s0, s1, kept, ahead);
     else row_tile<W, 1>(x, m0, tile_rows, w, out, n, k, b0, s0, s1, kept, ahead);
   };
-  if (tiles == 1 || rows > kChunkedMaxRows) {
+  if (tiles == 1 || rows > kChunkedMaxRows || !chunks_on.load(std::memory_order_relaxed)) {
     // Each tile after the first prefetches its share of the next group (here one tile, or three and more).
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t next_blocks = g + 1 < g1 ? group_blocks(g + 1) : 0;
@@ -481,6 +495,26 @@ bool set_amx_tiles(bool enable) {
   (void)enable;
 #endif
   return ps::amx_tiles();
+}
+
+// Turns the chunks of K at 9-20 rows (thread_groups) on or off; returns whether they now run (never in builds
+// without AVX-512). The default: chunks_measured_faster().
+bool set_small_gemm_chunks(bool enable) {
+#if defined(__AVX512F__)
+  chunks_on.store(enable);
+  return enable;
+#else
+  (void)enable;
+  return false;
+#endif
+}
+
+bool small_gemm_chunks() {
+#if defined(__AVX512F__)
+  return chunks_on.load();
+#else
+  return false;
+#endif
 }
 
 // [N, K] -> the packed blocks above (zero columns pad N to a multiple of 16). K a multiple of the dtype's k step.
