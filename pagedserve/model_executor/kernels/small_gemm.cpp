@@ -244,8 +244,8 @@ std::atomic<bool> chunks_on{chunks_measured_faster()};
 //     first), so the stream runs under all their arithmetic. With the whole K per tile, the first tile streamed the
 //     group and the others computed from L2 with nothing streaming under them: on Zen 5, 16 rows took about the
 //     stream's time plus half the arithmetic's (BENCHMARKS.md section 6, "Seventeenth pass").
-//   * More rows, or no chunks_on: the whole K per tile (the arithmetic is the larger part there; chunks measured 0.93-0.97x at 32-64
-//     rows). The first tile streams its group, the later ones bring the next group into L2.
+//   * More rows, or no chunks_on: the whole K per tile (the arithmetic is the larger part there; chunks measured
+//     0.93-0.97x at 32-64 rows). The first tile streams its group, the later ones bring the next group into L2.
 template <typename W, typename Out>
 void thread_groups(const typename Packed<W>::X* x, int64_t rows, const W* w, const Out& out, int64_t n, int64_t k,
                    int64_t g0, int64_t g1) {
@@ -497,24 +497,24 @@ bool set_amx_tiles(bool enable) {
   return ps::amx_tiles();
 }
 
-// Turns the chunks of K at 9-20 rows (thread_groups) on or off; returns whether they now run (never in builds
-// without AVX-512). The default: chunks_measured_faster().
-bool set_small_gemm_chunks(bool enable) {
-#if defined(__AVX512F__)
-  chunks_on.store(enable);
-  return enable;
-#else
-  (void)enable;
-  return false;
-#endif
-}
-
+// Whether small_gemm calls of 9-20 rows take K in chunks (never in builds without AVX-512).
 bool small_gemm_chunks() {
 #if defined(__AVX512F__)
   return chunks_on.load();
 #else
   return false;
 #endif
+}
+
+// Turns the chunks of K at 9-20 rows (thread_groups) on or off; returns whether they now run (never in builds
+// without AVX-512). The default: chunks_measured_faster().
+bool set_small_gemm_chunks(bool enable) {
+#if defined(__AVX512F__)
+  chunks_on.store(enable);
+#else
+  (void)enable;
+#endif
+  return small_gemm_chunks();
 }
 
 // [N, K] -> the packed blocks above (zero columns pad N to a multiple of 16). K a multiple of the dtype's k step.
