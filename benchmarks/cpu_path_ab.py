@@ -17,6 +17,10 @@ the table reports the median over rounds. Variants (each adds one change to the 
   +bf16-kv      the same on a second engine with --kv-cache-dtype bfloat16 (half the KV bytes)
 (all float32 models.)
 
+`--suite prefetch`: one engine per `--dtypes`, the small GEMM's prefetch distance (`set_small_gemm_prefetch`: k
+steps each weight stream is prefetched ahead; its default depends on the CPU) set to each of `--prefetch-steps`
+in turn, round-robin on the same engine.
+
 `--suite bf16` (issue 12): a float32 and a bfloat16 engine on the same checkpoint, round-robin:
 
   fp32          --dtype float32, the default CPU path
@@ -127,12 +131,16 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--suite", choices=["issue7", "bf16"], default="issue7")
+    p.add_argument("--suite", choices=["issue7", "bf16", "prefetch"], default="issue7")
+    p.add_argument("--dtypes", default="float32", help="--suite prefetch: the model dtypes, one engine each")
+    p.add_argument("--prefetch-steps", default="4,16", help="--suite prefetch: the distances compared")
     args = p.parse_args(argv)
     if cpu_kernels() is None:
         raise SystemExit("the native CPU kernels did not build: nothing to compare")
     if args.suite == "bf16":
         return bf16_suite(args)
+    if args.suite == "prefetch":
+        return prefetch_suite(args)
     print(f"| B | {' | '.join(VARIANTS)} | default vs baseline |")
     print(f"|---:|{'---:|' * (len(VARIANTS) + 1)}")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
@@ -181,6 +189,35 @@ def bf16_suite(args) -> int:
         print(f"| {batch} | {cells} | {med['fp32'] / med['bf16']:.2f}x | {med['bf16-before'] / med['bf16']:.2f}x | "
               f"{med['bf16-onednn'] / med['bf16']:.2f}x |", flush=True)
         del engines
+    return 0
+
+
+def prefetch_suite(args) -> int:
+    kernels = cpu_kernels()
+    distances = [int(s) for s in args.prefetch_steps.split(",")]
+    default = kernels.small_gemm_prefetch()
+    print(f"native kernels: {kernels.isa()}; threads {args.threads}; context {args.context}; default prefetch "
+          f"{default} k steps; decode step ms (median over {args.rounds} rounds of per-round medians of {args.steps} "
+          f"steps); ratio: the first distance's time / each one's")
+    print(f"| dtype | B | {' | '.join(f'{s} steps' for s in distances)} |")
+    print(f"|---|---:|{'---:|' * len(distances)}")
+    for dtype in args.dtypes.split(","):
+        for batch in (int(b) for b in args.batch_sizes.split(",")):
+            engine = decoding_engine(args.model, batch, args.context, args.threads, "auto", dtype)
+            results: dict[int, list[float]] = {s: [] for s in distances}
+            try:
+                for _ in range(args.rounds):
+                    for s in distances:
+                        kernels.set_small_gemm_prefetch(s)
+                        engine.step()
+                        results[s].append(step_ms(engine, args.steps))
+            finally:
+                kernels.set_small_gemm_prefetch(default)
+            med = {s: float(np.median(v)) for s, v in results.items()}
+            first = distances[0]
+            cells = " | ".join(f"{med[s]:.1f} ({med[first] / med[s]:.2f}x)" for s in distances)
+            print(f"| {dtype} | {batch} | {cells} |", flush=True)
+            del engine
     return 0
 
 

@@ -282,16 +282,45 @@ def small_gemm_chunks(ops, enable: bool):
         ops.set_small_gemm_chunks(default)
 
 
-def test_small_gemm_chunks_default(ops):
-    """The chunks run by default only where they were measured faster: AMD Zen 5 and later (family 0x1A+); never in
-    builds without AVX-512."""
+def amd_family() -> int:
+    """The CPU family from /proc/cpuinfo on an AMD CPU (0x19 Zen 3/4, 0x1A Zen 5), 0 on other vendors."""
     info = {}
     with open("/proc/cpuinfo") as f:
         for line in f:
             key, _, value = line.partition(":")
             info.setdefault(key.strip(), value.strip())
-    measured_faster = info.get("vendor_id") == "AuthenticAMD" and int(info.get("cpu family", "0")) >= 0x1A
-    assert ops.small_gemm_chunks() == (measured_faster and ops.isa() not in ("avx2", "generic"))
+    return int(info.get("cpu family", "0")) if info.get("vendor_id") == "AuthenticAMD" else 0
+
+
+def test_small_gemm_chunks_default(ops):
+    """The chunks run by default only where they were measured faster: AMD Zen 5 and later (family 0x1A+); never in
+    builds without AVX-512."""
+    assert ops.small_gemm_chunks() == (amd_family() >= 0x1A and ops.isa() not in ("avx2", "generic"))
+
+
+def test_small_gemm_prefetch(ops):
+    """The prefetch distance of calls of up to 8 rows (one row tile): 4 k steps by default on AMD Zen 4 (family
+    0x19, where it measured faster), 16 elsewhere, none without AVX-512 (no such tiles). Any distance from 0 to 64
+    gives the same bits (a hint only, also past a block's end); others are a ValueError."""
+    default = ops.small_gemm_prefetch()
+    if ops.isa() in ("avx2", "generic"):
+        assert default == 0 and ops.set_small_gemm_prefetch(8) == 0
+        return
+    assert default == (4 if amd_family() == 0x19 else 16)
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(5, 1040, generator=g), torch.randn(200, 1040, generator=g)
+    packed = ops.pack_small_gemm_weight(w)
+    expected = ops.small_gemm(x, packed, 200)
+    try:
+        for steps in (0, 1, 64):
+            assert ops.set_small_gemm_prefetch(steps) == steps == ops.small_gemm_prefetch()
+            assert torch.equal(ops.small_gemm(x, packed, 200), expected)
+        for bad in (-1, 65):
+            with pytest.raises(ValueError, match="0-64 k steps"):
+                ops.set_small_gemm_prefetch(bad)
+    finally:
+        ops.set_small_gemm_prefetch(default)
+    assert ops.small_gemm_prefetch() == default
 
 
 def _check_small_gemm(ops, dtype, rows, n, k, bias):

@@ -1487,6 +1487,8 @@ torch::Tensor pack_small_gemm_weight(torch::Tensor weight);
 bool set_amx_tiles(bool enable);
 bool set_small_gemm_chunks(bool enable);
 bool small_gemm_chunks();
+int64_t set_small_gemm_prefetch(int64_t steps);
+int64_t small_gemm_prefetch();
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
 torch::Tensor small_gemm_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor col_scale, torch::Tensor col_shift,
                               int64_t n, c10::optional<torch::Tensor> bias);
@@ -1532,5 +1534,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm_chunks", &small_gemm_chunks,
         "whether small_gemm calls of 9-20 rows take K in chunks (on CPUs where that was measured faster)");
   m.def("set_small_gemm_chunks", &set_small_gemm_chunks, "turn those chunks on or off; returns small_gemm_chunks()");
+  m.def("small_gemm_prefetch", &small_gemm_prefetch,
+        "how many k steps ahead small_gemm calls of up to 8 rows prefetch their weights (a per-CPU default)");
+  m.def("set_small_gemm_prefetch", &set_small_gemm_prefetch,
+        "set that distance (0-64 k steps); returns small_gemm_prefetch()");
   m.def("isa", &kernel_isa, "the instruction-set level this build targets");
 }

@@ -33,9 +33,6 @@ namespace {
 
 #if defined(__AVX512F__)
 constexpr int64_t kBlock = 16;  // output columns per packed block (one zmm of 32-bit lanes)
-// k steps of each block stream prefetched ahead (1 KiB): on Zen 4 +5-9% over none at 8-32 rows with 8 steps, and
-// 16 steps a further ~10% at 1-32 rows (1 row: the weights then stream at the machine's read bandwidth).
-constexpr int64_t kPrefetchSteps = 16;
 
 // Per packed weight type: the activation element a k step broadcasts, the accumulator, the multiply-add.
 template <typename W>
@@ -126,15 +123,36 @@ struct Int8Out {
   }
 };
 
+// The CPU family of an AMD CPU (0x19 Zen 3/4, 0x1A Zen 5); 0 on other vendors. The kernels' tuning choices below
+// follow what was measured on each.
+unsigned amd_family() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541 || d != 0x69746e65 || c != 0x444d4163) return 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;  // ("AuthenticAMD" above)
+  const unsigned base = (a >> 8) & 0xf;
+  return base == 0xf ? base + ((a >> 20) & 0xff) : base;
+}
+
+// How many k steps ahead of its loads a whole-K tile prefetches each block's stream into L1. With several row tiles
+// (9+ rows) 16 steps (1 KiB): on Zen 4 +5-9% over none at 8-32 rows with 8 steps, and 16 a further ~10% at 1-32
+// rows. One tile (up to 8 rows, every batch-1 decode step) takes the distance measured best on the CPU:
+// AMD Zen 4 (family 0x19) 4 steps, the engine's batch-1 decode step 1.03-1.23x faster than with 16 (Qwen3 and
+// SmolLM2 shapes, float32 and bfloat16; BENCHMARKS.md section 6, "Nineteenth pass"); 16 elsewhere (Zen 5, Intel:
+// unmeasured since 16 was chosen). set_small_gemm_prefetch overrides it (benchmarks, tests).
+constexpr int64_t kPrefetchSteps = 16;
+int64_t one_tile_prefetch_measured_best() { return amd_family() == 0x19 ? 4 : kPrefetchSteps; }
+std::atomic<int64_t> one_tile_prefetch{one_tile_prefetch_measured_best()};
+
 // What a row tile prefetches besides the lines it reads, in one of two ways (`issue` at every k step):
-//   * WholeK (the tile runs all of K): each block's own lines kPrefetchSteps ahead; the tiles after a group's first,
-//     which compute from L2, also bring `per_step` lines of the thread's next group into L2, each tile its own part
-//     (BENCHMARKS.md section 6, "Tenth pass").
+//   * WholeK (the tile runs all of K): each block's own lines `distance` k steps ahead; the tiles after a group's
+//     first, which compute from L2, also bring `per_step` lines of the thread's next group into L2, each tile its
+//     own part (BENCHMARKS.md section 6, "Tenth pass").
 //   * Chunked (the tiles take turns over chunks of K): the chunk after this one into L1, shared by all the chunk's
 //     tiles through one cursor, `per_step` lines at a time, step by step across the group's blocks (the order its
 //     first tile reads them).
 struct WholeK {
   static constexpr bool kWholeK = true;
+  int64_t distance = kPrefetchSteps;
   const char* line = nullptr;  // this tile's part of the next group
   int64_t per_step = 0;
   void issue(int64_t s) const {
@@ -178,9 +196,9 @@ __attribute__((noinline)) void tile(const typename Packed<W>::X* x, int64_t m0, 
     for (int j = 0; j < NB; ++j) acc[m][j] = s0 == 0 ? P::zero() : kept[m * NB + j];
   for (int64_t s = s0; s < s1; ++s) {
     ahead.issue(s - s0);
-    if (Ahead::kWholeK)
+    if constexpr (Ahead::kWholeK)
       for (int j = 0; j < NB; ++j)  // a hint only: past the block's end it touches the next one, never faults
-        _mm_prefetch(reinterpret_cast<const char*>(wb + j * block_elems + (s + kPrefetchSteps) * kBlock * P::kStep),
+        _mm_prefetch(reinterpret_cast<const char*>(wb + j * block_elems + (s + ahead.distance) * kBlock * P::kStep),
                      _MM_HINT_T0);
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j)
@@ -228,13 +246,7 @@ constexpr int64_t kChunkSteps = 64;  // k steps per chunk (12 KiB of a group's w
 // rows 1.07-1.28x faster; on AMD Zen 4 (0x19: 512-bit FMAs in two 256-bit halves, a 32 KiB L1) they were
 // 0.78-1.00x the whole-K tiles at 12-20 rows, with 32 k steps per chunk no better (BENCHMARKS.md section 6,
 // "Eighteenth pass"). Other CPUs, unmeasured, keep the whole-K tiles. set_small_gemm_chunks overrides (tests).
-bool chunks_measured_faster() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541 || d != 0x69746e65 || c != 0x444d4163) return false;
-  if (!__get_cpuid(1, &a, &b, &c, &d)) return false;  // ("AuthenticAMD" above)
-  const unsigned base = (a >> 8) & 0xf, family = base == 0xf ? base + ((a >> 20) & 0xff) : base;
-  return family >= 0x1a;
-}
+bool chunks_measured_faster() { return amd_family() >= 0x1a; }
 std::atomic<bool> chunks_on{chunks_measured_faster()};
 
 // One thread's block groups [g0, g1), every row, in row tiles of up to 8.
@@ -263,13 +275,14 @@ void thread_groups(const typename Packed<W>::X* x, int64_t rows, const W* w, con
   };
   if (tiles == 1 || rows > kChunkedMaxRows || !chunks_on.load(std::memory_order_relaxed)) {
     // Each tile after the first prefetches its share of the next group (here one tile, or three and more).
+    const int64_t distance = tiles == 1 ? one_tile_prefetch.load(std::memory_order_relaxed) : kPrefetchSteps;
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t next_blocks = g + 1 < g1 ? group_blocks(g + 1) : 0;
       const int64_t per_step = tiles > 1 ? (next_blocks + tiles - 2) / (tiles - 1) : 0;
       const char* next_group = reinterpret_cast<const char*>(w) + (g + 1) * kGroup * block_bytes;
       for (int64_t t = 0; t < tiles; ++t) {
-        run_tile(t, g, 0, steps, nullptr,
-                 t == 0 ? WholeK{} : WholeK{next_group + (t - 1) * steps * per_step * 64, per_step});
+        const char* part = next_group + (t - 1) * steps * per_step * 64;
+        run_tile(t, g, 0, steps, nullptr, t == 0 ? WholeK{distance} : WholeK{distance, part, per_step});
       }
     }
     return;
@@ -515,6 +528,26 @@ bool set_small_gemm_chunks(bool enable) {
   (void)enable;
 #endif
   return small_gemm_chunks();
+}
+
+// The k steps a small_gemm call of up to 8 rows (one row tile) prefetches its weights ahead (0 in builds without
+// AVX-512: no such tiles).
+int64_t small_gemm_prefetch() {
+#if defined(__AVX512F__)
+  return one_tile_prefetch.load();
+#else
+  return 0;
+#endif
+}
+
+// Sets that distance (0-64 k steps; a hint, the results do not change); returns small_gemm_prefetch() after it.
+// The default: one_tile_prefetch_measured_best().
+int64_t set_small_gemm_prefetch(int64_t steps) {
+  TORCH_CHECK_VALUE(steps >= 0 && steps <= 64, "set_small_gemm_prefetch: 0-64 k steps, got ", steps);
+#if defined(__AVX512F__)
+  one_tile_prefetch.store(steps);
+#endif
+  return small_gemm_prefetch();
 }
 
 // [N, K] -> the packed blocks above (zero columns pad N to a multiple of 16). K a multiple of the dtype's k step.
