@@ -136,8 +136,9 @@ unsigned amd_family() {
 // How many k steps ahead of its loads a whole-K tile prefetches each block's stream into L1. With several row tiles
 // (9+ rows) 16 steps (1 KiB): on Zen 4 +5-9% over none at 8-32 rows with 8 steps, and 16 a further ~10% at 1-32
 // rows. One tile (up to 8 rows, every batch-1 decode step) takes the distance measured best on the CPU:
-// AMD Zen 4 (family 0x19) 4 steps, the engine's batch-1 decode step 1.03-1.23x faster than with 16 (Qwen3 and
-// SmolLM2 shapes, float32 and bfloat16; BENCHMARKS.md section 6, "Nineteenth pass"); 16 elsewhere (Zen 5, Intel:
+// AMD Zen 4 (family 0x19) 4 steps, the engine's decode steps of 1-8 sequences 1.05-1.17x faster than with 16 in 11
+// of 12 cells (Qwen3 and SmolLM2 shapes, float32 and bfloat16; BENCHMARKS.md section 6, "Nineteenth pass"); 16
+// elsewhere (Zen 5, Intel:
 // unmeasured since 16 was chosen). set_small_gemm_prefetch overrides it (benchmarks, tests).
 constexpr int64_t kPrefetchSteps = 16;
 int64_t one_tile_prefetch_measured_best() { return amd_family() == 0x19 ? 4 : kPrefetchSteps; }
