@@ -148,3 +148,16 @@ def test_acquire_release(tmp_path):
     fd = K.acquire_build_lock(tmp_path, timeout_s=5)  # its holder died: free at once
     assert fd is not None
     K.release_build_lock(fd)
+
+
+def test_an_installed_package_carries_the_kernel_sources():
+    """A non-editable install (a wheel) has only what pyproject's package-data names besides the .py files:
+    without the sources every start falls back to the PyTorch path."""
+    import fnmatch
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = Path(K.__file__).resolve().parents[3]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pagedserve"]
+    for name in K.SOURCES + K.HEADERS:
+        relative = f"model_executor/kernels/{name}"
+        assert any(fnmatch.fnmatch(relative, p) for p in patterns), f"{relative} is not in the package data"
