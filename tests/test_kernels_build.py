@@ -153,11 +153,10 @@ def test_acquire_release(tmp_path):
 def test_an_installed_package_carries_the_kernel_sources():
     """A non-editable install (a wheel) has only what pyproject's package-data names besides the .py files:
     without the sources every start falls back to the PyTorch path."""
-    import fnmatch
-
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    root = Path(K.__file__).resolve().parents[3]
-    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pagedserve"]
+    package = K.KERNEL_DIR.parents[1]
+    pyproject = tomllib.loads((package.parent / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["pagedserve"]
     for name in K.SOURCES + K.HEADERS:
-        relative = f"model_executor/kernels/{name}"
-        assert any(fnmatch.fnmatch(relative, p) for p in patterns), f"{relative} is not in the package data"
+        relative = (K.KERNEL_DIR / name).relative_to(package)
+        assert any(relative.match(p) for p in patterns), f"{relative} is not in the package data"
