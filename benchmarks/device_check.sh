@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Issue 18's GPU checks in one run (the steps' limits add up to 515 s; less when nothing hangs), from the repository root:
+# The GPU checks (issues 18 and 13) in one run (the steps' limits add up to 680 s; less when nothing hangs), from the repository root:
 #
 #     OUT=bench_results/device bash benchmarks/device_check.sh      # the device tool sets $OUT itself
 #
 # 1. the Triton kernel and CUDA-graph tests on the real GPU (compiled kernels, bfloat16 tensor-core dots, real
 #    graph capture and replay);
-# 2. greedy outputs on CUDA (float32 with graphs and eager, bfloat16) vs HF float32 for every tiny architecture
+# 2. structured output's tests on CUDA (masks added to the logits on the GPU, the test server on the GPU too);
+#    greedy outputs on CUDA (float32 with graphs and eager, bfloat16) vs HF float32 for every tiny architecture
 #    (benchmarks/device_check.py correctness), and the engine's correctness tests with the default device (cuda);
 # 3. on a random-weight qwen3-0.6b shape in bfloat16: the device's roofline, decode step time vs batch size with
 #    and without CUDA graphs, prefill throughput, `bench serve` against a `pagedserve serve --device cuda`
@@ -53,11 +54,14 @@ cat "$OUT/env.json"
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 
 # 1. kernels and graph logic on the GPU (compiles every kernel variant the tests use)
-step kernel_tests 90 "$PY" -m pytest -q tests/test_triton_attention.py tests/test_cuda_graphs.py
+step kernel_tests 90 "$PY" -m pytest -v --tb=short -p no:cacheprovider tests/test_triton_attention.py tests/test_cuda_graphs.py
 
-# 2. correctness on CUDA
+# 2. structured output's masks on CUDA (the engine and the test server default to the GPU), correctness on CUDA
+step structured_output_cuda 120 "$PY" -m pytest -v --tb=short -p no:cacheprovider tests/test_structured_output.py
 step correctness 90 "$PY" benchmarks/device_check.py correctness --out "$OUT"
-step engine_tests_cuda 45 "$PY" -m pytest -q -x tests/test_correctness.py
+step engine_tests_cuda 90 "$PY" -m pytest -v --tb=short -p no:cacheprovider tests/test_correctness.py \
+  tests/test_llm_api.py tests/test_engine_boundary.py tests/test_spec_decode.py tests/test_tiny_models.py \
+  tests/test_kv_sharing.py
 
 # 3. performance on a 0.5B-class shape, bfloat16
 M=$OUT/qwen3-0.6b

@@ -630,8 +630,10 @@ def format_report(args, workload: str, peaks, roof, rows, rats, batch1, skipped)
     rows = sorted(rows, key=lambda r: (r["concurrency"], order[r["engine"]]))
     L = [f"# side by side: pagedserve vs llama.cpp vs transformers (generate, continuous batching)",
          "",
-         f"model `{args.model}` ({roof.params / 1e6:.1f}M params, fp32); GGUF `{args.gguf}` (F32); "
-         f"{args.threads} threads per engine; workload {args.dataset}: {workload}; closed loop at concurrency C "
+         f"model `{args.model}` ({roof.params / 1e6:.1f}M params, {args.dtype}); "
+         + (f"GGUF `{args.gguf}` (F32); " if "llamacpp" in args.engine_list else "")
+         + (f"{args.threads} threads per engine" if args.device == "cpu" else f"on {args.device}")
+         + f"; workload {args.dataset}: {workload}; closed loop at concurrency C "
          f"(`--max-concurrency C --request-rate inf`), `ignore_eos`, greedy; seed {args.seed}; "
          f"{datetime.now().strftime('%Y-%m-%d %H:%M')}",
          "",
@@ -655,12 +657,12 @@ def format_report(args, workload: str, peaks, roof, rows, rats, batch1, skipped)
                      f"{q['ttft_p99']:.2f}x | {q['itl_p50']:.2f}x | {q['itl_p99']:.2f}x |")
     bound_ms = roof.weight_bytes / roof.bandwidth * 1000
     L += ["", "## Roofline (same run)", "",
-          f"* machine, {peaks.threads} threads: matmul peak {peaks.matmul_flops / g:.1f} GFLOP/s (fp32 GEMM n="
+          f"* machine, {f'{peaks.threads} threads' if args.device == 'cpu' else args.device}: matmul peak {peaks.matmul_flops / g:.1f} GFLOP/s ({args.dtype} GEMM n="
           f"{peaks.matmul_size}); memory bandwidth {peaks.bandwidth / g:.1f} GB/s (best of copy "
           f"{peaks.copy_bandwidth / g:.1f}, sum {peaks.sum_bandwidth / g:.1f}, GEMV {peaks.gemv_bandwidth / g:.1f})",
           f"* model: {roof.matmul_params / 1e6:.1f}M matmul params incl. LM head -> {2 * roof.matmul_params / 1e6:.4g} "
           f"MFLOP per token; compute bound {roof.compute_bound_tok_s:.0f} tok/s; weights {roof.weight_bytes / 1e6:.0f} MB "
-          f"(fp32) -> batch-1 decode bound {bound_ms:.2f} ms/token ({roof.decode_bound_tok_s:.1f} tok/s); "
+          f"({args.dtype}) -> batch-1 decode bound {bound_ms:.2f} ms/token ({roof.decode_bound_tok_s:.1f} tok/s); "
           f"B_sat {roof.b_sat:.1f}",
           "* ITL = gap between consecutive streamed chunks, as `vllm bench serve` counts it (a server that bundles "
           "tokens into one chunk shows fewer, longer gaps; llama-server's last chunk carries no token); TPOT = "
@@ -685,9 +687,8 @@ def format_report(args, workload: str, peaks, roof, rows, rats, batch1, skipped)
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    # A CPU benchmark (llama.cpp is built for the CPU, threads are pinned): keep pagedserve and transformers off any
-    # GPU, in this process and in the servers it starts.
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if args.device == "cpu":  # llama.cpp is built for the CPU and threads are pinned: keep pagedserve and
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # transformers off any GPU, here and in the servers it starts
     if args.convert_with and not os.path.isfile(args.gguf):
         convert_to_gguf(args.convert_with, args.model, args.gguf)
     if args.convert_only:

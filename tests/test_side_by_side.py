@@ -46,6 +46,7 @@ def test_side_by_side_tiny_without_llama_cpp(tmp_path):
     md = (out / "side_by_side.md").read_text()
     assert "| engine | C |" in md and "output tok/s" in md and "Roofline" in md and "batch-1 decode" in md
     assert "| HF continuous batching | 2 |" in md
+    assert "params, float32); 1 threads per engine;" in md and "(float32 GEMM n=64)" in md  # the run's dtype
 
 
 def run_script(name: str, args: list[str], cwd) -> subprocess.CompletedProcess:

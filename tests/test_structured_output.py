@@ -138,6 +138,37 @@ def test_random_sampling_n_and_seeds_stay_inside_the_grammar(llm):
     assert [c.text for out in again for c in out.outputs] == texts
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the masks on CUDA need a GPU (benchmarks/device_check.sh)")
+@pytest.mark.parametrize("overlap_masks", [True, False], ids=["masks-overlapped", "checked-first"])
+def test_masks_on_cuda_give_the_cpu_tokens(model_dir, overlap_masks):
+    """The CUDA half: every kind of constraint and a free row in one batch on the GPU (masks built on the host,
+    added to the logits on the device) give the float32 CPU engine's greedy tokens, and seeded random rows stay
+    inside their grammar."""
+    ps = prompts(6)
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=120, structured_outputs=c) for c in CONSTRAINTS.values()]
+    regex = SO(regex=r"[A-Z]{2}-[0-9]{3}")
+    sampled = [SamplingParams(n=4, temperature=1.0, seed=5, top_p=0.9, max_tokens=40, structured_outputs=regex)]
+    greedy = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(str(model_dir), device=device, num_threads=1, num_kv_blocks=256, max_model_len=512,
+                  dtype="float32")
+        assert llm.llm_engine.runner.device.type == device
+        llm.llm_engine.structured_output.overlap_masks = overlap_masks
+        outs = llm.generate(prompt_token_ids=ps, sampling_params=params + [free], use_tqdm=False)
+        greedy[device] = [o.outputs[0].token_ids for o in outs]
+        if device == "cuda":
+            for kind, out in zip(CONSTRAINTS, outs):
+                if not (kind == "json_object" and out.outputs[0].finish_reason == "length"):
+                    check(kind, out.outputs[0].text)
+            rows = llm.generate(prompt_token_ids=ps[:1], sampling_params=sampled, use_tqdm=False)[0].outputs
+            assert len(rows) == 4
+            for c in rows:
+                check("regex", c.text)
+        del llm
+    assert greedy["cuda"] == greedy["cpu"]
+
+
 def test_checked_first_greedy_tokens_equal_the_overlapped_masks(llm):
     """Sampling first and masking only rejected rows is exact for greedy: the same tokens as masking every row."""
     ps = prompts(5)
@@ -178,11 +209,11 @@ def test_checked_first_sampling_draws_from_the_masked_distribution(llm):
         expected = weights / weights.sum()
         n = 20000
         requests = [Request("c", [1], SamplingParams(temperature=1.0, max_tokens=1), 1) for _ in range(n)]
-        batch = logits.expand(n, -1).clone()
+        batch = logits.expand(n, -1).to(runner.device, copy=True)  # the logits live where the model runs
         out = runner.sampler(batch, runner._sampling_metadata(requests), runner.default_generator)
-        first = out.sampled_token_ids.clone()
+        first = out.sampled_token_ids.clone().cpu()
         runner._resample_rejected(batch, requests, out, list(range(n)), manager)
-        tokens = out.sampled_token_ids
+        tokens = out.sampled_token_ids.cpu()
         assert 0.45 < torch.isin(first, allowed).float().mean() < 0.55  # both paths ran
         assert bool(torch.isin(tokens, allowed).all())
         kept = torch.isin(first, allowed)

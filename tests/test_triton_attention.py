@@ -58,8 +58,8 @@ def random_tables(lens: list[int], block_size: int, num_blocks: int, seed: int) 
 @pytest.mark.parametrize("block_size,heads,kv_heads,head_dim", [(16, 4, 2, 32), (4, 6, 2, 16), (1, 2, 2, 8),
                                                                 (32, 8, 1, 24)])
 def test_decode_matches_reference(dtype, block_size, heads, kv_heads, head_dim):
-    """Decode rows of several lengths; partitions of 16 tokens, so the longer rows are split-K over several
-    partitions and merged, and a partition may end inside a block. head_dim 24 and 6 heads / 2 KV heads pad the
+    """Decode rows of several lengths; partitions of 32 tokens (two 16-token tiles: a GPU's tl.dot needs K >= 16),
+    so the longer rows are split-K over several partitions and merged, and a partition may end inside a block. head_dim 24 and 6 heads / 2 KV heads pad the
     head and group tiles."""
     lens = [1, 5, 37, 70]
     num_blocks = 64 if block_size > 1 else 160
@@ -71,10 +71,19 @@ def test_decode_matches_reference(dtype, block_size, heads, kv_heads, head_dim):
     out = torch.empty_like(q)
     scale = head_dim ** -0.5
     ta.decode_attention(q, k_cache, v_cache, bt, torch.tensor(lens, device=DEVICE), scale, out,
-                        partition=16, block_n=8)
+                        partition=32, block_n=16)
     for i, n in enumerate(lens):
         want = reference_attention(q[i:i + 1], k_cache, v_cache, tables[i], [n - 1], scale)
         torch.testing.assert_close(out[i:i + 1].float(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_decode_tiles_below_sixteen_tokens_are_refused():
+    """A GPU's tl.dot needs K >= 16 (p @ v over a tile's tokens); the interpreter would run 8, the GPU would not."""
+    q = torch.zeros(1, 2, 16, device=DEVICE)
+    cache = torch.zeros(4, 16, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="tl.dot needs K >= 16"):
+        ta.decode_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.long, device=DEVICE),
+                            torch.ones(1, dtype=torch.long, device=DEVICE), 1.0, torch.empty_like(q), block_n=8)
 
 
 def test_decode_long_context_default_partitions_and_padding_rows():

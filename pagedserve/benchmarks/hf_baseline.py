@@ -160,8 +160,10 @@ def run_hf_continuous(model, samples: Sequence[SampleRequest], concurrency: int 
     if n == 0:
         return TraceResult(name, [], [], 0.0, max_model_len, notes="no requests")
     conc = n if concurrency is None else max(1, min(int(concurrency), n))
-    cb_kwargs = {} if page_size is None else {"page_size": int(page_size)}
-    page = cb_kwargs.get("page_size", ContinuousBatchingConfig().page_size)
+    defaults = ContinuousBatchingConfig()
+    page_field = "page_size" if hasattr(defaults, "page_size") else "block_size"  # page_size since transformers 5.18
+    cb_kwargs = {} if page_size is None else {page_field: int(page_size)}
+    page = cb_kwargs.get(page_field, getattr(defaults, page_field))
     if num_blocks is None:
         num_blocks = cb_num_blocks(samples, conc, page)
     cb_config = ContinuousBatchingConfig(num_blocks=int(num_blocks), max_batch_tokens=int(max_batch_tokens),

@@ -171,6 +171,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      partition: int = DECODE_PARTITION, block_n: int = DECODE_BLOCK_N) -> None:
     """q, out: [R, H, D] (head_dim contiguous); block_tables [R, W]; context_lens [R] (0: a padding row, out 0).
     Partitions = ceil(W * block_size / partition): fixed by the table's width, not by the lengths' values."""
+    if block_n < 16:  # the interpreter runs smaller tiles; the GPU compiler refuses them
+        raise ValueError(f"decode tiles of {block_n} tokens: tl.dot needs K >= 16 on a GPU")
     rows, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
