@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks (issues 18 and 13) in one run (the steps' limits add up to 680 s; less when nothing hangs), from the repository root:
+# The GPU checks (issues 18 and 13) in one run (the steps' limits add up to 740 s; ~8 min on an H200), from the repository root:
 #
 #     OUT=bench_results/device bash benchmarks/device_check.sh      # the device tool sets $OUT itself
 #
@@ -21,7 +21,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_results/device}
 mkdir -p "$OUT"
 : > "$OUT/steps.txt"
-PY=${PYTHON:-python}
+PY=${PYTHON:-python3}
 CLI=("$PY" -m pagedserve.entrypoints.cli)
 
 step() {  # step NAME SECONDS CMD...: runs CMD with a time limit, its output in NAME.log, its status in steps.txt
@@ -59,7 +59,7 @@ step kernel_tests 90 "$PY" -m pytest -v --tb=short -p no:cacheprovider tests/tes
 # 2. structured output's masks on CUDA (the engine and the test server default to the GPU), correctness on CUDA
 step structured_output_cuda 120 "$PY" -m pytest -v --tb=short -p no:cacheprovider tests/test_structured_output.py
 step correctness 90 "$PY" benchmarks/device_check.py correctness --out "$OUT"
-step engine_tests_cuda 90 "$PY" -m pytest -v --tb=short -p no:cacheprovider tests/test_correctness.py \
+step engine_tests_cuda 120 "$PY" -m pytest -v --tb=short -p no:cacheprovider tests/test_correctness.py \
   tests/test_llm_api.py tests/test_engine_boundary.py tests/test_spec_decode.py tests/test_tiny_models.py \
   tests/test_kv_sharing.py
 
@@ -76,8 +76,8 @@ step decode_eager 45 "${CLI[@]}" "${SWEEP[@]}" --enforce-eager --output-json "$O
 step prefill 30 "${CLI[@]}" bench throughput --model "$M" --device cuda --dtype bfloat16 --max-model-len 4096 \
   --num-kv-blocks 9000 --max-num-batched-tokens 8192 --input-len 2048 --output-len 1 --num-prompts 64 \
   --roofline-json "$OUT/roofline.json" --output-json "$OUT/prefill_throughput.json" --disable-tqdm
-step side_by_side 100 "$PY" benchmarks/side_by_side.py --model "$M" --device cuda --dtype bfloat16 \
-  --engines pagedserve,hf-cb --concurrency 32 --num-prompts 200 --dataset random --random-input-len 512 \
+step side_by_side 130 "$PY" benchmarks/side_by_side.py --model "$M" --device cuda --dtype bfloat16 \
+  --engines pagedserve,hf-cb --concurrency 32 --num-prompts 64 --dataset random --random-input-len 512 \
   --random-output-len 128 --max-model-len 1024 --roofline-json "$OUT/roofline.json" --skip-batch1 \
   --output-dir "$OUT/side_by_side"
 rm -rf "$M"  # the checkpoint (1.2 GB) does not come back
