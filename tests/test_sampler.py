@@ -64,6 +64,19 @@ def test_greedy_is_argmax() -> None:
     assert out.logprobs is not None and out.logprobs.top_logprobs.dtype == torch.float32
 
 
+def test_all_greedy_batches_build_no_filter_tensors() -> None:
+    """An all-greedy step (the common case) builds none of the random rows' filters; one random row builds all four,
+    with the greedy rows' filters neutral."""
+    greedy = SamplingMetadata.build([SamplingParams(temperature=0)] * 3, {}, [], [], {}, "cpu")
+    assert greedy.all_greedy and greedy.temperature is None and greedy.top_p is None and greedy.top_k is None \
+        and greedy.min_p is None
+    mixed = SamplingMetadata.build([SamplingParams(temperature=0), SamplingParams(temperature=0.5, top_k=5)], {}, [],
+                                   [], {}, "cpu")
+    assert not mixed.all_greedy
+    assert mixed.temperature.tolist() == [0.0, 0.5] and mixed.top_k.tolist() == [0, 5]
+    assert mixed.top_p.tolist() == [1.0, 1.0] and mixed.min_p.tolist() == [0.0, 0.0]
+
+
 def test_plain_greedy_bf16_logits_are_not_converted() -> None:
     """Greedy rows with nothing to apply take the argmax of bf16 logits as they are (no float32 copy written and
     read back), the same token as in float32, ties included; anything that works on the logits gets float32."""

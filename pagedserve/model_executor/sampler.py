@@ -28,10 +28,12 @@ SAMPLING_EPS = 1e-5
 class SamplingMetadata:
     """Per-step sampling inputs, one row per sequence that samples this step."""
 
-    temperature: torch.Tensor  # [N] float32, 0 => greedy row
-    top_p: torch.Tensor  # [N] float32, 1.0 = off
-    top_k: torch.Tensor  # [N] int64, 0 = off
-    min_p: torch.Tensor  # [N] float32, 0 = off
+    # The random rows' filters; all four None when every row is greedy (all_greedy), the common case, which reads
+    # none of them: four small tensors built per step cost ~0.1 ms after a decode step has flushed the caches.
+    temperature: torch.Tensor | None  # [N] float32, 0 => greedy row
+    top_p: torch.Tensor | None  # [N] float32, 1.0 = off
+    top_k: torch.Tensor | None  # [N] int64, 0 = off
+    min_p: torch.Tensor | None  # [N] float32, 0 = off
     all_greedy: bool
     # Fast paths: True when no random row uses the filter.
     no_top_p: bool
@@ -62,24 +64,20 @@ class SamplingMetadata:
         """Row i samples for params[i]; generators maps rows of seeded requests to their generators."""
         greedy = [p.greedy for p in params]
         random_params = [p for p, g in zip(params, greedy) if not g]
-        # Filters of greedy rows are neutralised so that they never defeat the fast paths.
-        temperature = [0.0 if g else p.temperature for p, g in zip(params, greedy)]
-        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
-        top_k = [0 if g else p.top_k for p, g in zip(params, greedy)]
-        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
         needs_penalties = any(p.needs_penalties for p in params)
 
-        def tensor(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+        def tensor(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor | None:
+            return torch.tensor(values, dtype=dtype, device=device) if random_params else None
 
         def penalty(values: list[float]) -> torch.Tensor | None:
-            return tensor(values, torch.float32) if needs_penalties else None
+            return torch.tensor(values, dtype=torch.float32, device=device) if needs_penalties else None
 
         return cls(
-            temperature=tensor(temperature, torch.float32),
-            top_p=tensor(top_p, torch.float32),
-            top_k=tensor(top_k, torch.int64),
-            min_p=tensor(min_p, torch.float32),
+            # Filters of greedy rows are neutralised so that they never defeat the fast paths.
+            temperature=tensor([0.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
+            top_p=tensor([1.0 if g else p.top_p for p, g in zip(params, greedy)], torch.float32),
+            top_k=tensor([0 if g else p.top_k for p, g in zip(params, greedy)], torch.int64),
+            min_p=tensor([0.0 if g else p.min_p for p, g in zip(params, greedy)], torch.float32),
             all_greedy=not random_params,
             no_top_p=all(p.top_p >= 1.0 for p in random_params),
             no_top_k=all(p.top_k == 0 for p in random_params),
