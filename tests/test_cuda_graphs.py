@@ -94,14 +94,18 @@ def test_prefill_steps_and_big_batches_run_eagerly():
     not torch.cuda.is_available(), reason="recording a CUDA graph needs a GPU"))])
 def test_padded_static_decode_matches_transformers(capture, tiny_model_dir, tiny_tokenizer, monkeypatch):
     """Whole generations whose decode steps run through the graph path's padded static buffers (rows padded to
-    8 and 4, block tables to 128 blocks of 4, padding rows' K/V writes skipped) on the Triton kernels (in the
-    interpreter without a GPU; captured and replayed as CUDA graphs with one): greedy tokens equal HF's float32
-    ones."""
+    8 and 4, block tables to 128 blocks of 4, padding rows' K/V writes skipped) on the Triton kernels, attention
+    and the layers' small ops (in the interpreter without a GPU; captured and replayed as CUDA graphs with one):
+    greedy tokens equal HF's float32 ones."""
     pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[triton]')")
     monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "triton")
     attention.uses_triton.cache_clear()
     try:
         from pagedserve import LLM, SamplingParams
+        from pagedserve.model_executor import triton_layer_ops
+        from pagedserve.model_executor.layers import fused_ops
+
+        assert fused_ops(torch.zeros(1)) is triton_layer_ops  # RMSNorm, rotary, silu * mul in Triton too
 
         model_dir = tiny_model_dir("qwen3")  # GQA, q/k norms, head_dim 32
         prompts = mixed_prompts(tiny_tokenizer, n=5, lengths=(5, 24))

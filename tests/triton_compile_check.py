@@ -1,4 +1,4 @@
-"""Compiles every Triton attention kernel ahead of time for an NVIDIA target (default sm_90, the H100/H200) without a
+"""Compiles every Triton kernel (attention, and the layers' small ops) ahead of time for an NVIDIA target (default sm_90, the H100/H200) without a
 GPU: Triton's front end, its MLIR passes and the bundled ptxas all run on the CPU. This catches what the interpreter
 lets through (typing of loop bounds, tl.dot shape and dtype rules, shared-memory overflow).
 
@@ -17,6 +17,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from pagedserve.model_executor import triton_attention as ta  # noqa: E402
+from pagedserve.model_executor import triton_layer_ops as tlo  # noqa: E402
 
 HEAD_DIM, BLOCK_SIZE = 128, 16
 INDEX_ARGS = ("slot_ptr", "block_table_ptr", "context_lens_ptr", "block_ids_ptr")  # int64 tensors
@@ -36,7 +37,7 @@ def compile_kernel(kernel, dtype: str, target: GPUTarget, **constexprs) -> int:
         elif name.endswith("_ptr"):
             signature[name] = f"*{dtype}"
         else:
-            signature[name] = "fp32" if name == "scale" else "i32"
+            signature[name] = "fp32" if name in ("scale", "eps") else "i32"
     compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=target)
     return compiled.metadata.shared
 
@@ -51,6 +52,10 @@ def main(dtypes: list[str], arch: int = 90) -> None:
                 BLOCK_SIZE=BLOCK_SIZE, PARTITION=ta.DECODE_PARTITION, BLOCK_N=ta.DECODE_BLOCK_N, BLOCK_G=16,
                 BLOCK_D=HEAD_DIM, FP32_DOT=fp32)),
             "decode_reduce": (ta._decode_reduce_kernel, dict(BLOCK_P=4, BLOCK_D=HEAD_DIM)),
+            "rms_norm": (tlo._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK_N=1024)),  # hidden 1024
+            "rms_norm_heads": (tlo._rms_norm_kernel, dict(HAS_RESIDUAL=False, BLOCK_N=HEAD_DIM)),  # q/k norm
+            "silu_and_mul": (tlo._silu_and_mul_kernel, dict(BLOCK=tlo.SILU_BLOCK)),
+            "rotary": (tlo._rotary_kernel, dict(BLOCK=HEAD_DIM // 2)),
             "prefill": (ta._prefill_kernel, dict(
                 BLOCK_SIZE=BLOCK_SIZE, BLOCK_M=ta.PREFILL_BLOCK_M, BLOCK_N=ta.PREFILL_BLOCK_N, BLOCK_D=HEAD_DIM,
                 FP32_DOT=fp32)),

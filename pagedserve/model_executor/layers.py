@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.model_executor.attention import uses_triton
 from pagedserve.model_executor.kernels import cpu_flags, cpu_kernels
 
 
@@ -25,6 +26,18 @@ def native_ops(x: torch.Tensor):
     return cpu_kernels()
 
 
+def fused_ops(x: torch.Tensor):
+    """A decoder layer's small ops (RMSNorm with the residual add, rotary in place, silu * mul), one kernel each:
+    the Triton ones (triton_layer_ops.py) wherever attention runs on Triton (CUDA by default; a CPU under
+    PAGEDSERVE_ATTENTION_BACKEND=triton, as the tests run it), else the compiled CPU ones (native_ops); None where
+    neither applies, and PyTorch's ops run."""
+    if x.dtype in (torch.float32, torch.bfloat16, torch.float16) and uses_triton(x.device.type):
+        from pagedserve.model_executor import triton_layer_ops  # imports triton: only where it runs
+
+        return triton_layer_ops
+    return native_ops(x)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -34,7 +47,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm(x); with `residual`: residual += x (in place), then RMSNorm(residual) - a decoder layer's
         residual add fused with the norm after it."""
-        ops = native_ops(x) if x.dim() == 2 or (x.dim() == 3 and residual is None) else None
+        ops = fused_ops(x) if x.dim() == 2 or (x.dim() == 3 and residual is None) else None
         if ops is not None:
             return ops.rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
@@ -46,7 +59,7 @@ class RMSNorm(nn.Module):
     def forward_inplace(self, x: torch.Tensor) -> bool:
         """RMSNorm of x ([T, heads, D], e.g. the q or k heads inside the QKV output) written over x by the native
         op; False (x untouched) when it does not apply."""
-        ops = native_ops(x)
+        ops = fused_ops(x)
         if ops is None:
             return False
         ops.rms_norm(x, None, self.weight, self.eps, x)
@@ -216,7 +229,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a fused [gate | up] projection."""
-    ops = native_ops(gate_up)
+    ops = fused_ops(gate_up)
     if ops is not None:
         return ops.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -242,7 +255,7 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """x: [T, heads, D]. Returns x rotated (in place when the native op applies)."""
     cos, sin = cos_sin
-    ops = native_ops(x)
+    ops = fused_ops(x)
     if ops is not None:
         ops.rotary_inplace(x, cos, sin)
         return x
