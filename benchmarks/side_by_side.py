@@ -656,8 +656,9 @@ def format_report(args, workload: str, peaks, roof, rows, rats, batch1, skipped)
             L.append(f"| {q['concurrency']} | {vs} | {q['output_tok_s']:.2f}x | {q['ttft_p50']:.2f}x | "
                      f"{q['ttft_p99']:.2f}x | {q['itl_p50']:.2f}x | {q['itl_p99']:.2f}x |")
     bound_ms = roof.weight_bytes / roof.bandwidth * 1000
+    machine = f"{peaks.threads} threads" if args.device == "cpu" else args.device
     L += ["", "## Roofline (same run)", "",
-          f"* machine, {f'{peaks.threads} threads' if args.device == 'cpu' else args.device}: matmul peak {peaks.matmul_flops / g:.1f} GFLOP/s ({args.dtype} GEMM n="
+          f"* machine, {machine}: matmul peak {peaks.matmul_flops / g:.1f} GFLOP/s ({args.dtype} GEMM n="
           f"{peaks.matmul_size}); memory bandwidth {peaks.bandwidth / g:.1f} GB/s (best of copy "
           f"{peaks.copy_bandwidth / g:.1f}, sum {peaks.sum_bandwidth / g:.1f}, GEMV {peaks.gemv_bandwidth / g:.1f})",
           f"* model: {roof.matmul_params / 1e6:.1f}M matmul params incl. LM head -> {2 * roof.matmul_params / 1e6:.4g} "

@@ -7,8 +7,8 @@ kernel rather than the weights (not yet confirmed by counting the graph's nodes)
 kernels (counted as ATen calls on a CPU: four RMSNorms of one or more kernels each, rotary ~8 - halves, products,
 a concatenation, conversions - and silu, mul and residual adds); with these it is 13, the products and attention
 included. Each op here is one kernel: one program per row (RMSNorm), per (token, head) (rotary), per (row,
-column tile) (silu * mul). Arithmetic is float32, stored in the tensor's
-dtype; divisions and the square root round as IEEE (div_rn, sqrt_rn), as the PyTorch and CPU paths do.
+column tile) (silu * mul). Arithmetic is float32, stored in the tensor's dtype; divisions and the square root
+round as IEEE (div_rn, sqrt_rn), as the PyTorch and CPU paths do.
 
 Without a GPU they run in Triton's interpreter (TRITON_INTERPRET=1): tests/test_triton_layer_ops.py checks them
 against PyTorch there, and tests/triton_compile_check.py compiles them for sm_90.
