@@ -66,18 +66,22 @@ class SamplingMetadata:
         random_params = [p for p, g in zip(params, greedy) if not g]
         needs_penalties = any(p.needs_penalties for p in params)
 
-        def tensor(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor | None:
-            return torch.tensor(values, dtype=dtype, device=device) if random_params else None
+        def filter_tensor(name: str, neutral: float, dtype: torch.dtype) -> torch.Tensor | None:
+            """The random rows' filter `name`; greedy rows get the neutral value, so that they never defeat the fast
+            paths. None (nothing built) when every row is greedy."""
+            if not random_params:
+                return None
+            return torch.tensor([neutral if g else getattr(p, name) for p, g in zip(params, greedy)], dtype=dtype,
+                                device=device)
 
         def penalty(values: list[float]) -> torch.Tensor | None:
             return torch.tensor(values, dtype=torch.float32, device=device) if needs_penalties else None
 
         return cls(
-            # Filters of greedy rows are neutralised so that they never defeat the fast paths.
-            temperature=tensor([0.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
-            top_p=tensor([1.0 if g else p.top_p for p, g in zip(params, greedy)], torch.float32),
-            top_k=tensor([0 if g else p.top_k for p, g in zip(params, greedy)], torch.int64),
-            min_p=tensor([0.0 if g else p.min_p for p, g in zip(params, greedy)], torch.float32),
+            temperature=filter_tensor("temperature", 0.0, torch.float32),
+            top_p=filter_tensor("top_p", 1.0, torch.float32),
+            top_k=filter_tensor("top_k", 0, torch.int64),
+            min_p=filter_tensor("min_p", 0.0, torch.float32),
             all_greedy=not random_params,
             no_top_p=all(p.top_p >= 1.0 for p in random_params),
             no_top_k=all(p.top_k == 0 for p in random_params),
