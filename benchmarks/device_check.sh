@@ -3,7 +3,7 @@
 #
 #     OUT=bench_results/device bash benchmarks/device_check.sh      # the device tool sets $OUT itself
 #
-# 1. the Triton kernel and CUDA-graph tests on the real GPU (compiled kernels, bfloat16 tensor-core dots, real
+# 1. the Triton kernel (attention, small ops) and CUDA-graph tests on the real GPU (compiled kernels, bfloat16 tensor-core dots, real
 #    graph capture and replay);
 # 2. structured output's tests on CUDA (masks added to the logits on the GPU, the test server on the GPU too);
 #    greedy outputs on CUDA (float32 with graphs and eager, bfloat16) vs HF float32 for every tiny architecture
@@ -33,10 +33,7 @@ step() {  # step NAME SECONDS CMD...: runs CMD with a time limit, its output in 
   echo "$name rc=$rc $((SECONDS - start))s" | tee -a "$OUT/steps.txt"
 }
 
-if [ -d .device_wheelhouse ]; then
-  "$PY" -m pip install -q --no-index --no-deps --find-links .device_wheelhouse .device_wheelhouse/*.whl \
-    > "$OUT/wheelhouse.log" 2>&1 || echo "wheelhouse install failed (see wheelhouse.log)"
-fi
+PYTHON=$PY bash benchmarks/device_wheelhouse.sh install "$OUT/wheelhouse.log"
 "$PY" - > "$OUT/env.json" <<'EOF'
 import datetime, importlib, json
 import torch
@@ -54,7 +51,8 @@ cat "$OUT/env.json"
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 
 # 1. kernels and graph logic on the GPU (compiles every kernel variant the tests use)
-step kernel_tests 90 "$PY" -m pytest -v --tb=short -p no:cacheprovider tests/test_triton_attention.py tests/test_cuda_graphs.py
+step kernel_tests 90 "$PY" -m pytest -v --tb=short -p no:cacheprovider tests/test_triton_attention.py \
+  tests/test_triton_layer_ops.py tests/test_cuda_graphs.py
 
 # 2. structured output's masks on CUDA (the engine and the test server default to the GPU), correctness on CUDA
 step structured_output_cuda 120 "$PY" -m pytest -v --tb=short -p no:cacheprovider tests/test_structured_output.py

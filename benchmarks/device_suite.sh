@@ -11,11 +11,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_results/device}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-if [ -d .device_wheelhouse ]; then
-  "$PY" -m pip install -q --no-index --no-deps .device_wheelhouse/*.whl > "$OUT/wheelhouse.log" 2>&1 \
-    || echo "wheelhouse install failed (see wheelhouse.log)"
-fi
-ALREADY=(test_triton_attention.py test_triton_layer_ops.py test_cuda_graphs.py test_structured_output.py
+PYTHON=$PY bash benchmarks/device_wheelhouse.sh install "$OUT/wheelhouse.log"
+ALREADY=(  # the files device_check.sh runs: keep in step with it
+         test_triton_attention.py test_triton_layer_ops.py test_cuda_graphs.py test_structured_output.py
          test_correctness.py test_llm_api.py test_engine_boundary.py test_spec_decode.py test_tiny_models.py
          test_kv_sharing.py)
 FILES=()
