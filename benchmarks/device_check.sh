@@ -3,8 +3,8 @@
 #
 #     OUT=bench_results/device bash benchmarks/device_check.sh      # the device tool sets $OUT itself
 #
-# 1. the Triton kernel (attention, small ops) and CUDA-graph tests on the real GPU (compiled kernels, bfloat16 tensor-core dots, real
-#    graph capture and replay);
+# 1. the Triton kernel (attention, small ops) and CUDA-graph tests on the real GPU (compiled kernels, bfloat16
+#    tensor-core dots, real graph capture and replay);
 # 2. structured output's tests on CUDA (masks added to the logits on the GPU, the test server on the GPU too);
 #    greedy outputs on CUDA (float32 with graphs and eager, bfloat16) vs HF float32 for every tiny architecture
 #    (benchmarks/device_check.py correctness), and the engine's correctness tests with the default device (cuda);
