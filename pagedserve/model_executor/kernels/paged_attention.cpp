@@ -179,7 +179,10 @@ class RowPrefetch {
 
   static constexpr int64_t kNextTaskBytes = 256 * 1024;
   static constexpr int64_t kStepTokens = 32;  // the chunked kernels' step: two chunks of 16
-  static constexpr int64_t kAheadSteps = 2;
+  // The distance decides only where a K row is wider than 2 KiB (float32 Qwen3: 8 x 128 x 4 bytes) and next_task's
+  // 256 KiB cover less than two steps: there one step ahead measured 1.06-1.15x the kernel's speed against two on an
+  // AMD Zen 4 (1.04x on a Zen 5), four 0.89-0.99x (BENCHMARKS.md section 6, "Twenty-second pass").
+  static constexpr int64_t kAheadSteps = 1;
   const char* k_cache_ = nullptr;
   const char* v_cache_ = nullptr;
   const int64_t* table_ = nullptr;
