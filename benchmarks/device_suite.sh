@@ -12,13 +12,10 @@ OUT=${OUT:-bench_results/device}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 PYTHON=$PY bash benchmarks/device_wheelhouse.sh install "$OUT/wheelhouse.log"
-ALREADY=(  # the files device_check.sh runs: keep in step with it
-         test_triton_attention.py test_triton_layer_ops.py test_cuda_graphs.py test_structured_output.py
-         test_correctness.py test_llm_api.py test_engine_boundary.py test_spec_decode.py test_tiny_models.py
-         test_kv_sharing.py)
+ALREADY=" $(grep -o 'tests/test_[a-z0-9_]*\.py' benchmarks/device_check.sh | tr '\n' ' ') "  # device_check.sh's files
 FILES=()
 for f in tests/test_*.py; do
-  [[ " ${ALREADY[*]} " == *" $(basename "$f") "* ]] || FILES+=("$f")
+  [[ "$ALREADY" == *" $f "* ]] || FILES+=("$f")
 done
 PER_TEST=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout 120)  # the GPU image has pytest-timeout
