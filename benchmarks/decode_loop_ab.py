@@ -6,7 +6,7 @@ Each case is PRECISION:BATCH:CONTEXT (precision float32, bfloat16 or int8: float
 Per case one engine; then `--rounds` rounds, alternating which path goes first: BATCH requests of CONTEXT random
 prompt tokens are prefilled, and the median of `--steps` pure-decode steps is taken with the loop
 (`LlamaForCausalLM._native_decode`, kernels/decode_layers.cpp) and with it switched off (the Python layers run the
-same native ops one by one). Both paths compute the same tokens (tests/test_decode_layers.py), so only the time
+same native ops one by one). Both paths compute the same tokens (tests/model_executor/test_decode_layers.py), so only the time
 differs. Reported: every round's median step per path, and the ratio of the means.
 """
 from __future__ import annotations

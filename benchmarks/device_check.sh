@@ -51,15 +51,15 @@ cat "$OUT/env.json"
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 
 # 1. kernels and graph logic on the GPU (compiles every kernel variant the tests use)
-step kernel_tests 90 "$PY" -m pytest -v --tb=short -p no:cacheprovider tests/test_triton_attention.py \
-  tests/test_triton_layer_ops.py tests/test_cuda_graphs.py
+step kernel_tests 90 "$PY" -m pytest -v --tb=short -p no:cacheprovider tests/model_executor/test_triton_attention.py \
+  tests/model_executor/test_triton_layer_ops.py tests/model_executor/test_cuda_graphs.py
 
 # 2. structured output's masks on CUDA (the engine and the test server default to the GPU), correctness on CUDA
-step structured_output_cuda 120 "$PY" -m pytest -v --tb=short -p no:cacheprovider tests/test_structured_output.py
+step structured_output_cuda 120 "$PY" -m pytest -v --tb=short -p no:cacheprovider tests/engine/test_structured_output.py
 step correctness 90 "$PY" benchmarks/device_check.py correctness --out "$OUT"
-step engine_tests_cuda 120 "$PY" -m pytest -v --tb=short -p no:cacheprovider tests/test_correctness.py \
-  tests/test_llm_api.py tests/test_engine_boundary.py tests/test_spec_decode.py tests/test_tiny_models.py \
-  tests/test_kv_sharing.py
+step engine_tests_cuda 120 "$PY" -m pytest -v --tb=short -p no:cacheprovider tests/model_executor/test_correctness.py \
+  tests/engine/test_llm_api.py tests/engine/test_engine_boundary.py tests/engine/test_spec_decode.py tests/model_executor/test_tiny_models.py \
+  tests/engine/test_kv_sharing.py
 
 # 3. performance on a 0.5B-class shape, bfloat16
 M=$OUT/qwen3-0.6b

@@ -12,9 +12,9 @@ OUT=${OUT:-bench_results/device}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 PYTHON=$PY bash benchmarks/device_wheelhouse.sh install "$OUT/wheelhouse.log"
-ALREADY=" $(grep -o 'tests/test_[a-z0-9_]*\.py' benchmarks/device_check.sh | tr '\n' ' ') "  # device_check.sh's files
+ALREADY=" $(grep -o 'tests/[a-z_]*/test_[a-z0-9_]*\.py' benchmarks/device_check.sh | tr '\n' ' ') "  # device_check.sh's files
 FILES=()
-for f in tests/test_*.py; do
+for f in tests/*/test_*.py; do
   [[ "$ALREADY" == *" $f "* ]] || FILES+=("$f")
 done
 PER_TEST=()

@@ -9,7 +9,7 @@ engine, holding both caches: its own (model_runner.allocate_kv_cache: [block, K/
 token-major one ([block, K/V, token, KV head, dim]: each token's KV heads one row, the layout before). Then
 `--rounds` rounds alternating which goes first: the runner is handed one cache, BATCH requests of CONTEXT random
 prompt tokens are prefilled into it, and the median of `--steps` pure-decode steps is taken
-(decode_loop_ab.median_decode_step). The kernels read either layout (tests/test_kernels.py runs both), so only the
+(decode_loop_ab.median_decode_step). The kernels read either layout (tests/model_executor/test_kernels.py runs both), so only the
 time differs. Reported: every round's median step per layout, and the ratio of the means.
 
 A kernel case is DTYPE:BATCH:CONTEXT:HEADS:KV_HEADS:HEAD_DIM:LAYERS: `paged_decode_attention` over LAYERS caches

@@ -14,7 +14,12 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import tiny_models` / `hf_reference`
+# Tests live in one folder per subsystem (core/, model_executor/, engine/, entrypoints/, benchmarks/); the shared
+# helpers (tiny_models, hf_reference, server_helpers) sit here, and a few test modules import another's fixtures:
+# every folder is importable by module name.
+_TESTS = Path(__file__).resolve().parent
+for _folder in (_TESTS, *sorted(p for p in _TESTS.iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))):
+    sys.path.insert(0, str(_folder))
 
 from tiny_models import ARCHS, build_tiny_tokenizer, make_tiny_checkpoint  # noqa: E402
 
@@ -72,7 +77,7 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
 @pytest.fixture(scope="session")
 def server(tiny_model_dir):
     """One `pagedserve serve` process on the tiny llama, shared by the server test modules."""
-    from test_server_helpers import get_server, stop_all
+    from server_helpers import get_server, stop_all
 
     srv = get_server(tiny_model_dir("llama"))
     yield srv

@@ -17,7 +17,7 @@ float32/bfloat16/float16; arithmetic is float32 (online softmax), the output is 
     first token sits at position context_len - num_tokens), so a later chunk sees its earlier context too.
 
 Without a GPU these kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before this module is imported):
-that is how CI checks them against a PyTorch reference (tests/test_triton_attention.py).
+that is how CI checks them against a PyTorch reference (tests/model_executor/test_triton_attention.py).
 """
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ included. Each op here is one kernel: one program per row (RMSNorm), per (token,
 column tile) (silu * mul). Arithmetic is float32, stored in the tensor's dtype; divisions and the square root
 round as IEEE (div_rn, sqrt_rn), as the PyTorch and CPU paths do.
 
-Without a GPU they run in Triton's interpreter (TRITON_INTERPRET=1): tests/test_triton_layer_ops.py checks them
-against PyTorch there, and tests/triton_compile_check.py compiles them for sm_90.
+Without a GPU they run in Triton's interpreter (TRITON_INTERPRET=1): tests/model_executor/test_triton_layer_ops.py checks them
+against PyTorch there, and tests/model_executor/triton_compile_check.py compiles them for sm_90.
 """
 from __future__ import annotations
 

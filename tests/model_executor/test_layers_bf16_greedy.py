@@ -22,7 +22,7 @@ MAX_TOKENS = 16
 NEAR_TIE = 0.25
 # speculative decoding verifies drafts in other kernels' order of summation than plain decoding: in bfloat16 its
 # greedy output may leave plain decoding's at near-ties too (in float32 it is token-identical:
-# tests/test_spec_decode.py), so it is held to the same rule against HF
+# tests/engine/test_spec_decode.py), so it is held to the same rule against HF
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "disable_by_batch_size": 64}
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from test_server_helpers import API_KEY, REPO_ROOT, ServerProcess
+from server_helpers import API_KEY, REPO_ROOT, ServerProcess
 
 from test_engine_boundary import prompt  # seeded random token ids
 

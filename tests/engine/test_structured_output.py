@@ -372,7 +372,7 @@ def test_auto_tool_choice_hermes_over_http_streams_content_then_the_call(model_d
     """--enable-auto-tool-choice --tool-call-parser hermes on a real server: the model's text is forced into the
     Hermes format by a regex constraint (a random-weight model would not write it); the server turns it into
     content + tool_calls, and the streamed deltas (content first, then the call once closed) reassemble to it."""
-    from test_server_helpers import API_KEY, MAIN_ARGS, get_server
+    from server_helpers import API_KEY, MAIN_ARGS, get_server
 
     srv = get_server(model_dir, MAIN_ARGS + ("--enable-auto-tool-choice", "--tool-call-parser", "hermes"))
     c = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)

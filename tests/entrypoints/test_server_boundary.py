@@ -12,7 +12,7 @@ import time
 import httpx
 import openai
 import pytest
-from test_server_helpers import ServerProcess, auth_headers, metric_value, stops_ending_with_last_token
+from server_helpers import ServerProcess, auth_headers, metric_value, stops_ending_with_last_token
 
 C = "/v1/completions"
 FAULT_TOKEN = 767  # the fault-injection server fails every step that schedules a prompt holding this token id

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from test_server_helpers import MAIN_ARGS, ServerProcess, auth_headers, get_server, start_cli_process
+from server_helpers import MAIN_ARGS, ServerProcess, auth_headers, get_server, start_cli_process
 
 from pagedserve.entrypoints.data_parallel import replica_argv
 from pagedserve.entrypoints.router import Router, prefix_keys

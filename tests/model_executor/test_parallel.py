@@ -123,7 +123,7 @@ def test_greedy_matches_transformers(arch, tp, pp, tiny_model_dir, tiny_tokenize
 def test_engine_features_same_tokens_as_one_process(tiny_model_dir, tiny_tokenizer):
     """A 32-token budget (chunked prefill), a pool that fits only the longest request (preemption), every prompt
     twice (prefix cache hits) and n=2 seeded sampling: TP=2, and PP=2 with two batches in flight
-    (tests/test_pipeline_inflight.py), give exactly what one process gives."""
+    (tests/engine/test_pipeline_inflight.py), give exactly what one process gives."""
     model_dir = tiny_model_dir("qwen3")
     prompts = mixed_prompts(tiny_tokenizer, n=6, lengths=(5, 120))
     prompts = prompts + prompts
@@ -177,7 +177,7 @@ def test_failed_forward_on_the_driver_ends_the_group(tiny_model_dir, tiny_tokeni
 def test_server_tp2_serves_hf_tokens_and_reports_dead_worker(tiny_model_dir, tiny_tokenizer):
     import httpx
     import openai
-    from test_server_helpers import ServerProcess
+    from server_helpers import ServerProcess
 
     model_dir = tiny_model_dir("llama")
     prompts = mixed_prompts(tiny_tokenizer, n=2, lengths=(5, 60))
@@ -223,7 +223,7 @@ def _comm(pid: int) -> str:
 def ray_cluster(monkeypatch):
     """`ray start --head` (2 CPUs) in its own session; torn down by killing that session's processes only."""
     pytest.importorskip("ray", reason="the Ray backend needs `pip install pagedserve[ray]`")
-    from test_server_helpers import free_port
+    from server_helpers import free_port
 
     port = free_port()
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # a loopback-only test cluster; whatever ~/.ray/auth_token holds

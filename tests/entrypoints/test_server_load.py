@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from test_server_helpers import API_KEY, ServerProcess, auth_headers, metric_value
+from server_helpers import API_KEY, ServerProcess, auth_headers, metric_value
 
 C = "/v1/completions"
 

@@ -1,6 +1,6 @@
 """The OpenAI-compatible server end to end, through the official `openai` client.
 
-A real `pagedserve serve <tiny llama>` subprocess (tests/test_server_helpers.py), greedy decoding so
+A real `pagedserve serve <tiny llama>` subprocess (tests/server_helpers.py), greedy decoding so
 streamed and non-streamed results can be compared exactly.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from test_server_helpers import API_KEY, auth_headers, metric_value
+from server_helpers import API_KEY, auth_headers, metric_value
 
 PROMPT = "the cat reads a long letter"
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat reads"}]

@@ -14,7 +14,7 @@ import pytest
 
 from pagedserve.benchmarks.cli import add_bench_parser
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def bench_args(argv):

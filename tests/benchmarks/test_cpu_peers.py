@@ -11,7 +11,7 @@ import sys
 import pytest
 from tiny_models import make_tiny_checkpoint
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "benchmarks", "cpu_peers.py")
 
 

@@ -10,7 +10,7 @@ import random
 import httpx
 import pytest
 
-from test_server_helpers import API_KEY, auth_headers
+from server_helpers import API_KEY, auth_headers
 
 C, CH = "/v1/completions", "/v1/chat/completions"
 MSG = [{"role": "user", "content": "the cat reads"}]

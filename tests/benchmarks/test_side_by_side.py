@@ -9,7 +9,7 @@ import sys
 
 from tiny_models import make_tiny_checkpoint
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "benchmarks", "side_by_side.py")
 
 

@@ -2,7 +2,7 @@
 GPU: Triton's front end, its MLIR passes and the bundled ptxas all run on the CPU. This catches what the interpreter
 lets through (typing of loop bounds, tl.dot shape and dtype rules, shared-memory overflow).
 
-    python tests/triton_compile_check.py bf16 fp32      # run by tests/test_triton_attention.py, outside the interpreter
+    python tests/model_executor/triton_compile_check.py bf16 fp32      # run by tests/model_executor/test_triton_attention.py, outside the interpreter
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)  # the kernels must be real JIT functions here
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from test_server_helpers import API_KEY, REPO_ROOT, auth_headers, free_port
+from server_helpers import API_KEY, REPO_ROOT, auth_headers, free_port
 
 from pagedserve import SamplingParams
 from pagedserve.config import EngineArgs

@@ -3,11 +3,11 @@ to P scheduled batches in flight, and the scheduler leaves their requests out of
 
 Scheduler (no model): requests of a batch in flight are neither scheduled again nor preempted until that batch's
 output is applied, a batch takes at most 1/P of the requests, an abort in flight frees at once, and random
-workloads with 2 and 3 batches in flight keep every invariant of tests/test_core_properties.py (token budget,
+workloads with 2 and 3 batches in flight keep every invariant of tests/core/test_core_properties.py (token budget,
 block accounting, K/V content, every block back). Engine (pp=2, gloo, the tiny models): greedy tokens equal Hugging
 Face's with two batches really in flight, an abort of a request in flight leaves the others' tokens and the pool
 intact, and a stage killed with two batches in flight fails them clearly. (Chunked prefill, prefix caching,
-preemption and n=2 seeded sampling with batches in flight: tests/test_parallel.py's
+preemption and n=2 seeded sampling with batches in flight: tests/model_executor/test_parallel.py's
 test_engine_features_same_tokens_as_one_process.)
 """
 from __future__ import annotations

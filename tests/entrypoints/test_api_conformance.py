@@ -210,7 +210,7 @@ if __name__ == "_schemathesis_hooks":  # loaded by `st run` through SCHEMATHESIS
 # ----------------------------------------------------------------------------------------- server
 @pytest.fixture(scope="module")
 def conf_server(tiny_model_dir):
-    from test_server_helpers import ServerProcess
+    from server_helpers import ServerProcess
 
     # The first server of a run may build the native kernels (minutes on a busy 2-core machine).
     srv = ServerProcess(tiny_model_dir("llama"), SERVER_ARGS, startup_timeout=900)
@@ -392,7 +392,8 @@ def test_schemathesis_conformance(conf_server, vocab_size, tmp_path):
            "--generation-database", "none", "--request-timeout", "60", "--no-color", "--output-sanitize", "false",
            "--suppress-health-check", "too_slow,filter_too_much"]
     env = dict(os.environ, SCHEMATHESIS_HOOKS=str(Path(__file__).resolve()), CONFORMANCE_VOCAB_SIZE=str(vocab_size),
-               PYTHONPATH=str(Path(__file__).resolve().parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent),
+                                           os.environ.get("PYTHONPATH", "")]))
     before = _greedy_text(conf_server.url)
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=170)

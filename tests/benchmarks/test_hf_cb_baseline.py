@@ -12,7 +12,7 @@ import torch
 
 from pagedserve.benchmarks.datasets import SampleRequest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 transformers_cb = pytest.importorskip("transformers.generation.continuous_batching")
 

@@ -253,7 +253,7 @@ def test_disaggregated_prefill_decode_through_proxy(tiny_model_dir, redis_url):
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
-    from test_server_helpers import MAIN_ARGS, ServerProcess, metric_value, start_cli_process
+    from server_helpers import MAIN_ARGS, ServerProcess, metric_value, start_cli_process
 
     openai = pytest.importorskip("openai")
     model_dir = tiny_model_dir("llama")

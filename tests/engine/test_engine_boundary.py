@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_server_helpers import stops_ending_with_last_token
+from server_helpers import stops_ending_with_last_token
 
 from pagedserve import LLM, BeamSearchParams, SamplingParams
 from pagedserve.engine.fault_injection import FaultInjector

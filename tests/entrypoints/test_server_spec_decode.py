@@ -6,7 +6,7 @@ import json
 
 import httpx
 import pytest
-from test_server_helpers import MAIN_ARGS, get_server, metric_value
+from server_helpers import MAIN_ARGS, get_server, metric_value
 
 from pagedserve.benchmarks.serve import format_spec_decode, scrape_spec_decode_counters, spec_decode_summary
 
