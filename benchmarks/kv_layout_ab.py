@@ -5,7 +5,7 @@ decode attention kernel alone on either layout.
     python benchmarks/kv_layout_ab.py --kernel-cases float32:16:496:16:8:128:8 bfloat16:32:300:9:3:64:30
 
 Each case is PRECISION:BATCH:CONTEXT (float32, bfloat16 or int8: float32 activations, int8 weights). Per case one
-engine, holding both caches: its own (model_runner.allocate_kv_cache: [block, K/V, KV head, token, dim]) and a
+engine, holding both caches: its own (model_loader.allocate_kv_cache: [block, K/V, KV head, token, dim]) and a
 token-major one ([block, K/V, token, KV head, dim]: each token's KV heads one row, the layout before). Then
 `--rounds` rounds alternating which goes first: the runner is handed one cache, BATCH requests of CONTEXT random
 prompt tokens are prefilled into it, and the median of `--steps` pure-decode steps is taken

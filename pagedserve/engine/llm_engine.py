@@ -21,8 +21,9 @@ from pagedserve.kv_transfer.connector import KVConnector
 from pagedserve.metrics.loggers import StepStats
 from pagedserve.metrics.stats import EngineStats, IterationStats, SchedulerStats
 from pagedserve.model_executor.model_config import ModelConfig, resolve_model_dir
-from pagedserve.model_executor.model_runner import (ModelRunnerOutput, StartedStep, configure_threads, kv_bytes_per_block,
-                                                    leaves_a_core_free, resolve_device, resolve_dtype)
+from pagedserve.model_executor.model_loader import kv_bytes_per_block
+from pagedserve.model_executor.model_runner import ModelRunnerOutput, StartedStep
+from pagedserve.model_executor.platform import configure_threads, leaves_a_core_free, resolve_device, resolve_dtype
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 

@@ -5,8 +5,6 @@ block tables and context lengths for attention, and which rows produce logits.
 """
 from __future__ import annotations
 
-import logging
-import os
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -16,55 +14,19 @@ import torch
 
 from pagedserve.config import SpeculativeConfig
 from pagedserve.core.scheduler import ScheduledRequest, SchedulerOutput
-from pagedserve.model_executor.attention import AttentionMetadata, uses_triton
+from pagedserve.model_executor.attention import AttentionMetadata
 from pagedserve.model_executor.cuda_graphs import DecodeGraphs, wants_cuda_graphs
 from pagedserve.model_executor.host_allocator import keep_freed_memory
 from pagedserve.model_executor.input_batch import TokenSpan, prepare_batch, runs_as_decode
 from pagedserve.model_executor.model_config import ModelConfig
-from pagedserve.model_executor.models.llama import LlamaForCausalLM
+from pagedserve.model_executor.model_loader import (allocate_kv_cache, kv_bytes_per_block, load_model,
+                                                     pick_linear_backend)
 from pagedserve.model_executor.parallel_state import SINGLE, ParallelState
+from pagedserve.model_executor.platform import available_memory
 from pagedserve.model_executor.rejection_sampler import DraftBatch, rejection_sample
 from pagedserve.model_executor.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata
 from pagedserve.outputs import Logprob
 from pagedserve.spec_decode.drafter import make_drafter
-
-logger = logging.getLogger("pagedserve")
-
-# Measured in BENCHMARKS.md ("GEMM path", "small-M GEMM"): pre-packed oneDNN beats F.linear (MKL) at every decode
-# batch size >= 4 and in prefill; the native packed small GEMM beats oneDNN up to 32 rows and ties it above.
-AUTO_CPU_LINEAR_BACKEND = "native"
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """The model dtype for `--dtype` ("auto" or a name). "auto" is bfloat16 on GPUs and on CPUs with AMX-BF16 or
-    AVX512-BF16 (as vLLM's CPU backend picks: bfloat16 GEMMs and the native bfloat16 ops run there at ~2x the
-    float32 speed), float32 on other CPUs (bfloat16 arithmetic is emulated there). Logs which and why."""
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    if device.type == "cuda":
-        logger.info("dtype auto: bfloat16 (CUDA device).")
-        return torch.bfloat16
-    if device.type == "cpu":
-        from pagedserve.model_executor.kernels import cpu_flags, has_bf16_compute
-
-        if has_bf16_compute():
-            units = [name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"))
-                     if flag in cpu_flags()]
-            logger.info("dtype auto: bfloat16 (this CPU has %s; pass --dtype float32 for float32).",
-                        " and ".join(units))
-            return torch.bfloat16
-        logger.info("dtype auto: float32 (this CPU has neither AMX-BF16 nor AVX512-BF16, so bfloat16 would be "
-                    "emulated; pass --dtype bfloat16 to force it).")
-    return torch.float32
-
 
 @dataclass
 class StepMasks:
@@ -120,7 +82,7 @@ class ModelRunner:
         self.block_size = block_size
         if device.type == "cpu":
             keep_freed_memory()  # each step's activations reuse the last step's pages (host_allocator.py)
-        self.linear_backend = self._pick_linear_backend(linear_backend, quantization)
+        self.linear_backend = pick_linear_backend(linear_backend, quantization, device)
         self.model = load_model(model_config, device, dtype, self.linear_backend, parallel)
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
@@ -132,17 +94,6 @@ class ModelRunner:
         self.use_cuda_graphs = wants_cuda_graphs(device.type, enforce_eager, parallel.layout.world_size)
         self.decode_graphs: DecodeGraphs | None = None  # built with the KV cache (graphs record its addresses)
 
-    def _pick_linear_backend(self, requested: str, quantization: str | None) -> str:
-        if quantization == "int8":
-            if self.device.type != "cpu":
-                raise ValueError("quantization='int8' is implemented for the CPU only.")
-            return "int8"
-        if self.device.type != "cpu":
-            return "torch"
-        if requested == "auto":
-            return AUTO_CPU_LINEAR_BACKEND if torch.backends.mkldnn.is_available() else "torch"
-        return requested
-
     # ------------------------------------------------------------------ KV cache
     @property
     def kv_bytes_per_block(self) -> int:
@@ -151,11 +102,7 @@ class ModelRunner:
         return kv_bytes_per_block(self.model, self.block_size, self.kv_dtype) + draft
 
     def available_memory(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.mem_get_info(self.device)[0]
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024
+        return available_memory(self.device)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_cache(self.model, num_blocks, self.block_size, self.kv_dtype, self.device)
@@ -335,51 +282,3 @@ class ModelRunner:
                 result.logprobs[r.request_id] = entries
             row += len(tokens)
 
-
-def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
-               linear_backend: str, parallel: ParallelState = SINGLE) -> LlamaForCausalLM:
-    t0 = time.perf_counter()
-    with torch.device(device):
-        model = LlamaForCausalLM(model_config, parallel)
-    model.load_weights(model_config.model_dir)
-    model = model.to(dtype).eval()
-    model.requires_grad_(False)
-    model.set_linear_backend(linear_backend)
-    logger.info("Loaded %s (%s, %.1fM params, %s on %s) in %.1f s", model_config.model_dir,
-                model_config.architecture, model_config.num_params / 1e6, str(dtype).removeprefix("torch."),
-                device, time.perf_counter() - t0)
-    return model
-
-
-def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
-    """One block in every K and V this process holds: its layers, its KV heads."""
-    return 2 * len(model.layers) * block_size * model.num_local_kv_heads * model.cfg.head_dim * kv_dtype.itemsize
-
-
-def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (K cache, V cache), each indexed [num_blocks, block_size, KV heads, head_dim]. On CPU they are views
-    of one [num_blocks, 2, KV heads, block_size, head_dim] tensor: a block's K and V are one contiguous run, which
-    decode attention streams 1.01-1.06x faster than two separate tensors (BENCHMARKS.md section 6, "Twelfth pass"),
-    and head-major inside it, so that each KV head's rows of a block are contiguous (1.12-1.14x float32 decode
-    attention on Qwen3's shape; "Fourteenth pass"). The Triton kernels write by flat slot, so where they run (GPUs;
-    CPU with PAGEDSERVE_ATTENTION_BACKEND=triton) they stay two contiguous token-major tensors."""
-    kv_heads, head_dim = model.num_local_kv_heads, model.cfg.head_dim
-    if device.type == "cpu" and not uses_triton(device.type):
-        joint = [torch.zeros((num_blocks, 2, kv_heads, block_size, head_dim), dtype=kv_dtype, device=device)
-                 for _ in model.layers]
-        return [(kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)) for kv in joint]
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    return [(torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
-            for _ in model.layers]
-
-
-def leaves_a_core_free(device: torch.device) -> bool:
-    """Whether the forward leaves a CPU core for other work (structured output's mask worker): it runs on an
-    accelerator, or on fewer torch threads than this process has cores."""
-    return device.type != "cpu" or torch.get_num_threads() < len(os.sched_getaffinity(0))
-
-
-def configure_threads(num_threads: int | None) -> None:
-    """Intra-op threads = cores by default; one pool, no oversubscription."""
-    torch.set_num_threads(num_threads or os.cpu_count() or 1)

@@ -17,6 +17,7 @@ from pagedserve.config import SpeculativeConfig
 from pagedserve.core.scheduler import ScheduledRequest
 from pagedserve.model_executor.input_batch import TokenSpan, prepare_batch, runs_as_decode
 from pagedserve.model_executor.model_config import ModelConfig, resolve_model_dir
+from pagedserve.model_executor.model_loader import allocate_kv_cache, kv_bytes_per_block, load_model
 from pagedserve.model_executor.sampler import (SAMPLING_EPS, SamplingMetadata, inverse_cdf_sample,
                                                processed_logits, sampling_probs)
 from pagedserve.spec_decode.drafter import Drafter
@@ -24,8 +25,6 @@ from pagedserve.spec_decode.drafter import Drafter
 
 class DraftModelDrafter(Drafter):
     def __init__(self, config: SpeculativeConfig, runner) -> None:
-        from pagedserve.model_executor.model_runner import load_model
-
         super().__init__(config, runner.config.max_model_len)
         self.num_lookahead_tokens = config.num_speculative_tokens
         cfg = ModelConfig.from_dir(resolve_model_dir(config.model))
@@ -48,13 +47,9 @@ class DraftModelDrafter(Drafter):
 
     @property
     def kv_bytes_per_block(self) -> int:
-        from pagedserve.model_executor.model_runner import kv_bytes_per_block
-
         return kv_bytes_per_block(self.model, self.block_size, self.kv_dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        from pagedserve.model_executor.model_runner import allocate_kv_cache
-
         self.kv_caches = allocate_kv_cache(self.model, num_blocks, self.block_size, self.kv_dtype, self.device)
 
     def forget(self, finished_ids: list[str], preempted_ids: list[str]) -> None:

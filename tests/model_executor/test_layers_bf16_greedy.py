@@ -13,7 +13,7 @@ from hf_reference import hf_greedy, mixed_prompts
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.model_executor import kernels
-from pagedserve.model_executor.model_runner import resolve_dtype
+from pagedserve.model_executor.platform import resolve_dtype
 
 MAX_TOKENS = 16
 # bfloat16 keeps 8 bits of mantissa: on the tiny Qwen3 the log-prob of one token moves by up to ~0.16 nats
