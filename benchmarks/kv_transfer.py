@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pagedserve import LLM, SamplingParams  # noqa: E402
 from pagedserve.benchmarks.shapes import get_shape, make_model  # noqa: E402
+from pagedserve.kv_transfer.block_io import read_kv_blocks, write_kv_blocks  # noqa: E402
 
 
 def ttft(llm: LLM, prompt: list[int]) -> float:
@@ -105,12 +106,12 @@ def main() -> None:
 
 def block_costs(runner, pool_blocks: int, block: int) -> None:
     ids = list(range(min(64, pool_blocks)))
-    payloads = runner.read_kv_blocks(ids)
+    payloads = read_kv_blocks(runner.kv_caches, ids)
     nbytes = len(payloads[0])
     print(f"\nper block ({nbytes / 1024:.0f} KiB: {runner.config.num_layers} layers x K,V x {block} tokens x "
           f"{runner.config.num_kv_heads} heads x {runner.config.head_dim} x {runner.kv_dtype}):")
-    print(f"  read (save path)  {per_block(lambda: runner.read_kv_blocks(ids), len(ids)) * 1e6:.0f} us")
-    print(f"  write (load path) {per_block(lambda: runner.write_kv_blocks(ids, payloads), len(ids)) * 1e6:.0f} us")
+    print(f"  read (save path)  {per_block(lambda: read_kv_blocks(runner.kv_caches, ids), len(ids)) * 1e6:.0f} us")
+    print(f"  write (load path) {per_block(lambda: write_kv_blocks(runner.kv_caches, ids, payloads), len(ids)) * 1e6:.0f} us")
     t = per_block(lambda: [zlib.compress(p, 1) for p in payloads], len(ids))
     ratio = sum(len(zlib.compress(p, 1)) for p in payloads) / (nbytes * len(ids))
     print(f"  zlib level 1: {ratio:.3f} of the size, {t * 1e6:.0f} us per block")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from functools import partial
 from pathlib import Path
 
 from pagedserve.config import (CacheConfig, EngineArgs, EngineConfig, ModelInfo, ParallelConfig, RequestLimits)
@@ -17,6 +18,7 @@ from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.structured_output import StructuredOutputManager
 from pagedserve.executor import create_executor
+from pagedserve.kv_transfer.block_io import read_kv_blocks
 from pagedserve.kv_transfer.connector import KVConnector
 from pagedserve.metrics.loggers import StepStats
 from pagedserve.metrics.stats import EngineStats, IterationStats, SchedulerStats
@@ -143,7 +145,7 @@ class LLMEngine:
 
     def _save_kv(self, blocks: list) -> None:
         if blocks and self.kv_connector is not None:
-            self.kv_connector.save(blocks, self.runner.read_kv_blocks)
+            self.kv_connector.save(blocks, partial(read_kv_blocks, self.runner.kv_caches))
 
     # ------------------------------------------------------------------ start-up
     def warm_up(self) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from pagedserve.config import SpeculativeConfig
 from pagedserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagedserve.kv_transfer.block_io import write_kv_blocks
 from pagedserve.model_executor.attention import AttentionMetadata
 from pagedserve.model_executor.cuda_graphs import DecodeGraphs, wants_cuda_graphs
 from pagedserve.model_executor.host_allocator import keep_freed_memory
@@ -111,27 +112,6 @@ class ModelRunner:
         if self.drafter is not None:  # same block ids, its own layers: the block tables serve both
             self.drafter.allocate_kv_cache(num_blocks)
 
-    # ------------------------------------------------------------------ KV blocks in and out of the pool
-    # A block's payload (KV connector): every layer's K and V of that block, bytes of (layers, 2, block, heads, dim)
-    # in the cache dtype. The draft model's cache is not part of it: a loaded block only costs it acceptance.
-    @torch.inference_mode()
-    def read_kv_blocks(self, block_ids: list[int]) -> list[bytes]:
-        ids = torch.tensor(block_ids, device=self.device)
-        blocks = torch.stack([torch.stack([k.index_select(0, ids), v.index_select(0, ids)], dim=1)
-                              for k, v in self.kv_caches], dim=1)  # (n, layers, 2, block, heads, dim)
-        raw = blocks.contiguous().view(torch.uint8).reshape(len(block_ids), -1).cpu().numpy()
-        return [row.tobytes() for row in raw]
-
-    @torch.inference_mode()
-    def write_kv_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
-        k0 = self.kv_caches[0][0]
-        raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
-        blocks = raw.view(self.kv_dtype).view(len(block_ids), len(self.kv_caches), 2, *k0.shape[1:]).to(self.device)
-        ids = torch.tensor(block_ids, device=self.device)
-        for layer, (k, v) in enumerate(self.kv_caches):
-            k.index_copy_(0, ids, blocks[:, layer, 0])
-            v.index_copy_(0, ids, blocks[:, layer, 1])
-
     # ------------------------------------------------------------------ the step
     def execute_model(self, out: SchedulerOutput, token_masks: TokenMaskSource | None = None) -> ModelRunnerOutput:
         return self.finish_step(self.start_step(out, token_masks))
@@ -145,7 +125,7 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.forget(out.finished_request_ids, out.preempted_request_ids)
         if out.kv_loads:  # KV connector: blocks loaded from outside the pool, read by this forward
-            self.write_kv_blocks(*map(list, zip(*out.kv_loads)))
+            write_kv_blocks(self.kv_caches, *map(list, zip(*out.kv_loads)))
         # decode rows first: attention batches them together
         items = sorted(out.scheduled, key=lambda s: not runs_as_decode(s.num_new_tokens))
         sampling_items = [item for item in items if item.samples]
