@@ -69,9 +69,9 @@ def main(argv: list[str]) -> int:
     spec_path, out_path = argv[1], argv[2]
     with open(spec_path) as f:
         spec = json.load(f)
-    from pagedserve.entrypoints.cli import DEFAULT_GOMP_SPINCOUNT
+    from pagedserve.envs import set_openmp_defaults
 
-    os.environ.setdefault("GOMP_SPINCOUNT", DEFAULT_GOMP_SPINCOUNT)  # what `pagedserve serve` runs with; before torch
+    set_openmp_defaults()  # what `pagedserve serve` runs with; before torch
     import pagedserve
     import torch
 

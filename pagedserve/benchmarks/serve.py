@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator
 
 import numpy as np
 
+from pagedserve import envs
 from pagedserve.benchmarks import datasets as ds
 from pagedserve.benchmarks.metrics import (METRIC_HEADERS, RequestOutcome, calculate_metrics, format_result,
                                            parse_goodput, result_dict)
@@ -218,7 +219,7 @@ async def benchmark(*, base_url: str, api_url: str, backend: str, model: str | N
     limits = httpx.Limits(max_connections=max_concurrency or None, max_keepalive_connections=max_concurrency or None)
     timeout = httpx.Timeout(request_timeout, connect=30.0)
     log = print if verbose else (lambda *a, **k: None)
-    api_key = os.environ.get("OPENAI_API_KEY")  # as vLLM's bench: the key of a server started with --api-key
+    api_key = envs.OPENAI_API_KEY  # as vLLM's bench: the key of a server started with --api-key
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
         if model is None:

@@ -10,14 +10,13 @@ whose prompt contains that token id.
 """
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 from torch import nn
 
+from pagedserve import envs
 from pagedserve.core.scheduler import SchedulerOutput
 
-ENV_TOKEN = "PAGEDSERVE_FAULT_INJECT_TOKEN"
 
 
 class InjectedFault(RuntimeError):
@@ -43,7 +42,7 @@ class FaultInjector:
 
     @classmethod
     def from_env(cls, model: nn.Module) -> "FaultInjector | None":
-        token = os.environ.get(ENV_TOKEN)
+        token = envs.PAGEDSERVE_FAULT_INJECT_TOKEN
         if not token:
             return None
         token_id = int(token)

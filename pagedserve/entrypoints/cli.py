@@ -2,14 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-# OpenMP threads that finish a parallel region spin for a while before sleeping. On cores shared with the event
-# loop, the detokenizer or other processes, libgomp's default spin made 2-thread steps 2.4-5.8x slower than a
-# short spin, and with free cores the two measured equal (BENCHMARKS.md section 7). Read when torch loads, so it
-# is set before any command imports it; a value the user set wins.
-DEFAULT_GOMP_SPINCOUNT = "10000"
+from pagedserve import envs
+
 
 
 def _add_generate_parser(subparsers) -> None:
@@ -45,7 +41,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("GOMP_SPINCOUNT", DEFAULT_GOMP_SPINCOUNT)
+    envs.set_openmp_defaults()  # before any command imports torch
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(subparsers)

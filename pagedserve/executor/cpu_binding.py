@@ -7,8 +7,7 @@ import os
 
 import torch
 
-ENV_CPU_BIND = "PAGEDSERVE_CPU_OMP_THREADS_BIND"
-
+from pagedserve import envs
 
 def parse_cpu_bind(spec: str, world_size: int) -> list[list[int]]:
     """'0-31|32-63' -> [[0..31], [32..63]]; a clear ValueError for a malformed spec or a core this process may not
@@ -36,7 +35,7 @@ def parse_cpu_bind(spec: str, world_size: int) -> list[list[int]]:
 
 def rank_cpus(cpu_bind: str | None, world_size: int) -> list[list[int]] | None:
     """Each rank's cores from the flag, else from the environment variable; None: no binding."""
-    spec = cpu_bind or os.environ.get(ENV_CPU_BIND)
+    spec = cpu_bind or envs.PAGEDSERVE_CPU_OMP_THREADS_BIND
     return parse_cpu_bind(spec, world_size) if spec else None
 
 

@@ -19,6 +19,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from pagedserve import envs
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.executor.base import Executor, ExecutorDeadError
 from pagedserve.executor.cpu_binding import bind_threads
@@ -30,10 +31,6 @@ from pagedserve.model_executor.parallel_state import ParallelLayout, ParallelSta
 
 logger = logging.getLogger("pagedserve")
 
-# How long a collective may wait for a silent peer (a hung, not dead, worker) before it raises. A dead worker is
-# noticed at once: its sockets close.
-ENV_TIMEOUT = "PAGEDSERVE_DIST_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 300.0
 DEATH_GRACE_S = 2.0  # after a failed collective, how long to look for the worker that died (to name it)
 
 
@@ -113,7 +110,7 @@ class DistributedExecutor(Executor):
         self._stopped = False
         self._next_health_check = 0.0
         world = layout.world_size
-        timeout_s = float(os.environ.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S))
+        timeout_s = envs.PAGEDSERVE_DIST_TIMEOUT_S
         threads = [num_threads or (len(cpus[r]) if cpus else max(1, (os.cpu_count() or 1) // world))
                    for r in range(world)]
         host = self._store_host()

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
+
+from pagedserve import envs
 
 logger = logging.getLogger("pagedserve")
 
-ENV_KEEP_FREED_MEMORY = "PAGEDSERVE_KEEP_FREED_MEMORY"
 M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
 M_MMAP_THRESHOLD = -3
 MAX_MMAP_THRESHOLD = 32 << 20  # glibc's upper limit on 64-bit systems
@@ -26,7 +26,7 @@ NEVER_TRIM = 2**31 - 1  # the largest value mallopt's int takes
 def keep_freed_memory() -> bool:
     """Set glibc's malloc to keep freed memory for reuse (see the module docstring). Returns whether it did: False
     when disabled by PAGEDSERVE_KEEP_FREED_MEMORY=0 or when the C library is not glibc."""
-    if os.environ.get(ENV_KEEP_FREED_MEMORY, "1") == "0":
+    if not envs.PAGEDSERVE_KEEP_FREED_MEMORY:
         return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt

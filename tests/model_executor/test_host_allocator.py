@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from pagedserve.model_executor.host_allocator import ENV_KEEP_FREED_MEMORY, keep_freed_memory
+from pagedserve.model_executor.host_allocator import keep_freed_memory
+
+ENV_KEEP_FREED_MEMORY = "PAGEDSERVE_KEEP_FREED_MEMORY"
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's")
 

@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
 import signal
 import sys
@@ -25,6 +24,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pagedserve import envs
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.entrypoints.dashboard.routes import add_live_event_routes
@@ -58,7 +58,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="local checkpoint dir or hub id (default: the embedded demo model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (use 0.0.0.0 to listen on all interfaces)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+    p.add_argument("--api-key", default=envs.PAGEDSERVE_API_KEY,
                    help="require 'Authorization: Bearer <key>' on every endpoint except /health, /metrics and the "
                         "/dashboard page (default: $PAGEDSERVE_API_KEY)")
     p.add_argument("--uvicorn-log-level", default="info",
