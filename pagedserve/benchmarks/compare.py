@@ -29,6 +29,7 @@ import numpy as np
 from pagedserve.benchmarks import datasets as ds
 from pagedserve.benchmarks import driver
 from pagedserve.benchmarks.metrics import cdf
+from pagedserve.benchmarks.plotting import pyplot
 
 ENGINE_MODES = ("naive", "static", "continuous", "chunked", "prefix")
 HF_MODES = ("hf-naive", "hf-static")
@@ -73,6 +74,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
     from pagedserve.benchmarks.serve import arrival_offsets
 
+    pyplot()  # the run ends in plots: fail now, not after it, when matplotlib is missing
     if args.modes:
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         bad = [m for m in modes if m not in ENGINE_MODES + HF_MODES]
@@ -193,10 +195,7 @@ def markdown_table(summaries: dict[str, dict], max_len: int | None) -> str:
 
 
 def plot_compare(results: dict[str, driver.TraceResult], out_dir: str) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     paths = []
     names = list(results)
@@ -239,10 +238,7 @@ def plot_compare(results: dict[str, driver.TraceResult], out_dir: str) -> list[s
 
 
 def plot_timeline(res: driver.TraceResult, path: str, title: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     steps = [s for s in res.steps if s.scheduled_tokens > 0]
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(12, 6), sharex=True)
@@ -278,7 +274,7 @@ def plot_timeline(res: driver.TraceResult, path: str, title: str) -> str:
 
 
 def _save(fig, out_dir: str, name: str) -> str:
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     path = os.path.join(out_dir, name)
     fig.savefig(path, dpi=110)
@@ -309,6 +305,7 @@ def add_chunked_itl_parser(sub) -> None:
 def run_chunked_itl(args: argparse.Namespace) -> int:
     if args.insert_after >= args.decode_output_len:
         raise ValueError("--insert-after must be smaller than --decode-output-len")
+    pyplot()  # the run ends in a plot: fail now, not after it, when matplotlib is missing
     out_dir = args.output_dir or os.path.join("bench_results", "chunked-itl-" + datetime.now().strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out_dir, exist_ok=True)
     configs = [(f"chunked {b}", dict(enable_chunked_prefill=True, max_num_batched_tokens=int(b)))
@@ -413,10 +410,7 @@ def chunked_itl_table(rows: list[dict], args) -> str:
 
 
 def plot_chunked_itl(traces: dict[str, driver.TraceResult], rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(11, 4.5))
     for label, res in traces.items():

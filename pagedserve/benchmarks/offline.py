@@ -11,6 +11,7 @@ import numpy as np
 
 from pagedserve.benchmarks import datasets as ds
 from pagedserve.benchmarks import driver
+from pagedserve.benchmarks.plotting import pyplot
 
 
 # ---------------------------------------------------------------------------------------
@@ -170,6 +171,8 @@ def run_batch_sweep(args: argparse.Namespace) -> int:
 
     sizes = sorted({int(x) for x in args.batch_sizes.split(",") if x.strip()})
     bmax = max(sizes)
+    if args.plot or args.output_json:
+        pyplot()  # the sweep ends in a plot: fail now, not after it, when matplotlib is missing
     ea = driver.engine_args_from(args, max_num_seqs=max(args.max_num_seqs, bmax))
     engine = driver.build_engine(ea)
     vocab = driver.vocab_of(engine)
@@ -240,10 +243,7 @@ def run_batch_sweep(args: argparse.Namespace) -> int:
 
 
 def plot_sweep(rows: list[dict], roof, b_sat_measured: int, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     b = np.array([r["batch_size"] for r in rows], dtype=float)
     ms = np.array([r["step_ms_median"] for r in rows])

@@ -19,14 +19,16 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from pagedserve.demo_model_path import default_model_path  # noqa: E402
-from pagedserve.tools import eval_demo_model as ev  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository's tools/, outside the package
+from tools import eval_demo_model as ev  # noqa: E402
 
 MODEL_DIR = Path(default_model_path())
 FIB = "def fibonacci(n):"
 ENGINE_PROMPTS = [FIB, "import os\n\n\ndef main(argv):\n", "class Stack:\n    def push(self, item):"]
 
 pytestmark = pytest.mark.skipif(not (MODEL_DIR / "model.safetensors").exists(),
-                                reason="demo model not trained yet (python -m pagedserve.tools.train_demo_model)")
+                                reason="demo model not trained yet (python -m tools.train_demo_model)")
 
 
 @pytest.fixture(scope="module")

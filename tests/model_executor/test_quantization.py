@@ -1,6 +1,11 @@
 """Weight-only int8 on the demo model: close perplexity, mostly the same greedy text."""
+import sys
+from pathlib import Path
+
 from pagedserve.demo_model_path import default_model_path
-from pagedserve.tools.int8_quality import evaluate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository's tools/, outside the package
+from tools.int8_quality import evaluate  # noqa: E402
 
 
 def test_int8_quality_on_demo_model():

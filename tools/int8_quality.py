@@ -1,6 +1,6 @@
 """Quality of weight-only int8 (`--quantization int8`) on the demo model: greedy agreement and perplexity.
 
-    python -m pagedserve.tools.int8_quality [--model-dir DIR] [--max-tokens 20000] [--prompts 32]
+    python -m tools.int8_quality [--model-dir DIR] [--max-tokens 20000] [--prompts 32]
 
 * Perplexity: the held-out stdlib windows of the demo model's card, scored by the transformers model with
   every nn.Linear swapped for pagedserve's int8 Linear (the same per-channel weights the engine runs) vs the
@@ -20,7 +20,7 @@ import torch
 
 from pagedserve.demo_model_path import default_model_path
 from pagedserve.model_executor.layers import Linear
-from pagedserve.tools.eval_demo_model import held_out_windows, load_model_float32, mean_loss
+from tools.eval_demo_model import held_out_windows, load_model_float32, mean_loss
 
 
 def quantize_hf_linears(model: torch.nn.Module, allow_native: bool = True) -> torch.nn.Module:

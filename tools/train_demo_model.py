@@ -1,6 +1,6 @@
 """Train the small demo model that ships in ``pagedserve/demo_model``.
 
-    python -m pagedserve.tools.train_demo_model --out pagedserve/demo_model
+    python -m tools.train_demo_model --out pagedserve/demo_model
 
 A small Llama-architecture model (GQA, tied embeddings) with its own byte-level BPE tokenizer,
 trained from scratch on the Python standard library sources of the running interpreter (PSF
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.tools import eval_demo_model as ev
+from tools import eval_demo_model as ev
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 BOS, EOS, PAD = SPECIAL_TOKENS[:3]
@@ -343,13 +343,13 @@ pre-tokenizer/decoder (lossless round trip), no normalization. Special tokens: {
   permutation of the windows per epoch) and the step count is fixed. Float sums in the CPU kernels are
   not bit-exact across runs (thread scheduling and kernel choice depend on the thread count and CPU), so a
   rerun reproduces the losses only to within float noise.
-- Reproduce: `python -m pagedserve.tools.train_demo_model --out pagedserve/demo_model` (same Python
-  version for the same data).
+- Reproduce, from a source checkout: `python -m tools.train_demo_model --out pagedserve/demo_model`
+  (same Python version for the same data).
 
 ## Results
 
 Losses are mean next-token cross-entropy in nats/token. Held-out losses are computed on the shipped
-bfloat16 weights, upcast to float32, by `pagedserve.tools.eval_demo_model`.
+bfloat16 weights, upcast to float32, by `tools.eval_demo_model`.
 
 | | nats/token |
 | --- | --- |
@@ -376,7 +376,7 @@ Greedy completions of the shipped weights (transformers, float32 compute, `<|bos
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Train the packaged pagedserve demo model.")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "demo_model"))
+    p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "pagedserve" / "demo_model"))
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads; 1 by default: on busy shared cores 2 OpenMP threads spin-wait and run 3-8x slower")

@@ -1,6 +1,6 @@
 """Held-out evaluation of the packaged demo model (and the data pipeline shared with training).
 
-The demo model in ``pagedserve/demo_model`` is trained by ``pagedserve.tools.train_demo_model`` on
+The demo model in ``pagedserve/demo_model`` is trained by ``tools.train_demo_model`` on
 the Python standard library sources of the interpreter that trained it. A deterministic ~3% of
 those files (chosen by a hash of their relative path) is held out. This module owns the file
 listing, the held-out split, the tokenization and the packing, so training and evaluation compute
@@ -8,11 +8,11 @@ the held-out loss in exactly the same way.
 
 Usage::
 
-    python -m pagedserve.tools.eval_demo_model [--model-dir DIR] [--max-tokens N]
+    python -m tools.eval_demo_model [--model-dir DIR] [--max-tokens N]
 
 or from Python::
 
-    from pagedserve.tools.eval_demo_model import evaluate_held_out_loss
+    from tools.eval_demo_model import evaluate_held_out_loss
     loss = evaluate_held_out_loss(model_dir, max_tokens=20_000)   # nats/token
 
 The loss is the mean next-token cross-entropy (nats/token) over packed, non-overlapping windows of
