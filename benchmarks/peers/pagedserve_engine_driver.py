@@ -7,8 +7,8 @@ pagedserve's `LLMEngine` the way the OpenVINO driver runs its pipeline - keep C 
 each request's new tokens after every step (one "chunk"), add the next request as soon as one finishes - and writes
 the same OUT.json, so the two engines compare without either serving path. Like the OpenVINO driver (which reads
 token ids from its handles), it asks for token ids only (SamplingParams(detokenize=False)): no text is built. Until
-2026-12-03 it detokenized every new token (output processing 0.56 ms of a 32-sequence bf16 step, 0.31 ms without;
-BENCHMARKS.md section 6, "Twelfth pass").
+2026-12-03 it detokenized every new token (output processing 0.56 ms of a 32-sequence bf16 step, 0.31 ms
+without).
 
     python benchmarks/peers/pagedserve_engine_driver.py SPEC.json OUT.json
 
