@@ -186,9 +186,8 @@ class LLMEngine:
         """Prompts that fill one step as large as the token budget (as vLLM's profile run): its activations are the
         largest any step allocates, so the host heap grows to them in warm-up (kept for reuse: host_allocator.py)
         and the GEMM libraries set up their large-M kernels, instead of in the first real step. Without it the first
-        2048-token prefill of SmolLM2 in float32 took 1.4-1.5 s against 1.05 s for the next (BENCHMARKS.md section 6,
-        "Eleventh pass"). Each fits `room`; small ids, as above (test hooks key on others), each prompt its own
-        start: no prefix shared with any."""
+        2048-token prefill of SmolLM2 in float32 took 1.4-1.5 s against 1.05 s for the next. Each fits `room`; small
+        ids, as above (test hooks key on others), each prompt its own start: no prefix shared with any."""
         cfg = self.config
         remaining = min(cfg.scheduler.max_num_batched_tokens, cfg.cache.num_tokens - cfg.cache.block_size)
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

@@ -152,8 +152,7 @@ def greedy_ids_of(logits: torch.Tensor) -> torch.Tensor:
     """[N] each row's argmax (the first index on ties), of float32 or bfloat16 logits. On CPU the native kernel
     (per lane the largest value and its first index, then the lowest index holding the maximum) took 0.067 ms on
     [32, 49152] float32 or bf16 logits where max(dim) took 0.37-0.77 ms (AMD Zen 5); elsewhere max(dim), which
-    gives argmax's indices and on CPU took 0.38-0.55x argmax's time (BENCHMARKS.md section 6, "Eighth pass",
-    "Twelfth pass" and "Fourteenth pass")."""
+    gives argmax's indices and on CPU took 0.38-0.55x argmax's time."""
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and logits.dim() == 2 \
             and logits.stride(1) == 1 and logits.size(1) > 0 and (kernels := cpu_kernels()) is not None:
         return kernels.argmax_rows(logits)

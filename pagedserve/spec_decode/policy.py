@@ -8,7 +8,7 @@ from pagedserve.config import SpeculativeConfig
 from pagedserve.core.request import Request
 
 # What one more verified row costs, as a fraction of a batch-1 decode step: verifying 4 drafts took ~1.3 steps
-# (BENCHMARKS.md section 12), the weights being read once for all rows. Draft j (1-based) is worth proposing
+# on the demo model, the weights being read once for all rows. Draft j (1-based) is worth proposing
 # while its chance of being accepted, alpha^j, exceeds the row's cost. That cost grows with the batch: from this at
 # batch 1 to a whole token's worth at disable_by_batch_size, where the step is compute-bound and drafts stop.
 DRAFT_ROW_COST = 0.1
