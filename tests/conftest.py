@@ -9,10 +9,12 @@ See tests/tiny_models.py (checkpoints) and tests/hf_reference.py (HF greedy refe
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 # Tests live in one folder per subsystem (core/, model_executor/, engine/, entrypoints/, benchmarks/); the shared
 # helpers (tiny_models, hf_reference, server_helpers) sit here, and a few test modules import another's fixtures:
@@ -22,6 +24,74 @@ for _folder in (_TESTS, *sorted(p for p in _TESTS.iterdir() if p.is_dir() and no
     sys.path.insert(0, str(_folder))
 
 from tiny_models import ARCHS, build_tiny_tokenizer, make_tiny_checkpoint  # noqa: E402
+
+# Hypothesis: the same examples on every run of a commit ("ci", the default: a red run reproduces, a green one
+# cannot turn red by chance); HYPOTHESIS_PROFILE=thorough draws new, more examples (scripts/test.sh thorough).
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("thorough", max_examples=1000, derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# The environment before any test module was imported: a variable a module sets at import (TRITON_INTERPRET, which
+# must precede triton's first import) is kept for that module's tests only (restore_process_state).
+_ENV_AT_START = dict(os.environ)
+_ENV_SET_BY_MODULE: dict[Path, dict[str, str]] = {}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """Notes what importing a test module added to os.environ, and takes it out again for the rest of the run."""
+    before = dict(os.environ)
+    report = yield
+    added = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    if added and isinstance(collector, pytest.Module):
+        _ENV_SET_BY_MODULE[collector.path] = added
+        for key in added:
+            if key in before:
+                os.environ[key] = before[key]
+            else:
+                del os.environ[key]
+    return report
+
+
+def pytest_collection_finish(session):
+    """Builds (or loads) the native kernels the selected tests need once, before the first test: the engine's
+    default level unless only the pure-Python tests (core/) run, and the levels named by `kernels_build(isa, ...)`
+    marks. A cold build (~75 s each, minutes on a loaded machine) then counts against no test's timeout, and the
+    builds stay cached across sessions (kernels.py: keyed by sources and flags)."""
+    if session.config.option.collectonly:
+        return
+    levels = {isa for item in session.items for mark in item.iter_markers("kernels_build") for isa in mark.args}
+    if levels or any(Path(item.path).parent.name != "core" for item in session.items):
+        from pagedserve.model_executor.kernels import load_cpu_kernels
+
+        load_cpu_kernels()
+        for isa in sorted(levels):
+            load_cpu_kernels(isa)
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that takes the shared `server` fixture is a server test (the tiers: pyproject's markers)."""
+    for item in items:
+        if "server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.server)
+
+
+@pytest.fixture(autouse=True)
+def restore_process_state(request, monkeypatch):
+    """Every test starts from the same process state and leaves it so: os.environ as before the test (plus what its
+    module set at import), torch's intra-op thread count."""
+    import torch
+
+    for key, value in _ENV_SET_BY_MODULE.get(Path(request.path), {}).items():
+        monkeypatch.setenv(key, value)
+    env = dict(os.environ)
+    threads = torch.get_num_threads()
+    yield
+    if dict(os.environ) != env:
+        os.environ.clear()
+        os.environ.update(env)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture

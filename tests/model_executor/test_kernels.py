@@ -1,11 +1,19 @@
 """Every native CPU op, in every instruction-set build this CPU can run (the best one, plain AVX-512 without BF16,
-AVX2), against the PyTorch reference, in float32 and bfloat16."""
+AVX2, the compiler's baseline "generic"), against the PyTorch reference, in float32 and bfloat16.
+
+The matrix is generated from what each build can run on this CPU (`Capabilities`, derived from the level and
+/proc/cpuinfo and checked against what the loaded build reports): a case a build cannot run (prefill attention or a
+small-GEMM dtype outside its level, AMX tiles on a CPU without them) is not generated, and every generated case
+calls its kernel and compares. The ops a build lacks are checked to be refused (test_build_capabilities). Builds
+other than the engine's default one are marked `kernels_build` (each is a ~75 s compile the first time)."""
 from __future__ import annotations
 
 import contextlib
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import pytest
 import torch
@@ -15,21 +23,77 @@ from pagedserve.model_executor import kernels as K
 
 BF16_TOL = dict(atol=2e-2, rtol=1.6e-2)  # one bfloat16 rounding step
 FP32_TOL = dict(atol=1e-5, rtol=1e-5)
+DTYPES = [torch.float32, torch.bfloat16]
+CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def _isas_to_test() -> list[str]:
+@dataclass(frozen=True)
+class Capabilities:
+    """What one build can run on this CPU, derived from its level and the CPU's flags (not asked of the build, so a
+    build that loses or gains an op fails test_build_capabilities instead of silently shrinking the matrix)."""
+    isa: str
+    prefill: bool  # native paged prefill attention (head_dim % 16 == 0)
+    gemm_dtypes: tuple[torch.dtype, ...]  # weight dtypes small_gemm runs natively
+    amx: bool  # AMX-BF16 tiles usable (bfloat16 attention and small GEMM)
+    amx_int8: bool  # AMX-INT8 tiles too (the int8 small GEMM)
+
+    @property
+    def amx_modes(self) -> tuple[bool, ...]:
+        """The `amx` switch values worth a case: both on an AMX CPU, off only elsewhere."""
+        return (True, False) if self.amx else (False,)
+
+
+def capabilities(isa: str, flags: frozenset[str]) -> Capabilities:
+    avx512, bf16 = isa.startswith("avx512"), isa == "avx512bf16"
+    gemm = (torch.float32, torch.bfloat16, torch.int8) if bf16 else (torch.float32,) if avx512 else ()
+    amx = bf16 and {"amx_tile", "amx_bf16"} <= flags
+    return Capabilities(isa, prefill=avx512, gemm_dtypes=gemm, amx=amx, amx_int8=amx and "amx_int8" in flags)
+
+
+def isas_to_test() -> list[str]:
+    """The best level this CPU runs (the engine's), then plain AVX-512 and AVX2 where it has them, then "generic"."""
     supported = K.supported_isas()
-    wanted = [supported[0]] + [isa for isa in ("avx512", "avx2") if isa in supported and isa != supported[0]]
-    return wanted if supported[0] != "generic" else ["generic"]
+    return [supported[0]] + [isa for isa in ("avx512", "avx2", "generic") if isa in supported and isa != supported[0]]
 
 
-@pytest.fixture(scope="module", params=_isas_to_test())
-def ops(request):
-    module = K.load_cpu_kernels(request.param)
+ISAS = isas_to_test()
+CAPS = {isa: capabilities(isa, K.cpu_flags()) for isa in ISAS}
+
+
+def _case_id(value) -> str:
+    return str(value).removeprefix("torch.") if not isinstance(value, bool) else ("T" if value else "F")
+
+
+def over_builds(argnames: str, cases: Callable[[Capabilities], Iterable[tuple]] = lambda caps: [()]):
+    """Parametrize a test over every build in ISAS x the cases `cases(caps)` that build can run. The test takes
+    `isa` (and through it the `ops` fixture) plus `argnames`."""
+    names = ["isa", *(n.strip() for n in argnames.split(",") if n.strip())]
+    params = []
+    for isa in ISAS:
+        marks = () if isa == ISAS[0] else (pytest.mark.kernels_build(isa),)  # built before the tests (conftest)
+        for case in cases(CAPS[isa]):
+            params.append(pytest.param(isa, *case, marks=marks, id="-".join(map(_case_id, (isa, *case)))))
+    return pytest.mark.parametrize(names, params)
+
+
+@pytest.fixture
+def ops(isa):
+    module = K.load_cpu_kernels(isa)  # built once per level and process (cached by the kernels module)
     if module is None:
-        pytest.fail(f"the native CPU kernels ({request.param}) did not build (needs a C++ compiler and ninja)")
-    assert module.isa() == request.param
+        pytest.fail(f"the native CPU kernels ({isa}) did not build (needs a C++ compiler and ninja)")
+    assert module.isa() == isa
     return module
+
+
+@contextlib.contextmanager
+def amx_tiles(ops, enable: bool):
+    """The AMX path on or off for the block (the previous setting after)."""
+    before = ops.amx_tiles()
+    assert ops.set_amx_tiles(enable) == (enable and CAPS[ops.isa()].amx)
+    try:
+        yield
+    finally:
+        ops.set_amx_tiles(before)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -39,9 +103,28 @@ def _tol(dtype):
     return FP32_TOL if dtype == torch.float32 else BF16_TOL
 
 
-DTYPES = [torch.float32, torch.bfloat16]
+@over_builds("")
+def test_build_capabilities(ops):
+    """The build reports exactly the capabilities the matrix was generated from, and refuses what it lacks."""
+    caps = CAPS[ops.isa()]
+    for d in (32, 40, 48, 64, 128):
+        assert ops.native_prefill(d) == (caps.prefill and d % 16 == 0), d
+    for dtype in (torch.float32, torch.bfloat16, torch.int8):
+        assert ops.native_small_gemm(dtype) == (dtype in caps.gemm_dtypes), dtype
+    assert ops.amx_tiles() == caps.amx
+    if not caps.gemm_dtypes:  # no small-GEMM row tiles to prefetch for
+        assert ops.small_gemm_prefetch() == 0 and ops.set_small_gemm_prefetch(8) == 0
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = _kv_caches(4, 16, 2, 40, torch.float32, "heads", g)
+    with pytest.raises(RuntimeError, match="not built for head_dim 40"):
+        ops.paged_prefill_attention(torch.randn(3, 4, 40), k_cache, v_cache, torch.tensor([0]), 0, 0.1,
+                                    torch.empty(3, 4, 40))
+    for dtype in {torch.float32, torch.bfloat16, torch.int8} - set(caps.gemm_dtypes):
+        with pytest.raises(RuntimeError, match="natively"):
+            ops.pack_small_gemm_weight(torch.zeros(8, 64, dtype=dtype))
 
 
+@over_builds("")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weight_fp32", [False, True])
 @pytest.mark.parametrize("rows, n", [(1, 80), (7, 576), (33, 100)])
@@ -61,6 +144,7 @@ def test_rms_norm(ops, dtype, weight_fp32, rows, n):
     torch.testing.assert_close(out, F.rms_norm(summed.float(), (n,), w.float(), 1e-6).to(dtype), **_tol(dtype))
 
 
+@over_builds("")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, n", [(1, 48), (5, 1536), (40, 37)])
 def test_silu_and_mul(ops, dtype, rows, n):
@@ -73,6 +157,7 @@ def test_silu_and_mul(ops, dtype, rows, n):
     torch.testing.assert_close(ops.silu_and_mul(gate_up), expected, **_tol(dtype))
 
 
+@over_builds("")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cos_dtype", ["float32", "same"])
 @pytest.mark.parametrize("tokens, d", [(1, 64), (9, 128), (20, 32)])
@@ -113,6 +198,7 @@ def _kv_caches(blocks, bs, kvh, d, dtype, layout, g=None):
     return make((blocks, bs, kvh, d)), make((blocks, bs, kvh, d))
 
 
+@over_builds("")
 @pytest.mark.parametrize("src_dtype", DTYPES)
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -133,6 +219,7 @@ def test_write_kv(ops, src_dtype, cache_dtype, layout):
     assert not k_rows[others].any() and not v_rows[others].any()
 
 
+@over_builds("")
 def test_kv_cache_layout_checked(ops):
     """A block must be one dense token- or head-major run and K and V laid out alike; anything else is refused, not
     misread."""
@@ -148,25 +235,20 @@ def test_kv_cache_layout_checked(ops):
 
 
 @pytest.mark.parametrize("q_dtype", DTYPES)
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("num_seqs, threads, layout", [(1, 2, "heads"), (4, 2, "split"), (3, 1, "joint"),
                                                       (5, 2, "heads")])
 @pytest.mark.parametrize("heads, kvh, d, bs", [(9, 3, 64, 16), (4, 2, 128, 8), (6, 6, 48, 16), (4, 1, 40, 4),
                                               (16, 2, 32, 16), (9, 1, 32, 8), (4, 4, 64, 16), (10, 2, 32, 32)])
-@pytest.mark.parametrize("amx", [True, False])
+@over_builds("amx", lambda caps: [(amx,) for amx in caps.amx_modes])
 def test_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, layout, heads, kvh, d, bs, amx):
     """Head sizes: SmolLM2's and Qwen3's (the AVX-512 path, VDPBF16PS for d % 32 == 0; in bfloat16 with a bfloat16
     cache the grouped path that sums values in bfloat16 pairs, on AMX tiles where the CPU has them), 48 (16-wide
     tail of the value sums), 40 (not a multiple of 16: the portable path); query heads per KV head 1, 2, 3, 5 and 8
     (the grouped path's largest) and 9 (past it); block sizes that split the 16-token chunks (the tile path copies
     their keys) or hold two, and block tables in random order; every cache layout (_kv_caches)."""
-    if amx and not ops.amx_tiles():
-        pytest.skip("no AMX tiles in this build or on this CPU (the amx=False case runs the vector path)")
-    ops.set_amx_tiles(amx)
-    try:
+    with amx_tiles(ops, amx):
         _check_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, layout, heads, kvh, d, bs)
-    finally:
-        ops.set_amx_tiles(True)
 
 
 def _check_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, layout, heads, kvh, d, bs):
@@ -193,18 +275,19 @@ def _check_decode_attention(ops, q_dtype, cache_dtype, num_seqs, threads, layout
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.125])
-def test_attention_refuses_a_scale_that_is_not_positive(ops, scale):
+@over_builds("op", lambda caps: [("decode",)] + ([("prefill",)] if caps.prefill else []))
+def test_attention_refuses_a_scale_that_is_not_positive(ops, op, scale):
     """The softmax takes its running max over the unscaled scores (max(scale s) = scale max(s) needs scale > 0), so
     both attention ops refuse any other scale with a clear error instead of returning wrong weights."""
-    if not ops.native_prefill(64):
-        pytest.skip("no native prefill attention in this build")
     g = torch.Generator().manual_seed(0)
     k_cache, v_cache = _kv_caches(4, 16, 2, 64, torch.float32, "heads", g)
     q = torch.randn(3, 4, 64, generator=g)
     with pytest.raises(RuntimeError, match="scale must be positive"):
-        ops.paged_decode_attention(q, k_cache, v_cache, torch.tensor([[0], [1], [2]]), torch.tensor([5, 9, 16]), scale)
-    with pytest.raises(RuntimeError, match="scale must be positive"):
-        ops.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0]), 0, scale, torch.empty_like(q))
+        if op == "decode":
+            ops.paged_decode_attention(q, k_cache, v_cache, torch.tensor([[0], [1], [2]]), torch.tensor([5, 9, 16]),
+                                       scale)
+        else:
+            ops.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0]), 0, scale, torch.empty_like(q))
 
 
 @pytest.mark.parametrize("q_dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
@@ -212,27 +295,20 @@ def test_attention_refuses_a_scale_that_is_not_positive(ops, scale):
 @pytest.mark.parametrize("n, first, threads, layout", [(37, 0, 1, "heads"), (20, 45, 2, "split"), (1, 16, 1, "heads"),
                                                      (70, 3, 2, "joint"), (50, 21, 2, "heads"), (45, 290, 2, "heads")])
 @pytest.mark.parametrize("heads, kvh, d, bs", [(9, 3, 64, 16), (4, 2, 128, 8), (6, 6, 48, 4), (5, 1, 32, 16)])
-@pytest.mark.parametrize("amx", [True, False])
+@over_builds("amx", lambda caps: [(amx,) for amx in caps.amx_modes] if caps.prefill else [])
 def test_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, layout, heads, kvh, d, bs, amx):
     """A prefill chunk of n tokens after `first` cached ones, causal over the paged cache (tiles of 32 query tokens
     and chunks of 16 keys cut at odd places); built on AVX-512 for head_dim % 16 == 0 only. The vector paths take
     rows eight at a time (5 heads per KV head: a tile's rows end in blocks of 1-7) with one softmax update per 256
     keys (335 keys: a full update, then a partial one). In bfloat16 with a bfloat16 cache and head_dim % 32 == 0
-    the rows go 16 at a time on AMX tiles where the CPU has them (amx=False keeps the vector path there)."""
-    if amx and not ops.amx_tiles():
-        pytest.skip("no AMX tiles in this build or on this CPU (the amx=False case runs the vector path)")
-    ops.set_amx_tiles(amx)
-    try:
+    the rows go 16 at a time on AMX tiles where the CPU has them (amx=False keeps the vector path there). Generated
+    for the AVX-512 builds only (test_build_capabilities checks the others refuse it)."""
+    with amx_tiles(ops, amx):
         _check_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, layout, heads, kvh, d, bs)
-    finally:
-        ops.set_amx_tiles(True)
 
 
 def _check_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, layout, heads, kvh, d, bs):
-    assert ops.native_prefill(d) == (ops.isa().startswith("avx512") and d % 16 == 0)
-    assert not ops.native_prefill(40)
-    if not ops.native_prefill(d):
-        return
+    assert ops.native_prefill(d)
     g = torch.Generator().manual_seed(n + first)
     ctx = first + n
     blocks = max(60, -(-ctx // bs) + 4)
@@ -254,19 +330,16 @@ def _check_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, layou
                                                          dict(atol=1e-5, rtol=1e-4)))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, n, k", [(1, 163, 100), (1, 1536, 576), (3, 5, 32), (8, 64, 34), (9, 49, 2),
                                         (13, 200, 64), (16, 200, 576), (20, 97, 1040), (40, 33, 96)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("chunks", [True, False])
+@over_builds("dtype", lambda caps: [(d,) for d in DTYPES if d in caps.gemm_dtypes])
 def test_small_gemm(ops, dtype, rows, n, k, bias, chunks):
     """Every row tile (1-8 rows, 8-row tiles then a tail), 1-3 column blocks per task and a partial last block; 9-20
     rows take K in chunks of 64 k steps (K = 576 and 1040: several chunks, a partial last one, several groups) with
-    chunks=True, whatever this CPU's default (small_gemm_chunks)."""
-    if not ops.native_small_gemm(dtype):
-        # the "native" Linear falls back to oneDNN here (test_layers); only AVX2 / AVX-512 without BF16 land here
-        assert ops.isa() in ("avx2", "generic") or (ops.isa() == "avx512" and dtype == torch.bfloat16)
-        return
+    chunks=True, whatever this CPU's default (small_gemm_chunks). Generated for the dtypes the build runs natively
+    (elsewhere the Linear stays on oneDNN: test_layers)."""
     with small_gemm_chunks(ops, chunks):
         _check_small_gemm(ops, dtype, rows, n, k, bias)
 
@@ -292,20 +365,19 @@ def amd_family() -> int:
     return int(info.get("cpu family", "0")) if info.get("vendor_id") == "AuthenticAMD" else 0
 
 
+@over_builds("")
 def test_small_gemm_chunks_default(ops):
     """The chunks run by default only where they were measured faster: AMD Zen 5 and later (family 0x1A+); never in
     builds without AVX-512."""
     assert ops.small_gemm_chunks() == (amd_family() >= 0x1A and ops.isa() not in ("avx2", "generic"))
 
 
+@over_builds("", lambda caps: [()] if torch.float32 in caps.gemm_dtypes else [])
 def test_small_gemm_prefetch(ops):
     """The prefetch distance of calls of up to 8 rows (one row tile): 4 k steps by default on AMD Zen 4 (family
-    0x19, where it measured faster), 16 elsewhere, none without AVX-512 (no such tiles). Any distance from 0 to 64
-    gives the same bits (a hint only, also past a block's end); others are a ValueError."""
+    0x19, where it measured faster), 16 elsewhere (none without AVX-512: test_build_capabilities). Any distance from
+    0 to 64 gives the same bits (a hint only, also past a block's end); others are a ValueError."""
     default = ops.small_gemm_prefetch()
-    if ops.isa() in ("avx2", "generic"):
-        assert default == 0 and ops.set_small_gemm_prefetch(8) == 0
-        return
     assert default == (4 if amd_family() == 0x19 else 16)
     g = torch.Generator().manual_seed(7)
     x, w = torch.randn(5, 1040, generator=g), torch.randn(200, 1040, generator=g)
@@ -335,9 +407,8 @@ def _check_small_gemm(ops, dtype, rows, n, k, bias):
     torch.testing.assert_close(y.float(), expected, **tol)
 
 
+@over_builds("", lambda caps: [()] if torch.float32 in caps.gemm_dtypes else [])
 def test_small_gemm_rejects_mismatched_shapes(ops):
-    if not ops.native_small_gemm(torch.float32):
-        pytest.skip(f"no native small GEMM in the {ops.isa()} build")
     packed = ops.pack_small_gemm_weight(torch.randn(40, 64))
     with pytest.raises(RuntimeError, match="does not match"):
         ops.small_gemm(torch.randn(2, 63), packed, 40)
@@ -363,24 +434,16 @@ def _quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("rows, n, k", [(1, 163, 100), (1, 1536, 576), (3, 5, 32), (8, 64, 36), (9, 49, 4),
                                         (13, 200, 64), (40, 33, 96), (20, 1536, 576), (16, 97, 1040), (40, 70, 128)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("amx", [True, False])
 @pytest.mark.parametrize("chunks", [True, False])
+@over_builds("amx", lambda caps: [(amx,) for amx in caps.amx_modes] if torch.int8 in caps.gemm_dtypes else [])
 def test_small_gemm_int8(ops, dtype, rows, n, k, bias, amx, chunks):
     """The VNNI int8 path: x quantized per row (round(x / s) with s = max|x| / 127), then exact integer sums,
     scaled back by the row's and the column's scales. Reference: the same quantization in float64. On AMX CPUs 2+
     rows with K % 64 == 0 run on AMX-INT8 tiles (one or two 16-row tiles per pass of up to 32 rows; an odd number
-    of column blocks); amx=False keeps VNNI there. chunks: as in test_small_gemm."""
-    if not ops.native_small_gemm(torch.int8):
-        assert ops.isa() != "avx512bf16"  # every AVX512-BF16 CPU has VNNI; the int8 Linear stays on fbgemm elsewhere
-        return
-    if amx and not ops.amx_tiles():
-        pytest.skip("no AMX tiles in this build or on this CPU (the amx=False case runs the VNNI path)")
-    ops.set_amx_tiles(amx)
-    try:
-        with small_gemm_chunks(ops, chunks):
-            _check_small_gemm_int8(ops, dtype, rows, n, k, bias)
-    finally:
-        ops.set_amx_tiles(True)
+    of column blocks); amx=False keeps VNNI there. chunks: as in test_small_gemm. Generated for the AVX512-BF16
+    build (which also targets VNNI); elsewhere the int8 Linear stays on fbgemm."""
+    with amx_tiles(ops, amx), small_gemm_chunks(ops, chunks):
+        _check_small_gemm_int8(ops, dtype, rows, n, k, bias)
 
 
 def _check_small_gemm_int8(ops, dtype, rows, n, k, bias):
@@ -406,6 +469,7 @@ def _check_small_gemm_int8(ops, dtype, rows, n, k, bias):
     assert ((y.double() - expected).abs() <= tol).all()
 
 
+@over_builds("")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, n", [(1, 1), (1, 49152), (3, 17), (33, 1000), (2, 64), (4, 129)])
 def test_argmax_rows(ops, dtype, rows, n):
@@ -427,9 +491,10 @@ def test_argmax_rows(ops, dtype, rows, n):
     torch.testing.assert_close(ops.argmax_rows(masked), masked.max(dim=-1).indices, atol=0, rtol=0)
 
 
+@pytest.mark.kernels_build(ISAS[-1])
 def test_forced_isa_is_the_one_loaded():
     """PAGEDSERVE_CPU_ISA picks the build that cpu_kernels() (what the layers call) returns."""
-    isa = _isas_to_test()[-1]
+    isa = ISAS[-1]
     code = "from pagedserve.model_executor.kernels import cpu_kernels; print(cpu_kernels().isa())"
     env = {**os.environ, "PAGEDSERVE_CPU_ISA": isa}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
@@ -437,6 +502,7 @@ def test_forced_isa_is_the_one_loaded():
     assert out.stdout.strip().splitlines()[-1] == isa
 
 
+@over_builds("")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_per_head_in_place(ops, dtype):
     """Qwen3's q/k norms: [T, heads, D] views inside the QKV output, normed in place (out=x) or into a new tensor."""
