@@ -28,7 +28,7 @@ import torch
 __all__ = ["HFResult", "hf_greedy", "load_hf_model", "assert_greedy_match", "mixed_prompts"]
 
 
-@dataclass
+@dataclass(frozen=True)  # cached and shared between tests (hf_greedy): a test derives, never edits one
 class HFResult:
     prompt_token_ids: list[int]
     token_ids: list[int]  # exactly max_new_tokens generated ids
@@ -152,6 +152,23 @@ def _unpack_ours(ours, our_logprobs):
     return ids, our_logprobs
 
 
+def _logprob_errors(p: int, mine: list[int], ref: HFResult, steps: Sequence[dict] | None, atol: float) -> list[str]:
+    """Our returned logprobs against HF's log-softmax, up to and including the first divergence."""
+    if steps is None:
+        return [f"prompt {p}: no logprobs of ours to compare with HF's (request logprobs)"]
+    diverged = next((k for k, (a, b) in enumerate(zip(mine, ref.token_ids)) if a != b), None)
+    last = min(len(mine), len(ref.token_ids)) - 1 if diverged is None else diverged
+    if len(steps) <= last:
+        return [f"prompt {p}: {len(steps)} steps of logprobs for {last + 1} compared tokens"]
+    worst = max(((abs(_lp(v) - ref.logprob(i, t)), i, t, _lp(v)) for i in range(last + 1)
+                 for t, v in steps[i].items()), default=None)
+    if worst is None or worst[0] > atol:
+        return [f"prompt {p}: logprob |ours - HF| = {worst[0]:.2e} > {atol:g} at step {worst[1]}, token {worst[2]} "
+                f"(ours {worst[3]:.6f}, HF {ref.logprob(worst[1], worst[2]):.6f})" if worst else
+                f"prompt {p}: no logprobs returned"]
+    return []
+
+
 def _our_rank(step_lps: dict, token_id: int) -> int | None:
     """1-based rank of token_id among our returned logprobs at one step (None if absent)."""
     if token_id not in step_lps:
@@ -165,6 +182,7 @@ def assert_greedy_match(
     hf: Sequence[HFResult],
     min_identical_frac: float = 0.9,
     our_logprobs: Sequence[Sequence[dict]] | None = None,
+    logprob_atol: float | None = None,
 ) -> None:
     """Check our greedy outputs against HF's, vLLM-style.
 
@@ -177,6 +195,10 @@ def assert_greedy_match(
     After a divergence the contexts differ, so later tokens are not compared.  In addition at least
     ``min_identical_frac`` of the prompts must be fully identical (note: with 8 prompts, 0.9 means
     all 8).
+
+    ``logprob_atol`` (float32 runs: 1e-4): every logprob we returned (the top-k and the sampled token), at every step
+    up to and including the first divergence (the contexts are equal until then), is within it of HF's
+    log-softmax of the raw logits; our logprobs must then be known.
     """
     ours_ids, our_logprobs = _unpack_ours(ours, our_logprobs)
     assert len(ours_ids) == len(hf), f"{len(ours_ids)} outputs of ours vs {len(hf)} HF results"
@@ -188,6 +210,8 @@ def assert_greedy_match(
     n_identical = 0
     for p, (mine, ref) in enumerate(zip(ours_ids, hf)):
         theirs = ref.token_ids
+        if logprob_atol is not None:
+            errors.extend(_logprob_errors(p, mine, ref, our_logprobs[p] if our_logprobs else None, logprob_atol))
         if mine == theirs:
             n_identical += 1
             continue

@@ -45,7 +45,8 @@ __all__ = [
     "make_tiny_checkpoint",
 ]
 
-ARCHS = ("llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "sharded")
+# "-hd128": head_dim 128 (SmolLM2's, Qwen3's, most 7B models'), wider than hidden_size / heads, end to end
+ARCHS = ("llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "sharded", "llama-hd128", "qwen3-hd128")
 
 TINY_VOCAB_SIZE = 768
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")  # ids 0, 1, 2
@@ -211,6 +212,8 @@ def _arch_spec(arch: str) -> tuple[str, dict[str, Any]]:
     """(model class name, config kwargs) for an arch name."""
     if arch in ("llama", "sharded"):
         return "LlamaForCausalLM", dict(_BASE)
+    if arch == "llama-hd128":
+        return "LlamaForCausalLM", dict(_BASE, head_dim=128)
     if arch == "llama-tied":
         return "LlamaForCausalLM", dict(_BASE, tie_word_embeddings=True)
     if arch == "llama3-rope":
@@ -233,6 +236,10 @@ def _arch_spec(arch: str) -> tuple[str, dict[str, Any]]:
         # head_dim 32 while hidden/heads = 16: catches code that derives head_dim from hidden size.
         return "Qwen3ForCausalLM", dict(
             _BASE, head_dim=32, use_sliding_window=False, sliding_window=None, attention_bias=False
+        )
+    if arch == "qwen3-hd128":
+        return "Qwen3ForCausalLM", dict(
+            _BASE, head_dim=128, use_sliding_window=False, sliding_window=None, attention_bias=False
         )
     raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
 

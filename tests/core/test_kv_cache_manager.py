@@ -390,14 +390,25 @@ def test_caching_disabled_never_hits_or_registers():
 
 
 # ---------------------------------------------------------------------------- hashes
+def documented_sha256_block_hash(parent: bytes | None, token_ids: list[int], extra_keys: tuple) -> bytes:
+    """The serialization the sha256 block hash documents, written out independently: the parent's 32-byte digest
+    (zeros for the first block), the token ids as little-endian int64, then 0x1f + str(key) in UTF-8 per extra key."""
+    data = (parent or bytes(32)) + b"".join(t.to_bytes(8, "little", signed=True) for t in token_ids)
+    return hashlib.sha256(data + b"".join(b"\x1f" + str(k).encode("utf-8") for k in extra_keys)).digest()
+
+
 def test_sha256_block_hash_is_a_fixed_serialization():
-    expected = hashlib.sha256(b"\0" * 32 + struct.pack("<4q", 1, 2, 3, 4)).digest()
-    assert sha256_block_hash(None, [1, 2, 3, 4], ()) == expected
-    assert expected.hex() == "ffb37f396c221c1e32e2d90de01d531aa5e704f43017ac4142d39b24fe4d6c58"
-    second = sha256_block_hash(expected, [5, 6, 7, 8], ())
-    assert second.hex() == "1f49b0459c177f954af6a45eeb802b7e7e9d7ee9c371da27a9d5fc24a29af163"
-    salted = sha256_block_hash(None, [1, 2, 3, 4], ("salt",))
-    assert salted.hex() == "e2ac4ece0bf33dcbf446ca5be0c974a718efef9474afe1cb3a92473247e0485f"
+    first = sha256_block_hash(None, [1, 2, 3, 4], ())
+    assert first == documented_sha256_block_hash(None, [1, 2, 3, 4], ()) and len(first) == 32
+    assert first == hashlib.sha256(b"\0" * 32 + struct.pack("<4q", 1, 2, 3, 4)).digest()
+    chained = sha256_block_hash(first, [5, 6, 7, 8], ())
+    assert chained == documented_sha256_block_hash(first, [5, 6, 7, 8], ())
+    assert chained != sha256_block_hash(None, [5, 6, 7, 8], ())  # the parent is part of the key
+    for extra in (("salt",), ("salt", 7), ("sält",)):
+        assert sha256_block_hash(None, [1, 2, 3, 4], extra) == documented_sha256_block_hash(None, [1, 2, 3, 4], extra)
+        assert sha256_block_hash(None, [1, 2, 3, 4], extra) != first
+    big = [2**40, -1, 0, 151_935]  # ids are 8 bytes each, never truncated
+    assert sha256_block_hash(None, big, ()) == documented_sha256_block_hash(None, big, ())
 
 
 def test_sha256_hashes_stable_across_processes():

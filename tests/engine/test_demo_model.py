@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-from pagedserve.demo_model_path import default_model_path  # noqa: E402
+import pagedserve
+from pagedserve import LLM, SamplingParams
+from pagedserve.demo_model_path import default_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository's tools/, outside the package
 from tools import eval_demo_model as ev  # noqa: E402
@@ -26,9 +26,6 @@ from tools import eval_demo_model as ev  # noqa: E402
 MODEL_DIR = Path(default_model_path())
 FIB = "def fibonacci(n):"
 ENGINE_PROMPTS = [FIB, "import os\n\n\ndef main(argv):\n", "class Stack:\n    def push(self, item):"]
-
-pytestmark = pytest.mark.skipif(not (MODEL_DIR / "model.safetensors").exists(),
-                                reason="demo model not trained yet (python -m tools.train_demo_model)")
 
 
 @pytest.fixture(scope="module")
@@ -152,14 +149,6 @@ def test_greedy_fibonacci_looks_like_python(hf_model, tokenizer):
 # ---------------------------------------------------------------------------------------------- (d), (e)
 
 
-def _engine_llm():
-    try:
-        from pagedserve.entrypoints.llm import LLM  # noqa: F401
-    except Exception as e:  # the engine is built separately
-        pytest.skip(f"pagedserve.entrypoints.llm cannot be imported yet: {type(e).__name__}: {e}")
-    return LLM
-
-
 def _greedy_ok(model, prompt_ids: list[int], ref: list[int], got: list[int]) -> tuple[bool, str]:
     """Equal, or the first difference is a float near-tie in transformers' own logits."""
     if got == ref:
@@ -174,9 +163,6 @@ def _greedy_ok(model, prompt_ids: list[int], ref: list[int], got: list[int]) -> 
 
 
 def test_engine_greedy_matches_transformers(hf_model, tokenizer):
-    LLM = _engine_llm()
-    from pagedserve import SamplingParams
-
     llm = LLM(model=str(MODEL_DIR), dtype="float32", device="cpu", num_kv_blocks=64, max_num_seqs=8, seed=0)
     n = 24
     outs = llm.generate(ENGINE_PROMPTS, SamplingParams(temperature=0.0, max_tokens=n), use_tqdm=False)
@@ -192,16 +178,11 @@ def test_engine_greedy_matches_transformers(hf_model, tokenizer):
 
 
 def test_llm_without_model_uses_demo_model(tokenizer):
-    LLM = _engine_llm()
-    import pagedserve
-    from pagedserve import SamplingParams
-
-    if hasattr(pagedserve, "default_model_path"):
-        assert pagedserve.default_model_path() == str(MODEL_DIR)
+    assert pagedserve.default_model_path() == str(MODEL_DIR)
     assert Path(default_model_path()).is_absolute() and (MODEL_DIR / "config.json").is_file()
     llm = LLM(device="cpu", num_kv_blocks=32, max_num_seqs=2)
     engine = llm.llm_engine
-    assert getattr(engine, "is_default_model", True)
+    assert engine.model_config.is_default_model
     assert engine.model_config.max_model_len == json.loads((MODEL_DIR / "config.json").read_text())[
         "max_position_embeddings"]
     assert engine.tokenizer.get_vocab() == tokenizer.get_vocab()

@@ -68,19 +68,35 @@ def test_stops(llm):
         temperature=0, max_tokens=20, min_tokens=8, stop_token_ids=[tokens[0]], ignore_eos=True),
         use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) >= 8 and tokens[0] not in out.token_ids[:8]
-    # stop strings: the text ends before the stop string
+    # stop strings: the text ends right before the stop string's first occurrence (a window of 3 characters from
+    # the middle of the free text, the first one that is not all whitespace)
     text = free.outputs[0].text
-    stop = text[len(text) // 2:len(text) // 2 + 3]
-    if stop.strip():
-        out = llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(
-            temperature=0, max_tokens=20, stop=[stop], ignore_eos=True), use_tqdm=False)[0].outputs[0]
-        assert out.finish_reason == "stop" and out.stop_reason == stop
-        assert stop not in out.text and text.startswith(out.text)
-    # EOS: force it by making the eos the stop condition of a request that would emit it
-    eos = next(iter(llm.llm_engine.model_config.eos_token_ids))
+    start = next(i for i in range(len(text) // 2, len(text) - 2) if text[i:i + 3].strip())
+    stop = text[start:start + 3]
     out = llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(
-        temperature=0, max_tokens=20, stop_token_ids=[eos]), use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason in ("stop", "length")
+        temperature=0, max_tokens=20, stop=[stop], ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:text.index(stop)]
+
+
+def test_eos_ends_the_request(llm, tiny_model_dir):
+    """The same checkpoint with one of the tokens its free greedy run emits declared the EOS: generation stops at
+    its first EOS (the token kept in the ids, finish_reason "stop", stop_reason None, as vLLM); ignore_eos runs on."""
+    prompt = [[0, 40, 41, 42, 43, 44]]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    tokens = llm.generate(prompt_token_ids=prompt, sampling_params=greedy, use_tqdm=False)[0].outputs[0].token_ids
+    eos = tokens[6]
+    eos_llm = LLM(str(tiny_model_dir("llama", eos_token_id=eos)), num_kv_blocks=128, num_threads=1,
+                  max_model_len=512)
+    assert eos in eos_llm.llm_engine.model_config.eos_token_ids
+    first_eos = next(i for i, t in enumerate(tokens) if t in eos_llm.llm_engine.model_config.eos_token_ids)
+    assert first_eos <= 6
+    out = eos_llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(temperature=0, max_tokens=20),
+                           use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == tokens[:first_eos + 1]
+    assert out.finish_reason == "stop" and out.stop_reason is None
+    ignored = eos_llm.generate(prompt_token_ids=prompt, sampling_params=greedy, use_tqdm=False)[0].outputs[0]
+    assert ignored.token_ids == tokens and ignored.finish_reason == "length"
 
 
 def test_seeded_request_same_alone_or_batched(llm):

@@ -5,6 +5,8 @@ that fits only the longest request), block sizes 8 and 32, prefix caching on and
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from hf_reference import assert_greedy_match, hf_greedy, mixed_prompts
@@ -12,9 +14,12 @@ from tiny_models import ARCHS
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.core.kv_cache_manager import cdiv
+from pagedserve.model_executor import kernels
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+# float32 against HF's float32: every returned logprob (top-2 and the sampled token) within this of HF's log-softmax
+LOGPROB_ATOL = 1e-4
 
 
 def run(model_dir, prompts, params: SamplingParams = GREEDY, **engine_kwargs):
@@ -37,7 +42,7 @@ def test_greedy_matches_transformers(arch, tiny_model_dir, tiny_tokenizer):
     model_dir = tiny_model_dir(arch)
     prompts = mixed_prompts(tiny_tokenizer, n=8)
     llm, ours = run(model_dir, prompts, num_kv_blocks=512)
-    assert_greedy_match(ours, hf_greedy(model_dir, prompts, MAX_TOKENS))
+    assert_greedy_match(ours, hf_greedy(model_dir, prompts, MAX_TOKENS), logprob_atol=LOGPROB_ATOL)
     check_engine_drained(llm)
 
 
@@ -51,35 +56,86 @@ def _configs(prompts):
         "block-size-32": dict(num_kv_blocks=256, block_size=32),
         "chunk-threshold-48": dict(num_kv_blocks=512, long_prefill_token_threshold=48),
         "linear-onednn": dict(num_kv_blocks=512, linear_backend="onednn"),
-        "no-native-kernels": dict(num_kv_blocks=512),  # run with the C++ kernels disabled, below
-        "avx2-kernels": dict(num_kv_blocks=512),  # run on the AVX2 build of the kernels (no small GEMM), below
+        "no-native-kernels": dict(num_kv_blocks=512),  # run with the C++ kernels disabled (use_kernels)
+        "avx2-kernels": dict(num_kv_blocks=512),  # run on the AVX2 build of the kernels (no small GEMM; use_kernels)
     }
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("config", ["prefix-caching-off", "budget-32-chunked", "pool-fits-longest-only",
-                                    "block-size-8", "block-size-32", "chunk-threshold-48", "linear-onednn",
-                                    "no-native-kernels", "avx2-kernels"])
-def test_greedy_same_in_every_config(arch, config, tiny_model_dir, tiny_tokenizer, monkeypatch):
-    if config == "no-native-kernels":  # the pure PyTorch path: attention, norms, rotary, silu
-        monkeypatch.setattr("pagedserve.model_executor.attention.cpu_kernels", lambda: None)
-        monkeypatch.setattr("pagedserve.model_executor.layers.cpu_kernels", lambda: None)
-    if config == "avx2-kernels":  # what an AVX2-only CPU (AMD Zen 1) runs: its attention, oneDNN GEMMs
-        from pagedserve.model_executor import kernels
+_DEFAULT_OUTPUTS: dict[str, list[list[int]]] = {}
 
-        if "avx2" not in kernels.supported_isas():
-            pytest.skip("this CPU has no AVX2")
-        avx2 = kernels.load_cpu_kernels("avx2")
-        assert avx2 is not None and not avx2.native_small_gemm(torch.float32)
-        monkeypatch.setattr("pagedserve.model_executor.attention.cpu_kernels", lambda: avx2)
-        monkeypatch.setattr("pagedserve.model_executor.layers.cpu_kernels", lambda: avx2)
+
+def default_outputs(arch: str, model_dir, prompts) -> list[list[int]]:
+    """The default configuration's greedy token ids (native kernels of this CPU's best level), once per arch; taken
+    before a test switches the kernels, so an alternative-kernel config is compared with the default one."""
+    if arch not in _DEFAULT_OUTPUTS:
+        _, outs = run(model_dir, prompts, num_kv_blocks=512)
+        _DEFAULT_OUTPUTS[arch] = [list(o.token_ids) for o in outs]
+    return _DEFAULT_OUTPUTS[arch]
+
+
+def count_native_calls(monkeypatch, module) -> Counter:
+    """Wraps each op of a kernels module to count its calls (undone with the test's monkeypatch)."""
+    calls: Counter = Counter()
+    for name in dir(module):
+        op = getattr(module, name)
+        if name.startswith("_") or not callable(op):
+            continue
+
+        def counted(*args, _op=op, _name=name, **kwargs):
+            calls[_name] += 1
+            return _op(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def use_kernels(monkeypatch, isa: str | None):
+    """Runs the engine on the `isa` build of the native kernels, or on none (the pure PyTorch path): switched where
+    every caller (layers, attention, sampler) gets them, kernels.cpu_kernels(), and in the environment the engine
+    reads (PAGEDSERVE_CPU_KERNELS / PAGEDSERVE_CPU_ISA). Returns that module (None without kernels)."""
+    if isa is None:
+        monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "0")
+        monkeypatch.setattr(kernels, "_default", None)
+        return None
+    if isa not in kernels.supported_isas():
+        pytest.skip(f"this CPU cannot run the {isa} build")
+    module = kernels.load_cpu_kernels(isa)
+    assert module is not None and module.isa() == isa
+    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", isa)
+    monkeypatch.setattr(kernels, "_default", module)
+    return module
+
+
+CONFIGS = ["prefix-caching-off", "budget-32-chunked", "pool-fits-longest-only", "block-size-8", "block-size-32",
+           "chunk-threshold-48", "linear-onednn", "no-native-kernels",
+           pytest.param("avx2-kernels", marks=pytest.mark.kernels_build("avx2"))]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("config", CONFIGS)
+def test_greedy_same_in_every_config(arch, config, tiny_model_dir, tiny_tokenizer, monkeypatch):
     model_dir = tiny_model_dir(arch)
     prompts = mixed_prompts(tiny_tokenizer, n=8)
+    reference = default_outputs(arch, model_dir, prompts)
+    best = kernels.load_cpu_kernels(kernels.supported_isas()[0])
+    best_calls = count_native_calls(monkeypatch, best) if best is not None else Counter()
+    alternative = None
+    if config == "no-native-kernels":  # the pure PyTorch path: attention, norms, rotary, silu, the sampler's argmax
+        use_kernels(monkeypatch, None)
+    if config == "avx2-kernels":  # what an AVX2-only CPU (AMD Zen 1) runs: its attention, oneDNN GEMMs
+        avx2 = use_kernels(monkeypatch, "avx2")
+        assert not avx2.native_small_gemm(torch.float32)
+        alternative = count_native_calls(monkeypatch, avx2)
     llm, ours = run(model_dir, prompts, **_configs(prompts)[config])
     hf = hf_greedy(model_dir, prompts, MAX_TOKENS)
-    assert_greedy_match(ours, hf)
-    _, reference = run(model_dir, prompts, num_kv_blocks=512)
-    assert [o.token_ids for o in ours] == [o.token_ids for o in reference], "outputs changed with the config"
+    assert_greedy_match(ours, hf, logprob_atol=LOGPROB_ATOL)
+    assert [list(o.token_ids) for o in ours] == reference, "outputs changed with the config"
+    if config in ("no-native-kernels", "avx2-kernels"):
+        assert not best_calls, f"the {best.isa()} build was called: {dict(best_calls)}"
+    elif best is not None:  # the probe sees the default build's calls: the sampler's argmax and the model's ops
+        assert best_calls["argmax_rows"] > 0 and best_calls.total() > best_calls["argmax_rows"], dict(best_calls)
+    if alternative is not None:
+        assert alternative["argmax_rows"] > 0 and alternative.total() > alternative["argmax_rows"], dict(alternative)
     stats = llm.llm_engine.get_stats().scheduler
     if config == "pool-fits-longest-only":
         assert stats.num_preemptions > 0, "the small pool should have forced preemption"

@@ -5,6 +5,7 @@ themselves need a GPU (benchmarks/device_check.sh)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 import pytest
@@ -119,9 +120,8 @@ def test_padded_static_decode_matches_transformers(capture, tiny_model_dir, tiny
         outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False, sampling_params=[
             SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in max_tokens])
         assert set(runner.decode_graphs.graphs) == {(8, 128), (4, 128)}
-        hf = hf_greedy(model_dir, prompts, max(max_tokens))
-        for ref, n in zip(hf, max_tokens):
-            ref.token_ids = ref.token_ids[:n]
+        hf = [dataclasses.replace(ref, token_ids=ref.token_ids[:n])
+              for ref, n in zip(hf_greedy(model_dir, prompts, max(max_tokens)), max_tokens)]
         assert_greedy_match([o.outputs[0] for o in outs], hf)
     finally:
         attention.uses_triton.cache_clear()

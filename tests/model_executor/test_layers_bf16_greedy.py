@@ -23,6 +23,10 @@ NEAR_TIE = 0.25
 # speculative decoding verifies drafts in other kernels' order of summation than plain decoding: in bfloat16 its
 # greedy output may leave plain decoding's at near-ties too (in float32 it is token-identical:
 # tests/engine/test_spec_decode.py), so it is held to the same rule against HF
+# Share of the 128 generated tokens that match HF's before each prompt's first divergence, at least: about 10 points
+# under the measured range (AMD Zen 4, AVX512-BF16 build): Llama 115-128 of 128 (the PyTorch fallback 115, native
+# with and without n-gram speculation 128), the tiny random Qwen3, with many near-ties, some at the first token, 63-66.
+MATCHED_FLOOR = {"llama": 0.8, "qwen3": 0.4}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "disable_by_batch_size": 64}
 
@@ -63,12 +67,12 @@ def test_bfloat16_greedy_matches_transformers_up_to_near_ties(arch, native, spec
             problems.append(f"prompt {p}: diverged at {i}: ours {mine[i]}, HF {ref.token_ids[i]}, HF top-3 "
                             f"{ref.top(i, 3)} (our token {gap:.4f} nats below HF's), our logprobs {ours.logprobs[i]}")
     assert not problems, "\n".join(problems)
-    # Every divergence above is a near-tie. The tiny random Qwen3 has many, some at the very first token (measured:
-    # 49-52% of its tokens matched before the first divergence, with the native ops and the PyTorch fallback alike;
-    # Llama 90-100%), and which late near-ties flip changes with any rounding change, so a count of fully identical
-    # prompts is too brittle: this floor only catches outputs that leave HF's early everywhere.
+    # Every divergence above is a near-tie. Which late near-ties flip changes with any rounding change, so a count of
+    # fully identical prompts is too brittle; the share of tokens matched before each prompt's first divergence is
+    # held to a floor per architecture, under its measured range (MATCHED_FLOOR).
     total = len(prompts) * MAX_TOKENS
-    assert matched >= total // 4, f"only {matched}/{total} tokens matched HF's before the first divergence"
+    assert matched >= MATCHED_FLOOR[arch] * total, \
+        f"only {matched}/{total} tokens matched HF's before the first divergence (floor {MATCHED_FLOOR[arch]:.0%})"
 
 
 def test_dtype_auto_follows_the_cpu(monkeypatch, caplog):

@@ -74,7 +74,7 @@ def test_tokenizer_deterministic_and_saved_equals_built(tiny_tokenizer):
 
 _MODEL_TYPE = {
     "llama": "llama", "llama-tied": "llama", "llama3-rope": "llama", "sharded": "llama",
-    "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+    "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "llama-hd128": "llama", "qwen3-hd128": "qwen3",
 }
 
 
@@ -337,6 +337,28 @@ def test_match_rejects_hf_token_not_in_our_top2():
     lps[0][5] = {2: -0.1, 0: -2.0}  # HF's token not returned at all
     with pytest.raises(AssertionError, match="not among our returned logprobs"):
         assert_greedy_match(ours, hf, our_logprobs=lps)
+
+
+def test_match_checks_logprob_values_up_to_the_divergence():
+    hf = [_hf(BASE, tie_at=5, runner_up=2)] + [_hf(BASE) for _ in range(9)]
+    ours = [BASE[:5] + [2, 8, 8]] + [list(BASE)] * 9
+    exact = [[{t: float(h.logprobs[i, t]) for t in (h.token_ids[i], 0)} for i in range(len(BASE))] for h in hf]
+    exact[0][5] = {2: float(hf[0].logprobs[5, 2]), 13: float(hf[0].logprobs[5, 13])}
+    assert_greedy_match(ours, hf, our_logprobs=exact, logprob_atol=1e-4)
+    for step, token in ((5, 13), (7, 0)):  # at the divergence: compared; past it (other contexts): not
+        off = [[dict(s) for s in p] for p in exact]
+        off[0][step][token] += 2e-4
+        if step == 5:
+            with pytest.raises(AssertionError, match=r"logprob \|ours - HF\| = 2\.\d+e-04 > 0\.0001 at step 5, token 13"):
+                assert_greedy_match(ours, hf, our_logprobs=off, logprob_atol=1e-4)
+        else:
+            assert_greedy_match(ours, hf, our_logprobs=off, logprob_atol=1e-4)
+    off = [[dict(s) for s in p] for p in exact]
+    off[3][0][0] -= 1e-3  # a returned non-greedy token of an identical prompt
+    with pytest.raises(AssertionError, match="prompt 3: logprob"):
+        assert_greedy_match(ours, hf, our_logprobs=off, logprob_atol=1e-4)
+    with pytest.raises(AssertionError, match="no logprobs of ours"):
+        assert_greedy_match(ours, hf, logprob_atol=1e-4)
 
 
 def test_match_rejects_too_few_identical():
