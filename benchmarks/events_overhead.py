@@ -79,8 +79,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-threads", type=int, default=1)
     args = p.parse_args()
-    engine = LLMEngine(EngineArgs(model=args.model, num_threads=args.num_threads, num_kv_blocks=1024,
-                                  max_num_seqs=args.requests, enable_prefix_caching=False))
+    engine = LLMEngine.from_engine_args(EngineArgs(model=args.model, num_threads=args.num_threads, num_kv_blocks=1024,
+                                                   max_num_seqs=args.requests, enable_prefix_caching=False))
     trace = Path(tempfile.mkdtemp()) / "trace.jsonl"
     timer = RecorderTimer(engine.events)
     results: dict[str, list[tuple[float, float, float]]] = {m: [] for m in MODES}

@@ -108,8 +108,8 @@ def block_costs(runner, pool_blocks: int, block: int) -> None:
     ids = list(range(min(64, pool_blocks)))
     payloads = read_kv_blocks(runner.kv_caches, ids)
     nbytes = len(payloads[0])
-    print(f"\nper block ({nbytes / 1024:.0f} KiB: {runner.config.num_layers} layers x K,V x {block} tokens x "
-          f"{runner.config.num_kv_heads} heads x {runner.config.head_dim} x {runner.kv_dtype}):")
+    print(f"\nper block ({nbytes / 1024:.0f} KiB: {runner.model_config.num_layers} layers x K,V x {block} tokens x "
+          f"{runner.model_config.num_kv_heads} heads x {runner.model_config.head_dim} x {runner.kv_dtype}):")
     print(f"  read (save path)  {per_block(lambda: read_kv_blocks(runner.kv_caches, ids), len(ids)) * 1e6:.0f} us")
     print(f"  write (load path) {per_block(lambda: write_kv_blocks(runner.kv_caches, ids, payloads), len(ids)) * 1e6:.0f} us")
     t = per_block(lambda: [zlib.compress(p, 1) for p in payloads], len(ids))

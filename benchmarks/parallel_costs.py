@@ -103,8 +103,9 @@ def measure_decode_steps(args) -> dict[str, dict[int, float]]:
 
     configs = {"TP=1, 1 thread": dict(num_threads=1), "TP=1, 2 threads": dict(num_threads=2),
                "TP=2, 1 thread/rank": dict(num_threads=1, tensor_parallel_size=2)}
-    engines = {name: LLMEngine(EngineArgs(model=args.model, dtype="float32", num_kv_blocks=512, max_model_len=1024,
-                                          **kw)) for name, kw in configs.items()}
+    engines = {name: LLMEngine.from_engine_args(EngineArgs(model=args.model, dtype="float32", num_kv_blocks=512,
+                                                           max_model_len=1024, **kw))
+               for name, kw in configs.items()}
     params = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)  # more than the steps taken
     samples = {name: {b: [] for b in args.batches} for name in engines}
     for r in range(args.rounds):

@@ -78,9 +78,10 @@ def main() -> None:
     configs = {"PP=2": dict(num_threads=1, pipeline_parallel_size=2)}
     if not args.pp_only:
         configs = {"PP=1, 1 thread": dict(num_threads=1), "PP=1, 2 threads": dict(num_threads=2), **configs}
-    engines = {name: LLMEngine(EngineArgs(model=args.model, dtype="float32", max_num_seqs=args.num_requests,
-                                          num_kv_blocks=args.num_requests * -(-(args.prompt_len + args.max_tokens)
-                                                                              // 16) + 16, **kw))
+    num_kv_blocks = args.num_requests * -(-(args.prompt_len + args.max_tokens) // 16) + 16
+    engines = {name: LLMEngine.from_engine_args(EngineArgs(model=args.model, dtype="float32",
+                                                           max_num_seqs=args.num_requests,
+                                                           num_kv_blocks=num_kv_blocks, **kw))
                for name, kw in configs.items()}
     runs = [(name, name, 1) for name in configs if name != "PP=2"] + [
         ("PP=2 synchronous, 1 thread/rank", "PP=2", 1), ("PP=2 in flight, 1 thread/rank", "PP=2", 2)]

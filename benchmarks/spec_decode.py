@@ -132,7 +132,7 @@ def main() -> None:
         "ngram": EngineArgs(**common, speculative_config=args.ngram),
         "draft": EngineArgs(**common, speculative_config={"model": str(draft), "num_speculative_tokens": args.draft_k}),
     }
-    engines = {name: LLMEngine(a) for name, a in arms.items()}
+    engines = {name: LLMEngine.from_engine_args(a) for name, a in arms.items()}
     tokenizer = engines["off"].tokenizer
     workloads = {"code-edit": lambda n, s: code_edit_prompts(tokenizer, n, s),
                  "random": lambda n, s: random_prompts(engines["off"].model_config.vocab_size, n, s)}

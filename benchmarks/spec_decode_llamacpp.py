@@ -70,9 +70,9 @@ def main() -> None:
             raise SystemExit(f"{args.gguf} does not exist: give --convert-with LLAMA_CPP_SRC")
         convert_to_gguf(args.convert_with, model_dir, args.gguf)
     torch.set_num_threads(1)
-    engines = {"off": LLMEngine(EngineArgs(model=model_dir, num_threads=1, dtype="float32")),
-               "ngram": LLMEngine(EngineArgs(model=model_dir, num_threads=1, dtype="float32",
-                                             speculative_config=json.loads(args.ngram)))}
+    engines = {"off": LLMEngine.from_engine_args(EngineArgs(model=model_dir, num_threads=1, dtype="float32")),
+               "ngram": LLMEngine.from_engine_args(EngineArgs(model=model_dir, num_threads=1, dtype="float32",
+                                                              speculative_config=json.loads(args.ngram)))}
     prompts = code_edit_prompts(engines["off"].tokenizer, args.num_prompts, args.seed)
     out_tokens = args.num_prompts * args.max_tokens
     log_dir = tempfile.mkdtemp(prefix="spec_llamacpp_")

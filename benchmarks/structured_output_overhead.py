@@ -76,8 +76,8 @@ def main() -> None:
     p.add_argument("--masks", choices=["auto", "overlapped", "checked-first", "both"], default="auto",
                    help="how the constrained arm runs its masks (auto: as the engine picks for these threads)")
     args = p.parse_args()
-    engine = LLMEngine(EngineArgs(model=args.model, num_threads=args.num_threads, dtype=args.dtype,
-                                  max_num_seqs=args.num_requests, enable_prefix_caching=False))
+    engine = LLMEngine.from_engine_args(EngineArgs(model=args.model, num_threads=args.num_threads, dtype=args.dtype,
+                                                   max_num_seqs=args.num_requests, enable_prefix_caching=False))
     vocab = engine.config.model.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (args.input_len,), generator=g).tolist() for _ in range(args.num_requests)]

@@ -1,14 +1,20 @@
-"""Engine arguments (vLLM's names), the CLI flags generated from them, and the frozen, resolved EngineConfig
-built from them once the model is loaded."""
+"""Engine arguments (vLLM's names), the CLI flags generated from them, and the frozen, resolved EngineConfig that
+`EngineArgs.create_engine_config()` builds from them once, before anything is loaded: every part of the engine is
+constructed from its part of it. The one thing known only after the model is loaded, how many KV blocks fit, is
+the engine's KVCacheConfig, created once then."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pagedserve.core.scheduler import SchedulerConfig
 from pagedserve.json_args import parse_json_object
 from pagedserve.kv_transfer.config import KVTransferConfig
+from pagedserve.model_executor.model_config import ModelConfig
 
 
 @dataclass
@@ -33,6 +39,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"  # fcfs | priority
     quantization: str | None = None  # None | int8 (weight-only int8 linears, CPU)
     linear_backend: str = "auto"  # auto | torch | onednn | native: the GEMM path of the linears (CPU)
+    attention_backend: str = "auto"  # auto | cpu | triton | torch (model_executor/attention/selector.py)
     served_model_name: str | None = None
     trust_remote_code: bool = False
     revision: str | None = None
@@ -49,6 +56,15 @@ class EngineArgs:
     max_sequences_per_request: int = 256  # prompts x n of one request
     max_stop_strings: int = 64  # stop strings per request
     max_stop_chars: int = 8192  # their total length
+    max_stop_token_ids: int = 256  # stop_token_ids per request (each sampled token is looked up in them)
+    # n x max_tokens x (logprobs + 1) of one request: each entry costs ~0.4 KB until the response is sent, so the
+    # default bounds one request's logprobs at ~100 MiB (n=1, top-20 over 12k tokens still fits)
+    max_logprob_entries: int = 1 << 18
+    # structured output: the constraint's text (schema / regex / grammar / choices) in bytes, how long compiling
+    # it may take (on a worker thread, off the engine and the event loop), and the compiled grammars' cache
+    max_grammar_bytes: int = 256 << 10
+    grammar_compile_timeout: float = 5.0  # seconds
+    grammar_cache_bytes: int = 64 << 20
     # ---- speculative decoding: vLLM's --speculative-config, a dict or its JSON text (see SpeculativeConfig)
     speculative_config: dict | str | None = None
     # ---- KV beyond the pool: vLLM's --kv-transfer-config (see KVTransferConfig), or --kv-offloading-size GiB
@@ -78,15 +94,21 @@ class EngineArgs:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
         if self.prefix_caching_hash_algo not in ("sha256", "builtin"):
             raise ValueError("prefix_caching_hash_algo must be 'sha256' or 'builtin'.")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}.")
+        from pagedserve.model_executor.attention.selector import validate_attention_backend
+        from pagedserve.model_executor.quantization.registry import validate_quantization
+
+        validate_quantization(self.quantization)
+        validate_attention_backend(self.attention_backend)
         if self.linear_backend not in ("auto", "torch", "onednn", "native"):
             raise ValueError(f"linear_backend must be auto, torch, onednn or native, got {self.linear_backend!r}.")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}.")
-        for name in ("max_logprobs", "max_sequences_per_request", "max_stop_strings", "max_stop_chars"):
+        for name in ("max_logprobs", "max_sequences_per_request", "max_stop_strings", "max_stop_chars",
+                     "max_stop_token_ids", "max_logprob_entries", "max_grammar_bytes", "grammar_cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0 seconds, got {self.grammar_compile_timeout}.")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}.")
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
@@ -108,6 +130,48 @@ class EngineArgs:
     @property
     def resolved_executor_backend(self) -> str:
         return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")
+
+    def create_engine_config(self) -> "EngineConfig":
+        """Everything resolved, once: the checkpoint's config (downloaded if it is a hub id), the device, the dtypes,
+        the token budget. Raises ValueError for a setting the model or the machine cannot serve."""
+        from pagedserve.demo_model_path import default_model_path
+        from pagedserve.model_executor.model_config import resolve_model_dir
+        from pagedserve.model_executor.platform import resolve_device, resolve_dtype
+
+        model_dir = Path(default_model_path()) if self.model is None else resolve_model_dir(self.model, self.revision)
+        device = resolve_device(self.device)
+        dtype = resolve_dtype(self.dtype, device)
+        kv_dtype = dtype if self.kv_cache_dtype == "auto" else resolve_dtype(self.kv_cache_dtype, device)
+        model = ModelConfig.from_dir(model_dir, dtype=dtype_name(dtype), max_model_len=self.max_model_len,
+                                     served_model_name=self.served_model_name or self.model or "pagedserve-demo",
+                                     tokenizer=self.tokenizer or str(model_dir), is_default_model=self.model is None)
+        budget = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill and budget < model.max_model_len:
+            logger.warning("Without chunked prefill a whole prompt must fit one step: raising "
+                           "max_num_batched_tokens from %d to max_model_len=%d.", budget, model.max_model_len)
+            budget = model.max_model_len
+        spec = self.speculative
+        scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget, max_model_len=model.max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.scheduling_policy,
+            num_lookahead_tokens=spec.num_lookahead_tokens if spec is not None else 0)
+        return EngineConfig(
+            model=model,
+            cache=CacheConfig(self.block_size, dtype_name(kv_dtype), self.enable_prefix_caching,
+                              self.prefix_caching_hash_algo, self.num_kv_blocks, self.kv_cache_memory_bytes,
+                              self.kv_cache_memory_fraction),
+            scheduler=scheduler,
+            parallel=ParallelConfig(device.type, self.num_threads, self.tensor_parallel_size,
+                                    self.pipeline_parallel_size, self.resolved_executor_backend, self.cpu_bind),
+            load=LoadConfig(self.linear_backend, self.quantization),
+            limits=RequestLimits.from_args(self),
+            seed=self.seed,
+            attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
+            speculative=spec,
+            kv_transfer=self.kv_transfer,
+            trace_file=self.trace_file)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -143,6 +207,17 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+
+logger = logging.getLogger("pagedserve")
+
+if TYPE_CHECKING:
+    import torch
+
+
+def dtype_name(dtype: "torch.dtype") -> str:
+    """torch.bfloat16 -> "bfloat16" (the configs hold names: picklable, JSON, and no torch import here)."""
+    return str(dtype).removeprefix("torch.")
 
 
 SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}  # as vLLM
@@ -220,28 +295,33 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 1, got {disable!r}.")
         return cls(method, k, lo, hi, model, disable)
 
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Slots the scheduler reserves past each step's tokens: a draft model writes the K/V of its own proposals
+        there; prompt lookup writes none."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
 
 # ------------------------------------------------------------------------------------ resolved config
 @dataclass(frozen=True)
-class ModelInfo:
-    """What the served model is, as the engine resolved it."""
-    path: str  # local checkpoint directory
-    served_model_name: str
-    is_default_model: bool  # the embedded demo model
-    architecture: str
-    dtype: str  # resolved: float32 | bfloat16 | float16
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: frozenset[int]
+class CacheConfig:
+    """The KV cache: its blocks, dtype and prefix caching, and how large it may be (the block count that fits is
+    resolved after the model is loaded: KVCacheConfig)."""
+    block_size: int
+    kv_cache_dtype: str  # resolved: float32 | bfloat16 | float16
+    enable_prefix_caching: bool
+    prefix_caching_hash_algo: str
+    num_kv_blocks: int | None = None  # exactly this many blocks
+    kv_cache_memory_bytes: int | None = None  # else as many blocks as fit these bytes
+    kv_cache_memory_fraction: float = 0.3  # else this share of the memory available after loading the model
 
 
 @dataclass(frozen=True)
-class CacheConfig:
-    block_size: int
+class KVCacheConfig:
+    """How many KV blocks the engine allocated (resolved once the model is loaded and the free memory is known)."""
     num_blocks: int
-    enable_prefix_caching: bool
-    prefix_caching_hash_algo: str
-    kv_cache_dtype: str  # resolved
+    block_size: int
+    bytes_per_block: int  # one block in every layer's K and V, summed over the ranks that share a memory
 
     @property
     def num_tokens(self) -> int:
@@ -255,6 +335,18 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str = "uni"  # resolved: uni | mp | ray
+    cpu_bind: str | None = None  # cores per rank ("0-31|32-63"); None: PAGEDSERVE_CPU_OMP_THREADS_BIND or none
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """How the weights are run: the linears' GEMM path and weight quantization."""
+    linear_backend: str = "auto"  # auto | torch | onednn | native
+    quantization: str | None = None  # None | int8
 
 
 @dataclass(frozen=True)
@@ -263,21 +355,31 @@ class RequestLimits:
     max_sequences_per_request: int = 256
     max_stop_strings: int = 64
     max_stop_chars: int = 8192
+    max_stop_token_ids: int = 256
+    max_logprob_entries: int = 1 << 18
+    max_grammar_bytes: int = 256 << 10
+    grammar_compile_timeout: float = 5.0
+    grammar_cache_bytes: int = 64 << 20
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "RequestLimits":
-        return cls(args.max_logprobs, args.max_sequences_per_request, args.max_stop_strings, args.max_stop_chars)
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine resolved at start-up, in one frozen object: the server and the input processor
-    read this, never the engine's internals."""
-    model: ModelInfo
+    """Everything resolved from the EngineArgs before anything is loaded, in one frozen (and picklable: worker
+    ranks get it) object. Each part of the engine is built from its part; the server and the input processor read
+    this (and the engine's KVCacheConfig), never the engine's internals."""
+    model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     limits: RequestLimits
+    load: LoadConfig = LoadConfig()
     seed: int = 0
+    attention_backend: str = "auto"  # --attention-backend; each runner resolves "auto" for its device
+    enforce_eager: bool = False  # no CUDA graphs
     speculative: SpeculativeConfig | None = None
     kv_transfer: KVTransferConfig | None = None
+    trace_file: str | None = None

@@ -13,6 +13,7 @@ if TYPE_CHECKING:  # the types `envs.NAME` has (read through __getattr__ below)
     PAGEDSERVE_CPU_KERNELS: bool
     PAGEDSERVE_CPU_ISA: str
     PAGEDSERVE_KERNEL_BUILD_TIMEOUT: float
+    PAGEDSERVE_PREBUILT_KERNELS: bool
     PAGEDSERVE_ATTENTION_BACKEND: str
     PAGEDSERVE_KEEP_FREED_MEMORY: bool
     TRITON_INTERPRET: bool
@@ -20,7 +21,9 @@ if TYPE_CHECKING:  # the types `envs.NAME` has (read through __getattr__ below)
     PAGEDSERVE_CPU_OMP_THREADS_BIND: str | None
     PAGEDSERVE_DIST_TIMEOUT_S: float
     PAGEDSERVE_API_KEY: str | None
+    PAGEDSERVE_ADMIN_API_KEY: str | None
     OPENAI_API_KEY: str | None
+    PAGEDSERVE_KV_TRANSFER_SECRET: str | None
     PAGEDSERVE_FAULT_INJECT_TOKEN: str | None
 
 DEFAULT_GOMP_SPINCOUNT = "10000"
@@ -51,6 +54,10 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[str, Callable[[], Any]]] = {
     "PAGEDSERVE_KERNEL_BUILD_TIMEOUT": (
         "Seconds to wait for another process's build of the kernels (the build lock) before running without them.",
         _float("PAGEDSERVE_KERNEL_BUILD_TIMEOUT", 300.0)),
+    "PAGEDSERVE_PREBUILT_KERNELS": (
+        "1 (default): use the kernel module compiled when the package was built, where it matches this CPU, torch "
+        "and sources; 0: ignore it and use the just-in-time build (tests of that fallback).",
+        _flag("PAGEDSERVE_PREBUILT_KERNELS", True)),
     # ---- model execution
     "PAGEDSERVE_ATTENTION_BACKEND": (
         "What --attention-backend auto stands for (cpu | triton | torch); unset or auto: chosen by device.",
@@ -82,9 +89,19 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[str, Callable[[], Any]]] = {
         "Default of `pagedserve serve --api-key`: the bearer token every endpoint but /health, /metrics and the "
         "dashboard page requires.",
         _str("PAGEDSERVE_API_KEY", None)),
+    "PAGEDSERVE_ADMIN_API_KEY": (
+        "Default of `pagedserve serve --admin-api-key`: the key that alone gets the full view of /v1/events "
+        "(other clients' token ids).",
+        _str("PAGEDSERVE_ADMIN_API_KEY", None)),
     "OPENAI_API_KEY": (
         "The key `pagedserve bench serve` sends (as vLLM's benchmark client), for a server started with --api-key.",
         _str("OPENAI_API_KEY", None)),
+    # ---- KV connector (kv_transfer/)
+    "PAGEDSERVE_KV_TRANSFER_SECRET": (
+        "A secret the instances sharing a KV store (redis, directory) hold: every stored block carries an HMAC "
+        "under it, so whoever can write to the store without it cannot make an instance load a block. Unset: a "
+        "plain digest (catches corruption, not forgery).",
+        _str("PAGEDSERVE_KV_TRANSFER_SECRET", None)),
     # ---- tests
     "PAGEDSERVE_FAULT_INJECT_TOKEN": (
         "Test hook: a token id; a step that schedules a request whose prompt holds it fails in the model forward "

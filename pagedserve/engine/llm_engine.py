@@ -6,12 +6,11 @@ import logging
 import time
 from collections import deque
 from functools import partial
-from pathlib import Path
 
-from pagedserve.config import (CacheConfig, EngineArgs, EngineConfig, ModelInfo, ParallelConfig, RequestLimits)
+from pagedserve.config import EngineArgs, EngineConfig, KVCacheConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.request import Request, RequestStatus
-from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedserve.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.engine.events import EngineEventRecorder
 from pagedserve.engine.fault_injection import FaultInjector
 from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest
@@ -22,10 +21,9 @@ from pagedserve.kv_transfer.block_io import read_kv_blocks
 from pagedserve.kv_transfer.connector import KVConnector
 from pagedserve.metrics.loggers import StepStats
 from pagedserve.metrics.stats import EngineStats, IterationStats, SchedulerStats
-from pagedserve.model_executor.model_config import ModelConfig, resolve_model_dir
 from pagedserve.model_executor.model_loader import kv_bytes_per_block
 from pagedserve.model_executor.model_runner import ModelRunnerOutput, StartedStep
-from pagedserve.model_executor.platform import configure_threads, leaves_a_core_free, resolve_device, resolve_dtype
+from pagedserve.model_executor.platform import configure_threads, leaves_a_core_free
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -33,77 +31,46 @@ logger = logging.getLogger("pagedserve")
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, *, warm_up: bool = True) -> None:
+    def __init__(self, config: EngineConfig, *, warm_up: bool = True) -> None:
+        """`config`: EngineArgs.create_engine_config(). Loads the model, sizes and allocates the KV cache
+        (`kv_cache_config`), builds the scheduler and the processors, and warms up."""
         from transformers import AutoTokenizer
 
-        from pagedserve.demo_model_path import default_model_path
-
         t_start = time.perf_counter()
-        configure_threads(args.num_threads)
-        self.args = args
-        model_dir = Path(default_model_path()) if args.model is None else resolve_model_dir(args.model, args.revision)
-        cfg = ModelConfig.from_dir(model_dir)
-        cfg.max_model_len = args.max_model_len or cfg.max_position_embeddings
-        if cfg.max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len ({cfg.max_model_len}) exceeds the model's max_position_embeddings "
-                             f"({cfg.max_position_embeddings}).")
-        cfg.served_model_name = args.served_model_name or (args.model or "pagedserve-demo")
-        self.model_config = cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
-        device = resolve_device(args.device)
-        dtype = resolve_dtype(args.dtype, device)
-        kv_dtype = dtype if args.kv_cache_dtype == "auto" else resolve_dtype(args.kv_cache_dtype, device)
-        self.executor = create_executor(args, cfg, device, dtype, kv_dtype)
+        configure_threads(config.parallel.num_threads)
+        self.config = config
+        self.model_config = config.model
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer)
+        self.executor = create_executor(config)
         self.runner = self.executor.driver  # rank 0's runner, in this process
-        num_blocks = self._num_kv_blocks(args)
-        self.executor.allocate_kv_cache(num_blocks)
-        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
-                                               args.prefix_caching_hash_algo)
-        budget = args.max_num_batched_tokens
-        if not args.enable_chunked_prefill and budget < cfg.max_model_len:
-            logger.warning("Without chunked prefill a whole prompt must fit one step: raising "
-                           "max_num_batched_tokens from %d to max_model_len=%d.", budget, cfg.max_model_len)
-            budget = cfg.max_model_len
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget, max_model_len=cfg.max_model_len,
-            enable_chunked_prefill=args.enable_chunked_prefill,
-            long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy,
-            num_lookahead_tokens=self.runner.drafter.num_lookahead_tokens if self.runner.drafter else 0)
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
-        self.config = EngineConfig(
-            model=ModelInfo(str(model_dir), cfg.served_model_name, args.model is None, cfg.architecture,
-                            str(dtype).removeprefix("torch."), cfg.max_model_len, cfg.vocab_size, cfg.eos_token_ids),
-            cache=CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching, args.prefix_caching_hash_algo,
-                              str(kv_dtype).removeprefix("torch.")),
-            scheduler=scheduler_config,
-            parallel=ParallelConfig(device.type, args.num_threads, args.tensor_parallel_size,
-                                    args.pipeline_parallel_size, args.resolved_executor_backend),
-            limits=RequestLimits.from_args(args),
-            seed=args.seed,
-            speculative=args.speculative,
-            kv_transfer=args.kv_transfer)
-        self.structured_output = StructuredOutputManager(self.tokenizer, cfg.vocab_size,
-                                                         overlap_masks=leaves_a_core_free(device))
-        self.input_processor = InputProcessor(self.config, self.tokenizer, self.structured_output)
+        self.kv_cache_config = self._size_kv_cache()
+        self.executor.allocate_kv_cache(self.kv_cache_config.num_blocks)
+        self.kv_cache_manager = KVCacheManager(self.kv_cache_config.num_blocks, config.cache.block_size,
+                                               config.cache.enable_prefix_caching,
+                                               config.cache.prefix_caching_hash_algo)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.structured_output = StructuredOutputManager(self.tokenizer, config.model.vocab_size,
+                                                         overlap_masks=leaves_a_core_free(self.runner.device))
+        self.input_processor = InputProcessor(config, self.kv_cache_config, self.tokenizer, self.structured_output)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.fault_injector = FaultInjector.from_env(self.runner.model)
         self.num_step_failures = 0
         self.last_iteration = IterationStats()
-        self.events = EngineEventRecorder(self.config, self.scheduler, self.kv_cache_manager)
+        self.events = EngineEventRecorder(config, self.kv_cache_config, self.scheduler, self.kv_cache_manager)
         # pipeline parallelism: batches started and not finished yet, oldest first (see _pipelined_step)
         self.max_batches_in_flight = self.executor.max_batches_in_flight
         self._in_flight: deque[tuple[SchedulerOutput, StartedStep]] = deque()
         self.max_batches_in_flight_seen = 0  # most batches ever in flight at once (a statistic)
         if warm_up:
             self.warm_up()
-        self.kv_connector = self._connect_kv_store(args, model_dir) if args.kv_transfer is not None else None
-        if args.trace_file is not None:  # after the warm-up: the trace holds real traffic only
-            self.events.open_trace(args.trace_file)
+        self.kv_connector = self._connect_kv_store() if config.kv_transfer is not None else None
+        if config.trace_file is not None:  # after the warm-up: the trace holds real traffic only
+            self.events.open_trace(config.trace_file)
         logger.info("Engine ready in %.1f s", time.perf_counter() - t_start)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
-        return cls(args)
+    def from_engine_args(cls, args: EngineArgs, *, warm_up: bool = True) -> "LLMEngine":
+        return cls(args.create_engine_config(), warm_up=warm_up)
 
     def shutdown(self) -> None:
         """Stop the executor's workers (a no-op for one process)."""
@@ -114,33 +81,40 @@ class LLMEngine:
         """Why no step can run any more (a worker rank died); None while the engine can serve."""
         return self.executor.dead_reason
 
-    def _num_kv_blocks(self, args: EngineArgs) -> int:
+    def _size_kv_cache(self) -> KVCacheConfig:
+        """How many blocks: as asked, or as many as the byte budget holds, or a share of the memory left after
+        loading the model (never more than max_num_seqs full-length requests can use)."""
+        cache, max_len = self.config.cache, self.config.model.max_model_len
         per_block = self.executor.kv_bytes_per_block
-        useful = cdiv(args.max_num_seqs * self.model_config.max_model_len, args.block_size)
-        if args.num_kv_blocks is not None:
-            num_blocks = args.num_kv_blocks
-        elif args.kv_cache_memory_bytes is not None:
-            num_blocks = args.kv_cache_memory_bytes // per_block
-        else:  # a share of free memory, but never more than max_num_seqs full-length requests can use
-            num_blocks = min(int(self.executor.available_memory() * args.kv_cache_memory_fraction) // per_block, useful)
+        if cache.num_kv_blocks is not None:
+            num_blocks = cache.num_kv_blocks
+        elif cache.kv_cache_memory_bytes is not None:
+            num_blocks = cache.kv_cache_memory_bytes // per_block
+        else:
+            useful = cdiv(self.config.scheduler.max_num_seqs * max_len, cache.block_size)
+            budget = int(self.executor.available_memory() * cache.kv_cache_memory_fraction)
+            num_blocks = min(budget // per_block, useful)
         if num_blocks < 1:
             raise ValueError(f"The KV cache budget holds no block of {per_block} bytes.")
-        tokens = num_blocks * args.block_size
+        kv = KVCacheConfig(num_blocks, cache.block_size, per_block)
         logger.info("KV cache size: %d tokens (%d blocks of %d, %.2f GiB); maximum concurrency for %d tokens "
-                    "per request: %.2fx", tokens, num_blocks, args.block_size, num_blocks * per_block / 2**30,
-                    self.model_config.max_model_len, tokens / self.model_config.max_model_len)
-        return num_blocks
+                    "per request: %.2fx", kv.num_tokens, num_blocks, cache.block_size, num_blocks * per_block / 2**30,
+                    max_len, kv.num_tokens / max_len)
+        return kv
 
-    def _connect_kv_store(self, args: EngineArgs, model_dir: Path) -> KVConnector:
+    def _connect_kv_store(self) -> KVConnector:
         """After warm-up, so that no warm-up block reaches the store."""
-        c, kv_dtype = self.model_config, self.runner.kv_dtype
-        connector = KVConnector.create(args.kv_transfer, model_dir, self.config.cache.kv_cache_dtype, args.block_size,
-                                       (c.num_layers, c.num_kv_heads, c.head_dim),
-                                       kv_bytes_per_block(self.runner.model, args.block_size, kv_dtype))
+        c, cache, kv_transfer = self.model_config, self.config.cache, self.config.kv_transfer
+        # what besides the weights makes a block's values and layout
+        compute = [f"kv:{cache.kv_cache_dtype}", f"dtype:{c.dtype}", f"quantization:{self.config.load.quantization}",
+                   f"block:{cache.block_size}", f"layout:{c.num_layers},{c.num_kv_heads},{c.head_dim}"]
+        connector = KVConnector.create(kv_transfer, c.model_dir,
+                                       kv_bytes_per_block(self.runner.model, cache.block_size, self.runner.kv_dtype),
+                                       compute)
         self.scheduler.external_kv = connector
-        self.kv_cache_manager.set_save_policy(args.kv_transfer.save_policy)
-        logger.info("KV connector %s (%s, saves on %s), key namespace %s", args.kv_transfer.kv_connector,
-                    args.kv_transfer.kv_role, args.kv_transfer.save_policy, connector.namespace)
+        self.kv_cache_manager.set_save_policy(kv_transfer.save_policy)
+        logger.info("KV connector %s (%s, saves on %s), key namespace %s", kv_transfer.kv_connector,
+                    kv_transfer.kv_role, kv_transfer.save_policy, connector.namespace)
         return connector
 
     def _save_kv(self, blocks: list) -> None:
@@ -158,7 +132,7 @@ class LLMEngine:
 
             cpu_kernels()
         cfg = self.config
-        room = min(cfg.model.max_model_len, cfg.cache.num_tokens)
+        room = min(cfg.model.max_model_len, self.kv_cache_config.num_tokens)
         num_prompt = max(1, min(2 * cfg.cache.block_size + 3, room - 2))
         prompt = [1 + i % (cfg.model.vocab_size - 1) for i in range(num_prompt)]
         max_tokens = max(1, min(2, room - num_prompt))
@@ -189,7 +163,7 @@ class LLMEngine:
         2048-token prefill of SmolLM2 in float32 took 1.4-1.5 s against 1.05 s for the next. Each fits `room`; small
         ids, as above (test hooks key on others), each prompt its own start: no prefix shared with any."""
         cfg = self.config
-        remaining = min(cfg.scheduler.max_num_batched_tokens, cfg.cache.num_tokens - cfg.cache.block_size)
+        remaining = min(cfg.scheduler.max_num_batched_tokens, self.kv_cache_config.num_tokens - cfg.cache.block_size)
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         batch = []
         while remaining > 0 and room > 1:
@@ -248,56 +222,58 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        """One step. Everything it does (scheduling, the KV connector's loads and saves, the forward, the output) is
+        one failure boundary: whatever raises fails the step's requests (_fail_step) and the engine goes on."""
         if self.max_batches_in_flight > 1:
             return self._pipelined_step()
         t0 = time.perf_counter()
-        self.events.begin_step()
-        sched_out = self.scheduler.schedule()
-        if sched_out.is_empty:
-            self.last_iteration = IterationStats()
-            return []
-        if self.events.active:
-            self.events.on_scheduled(sched_out)
+        sched_out: SchedulerOutput | None = None
         try:
+            self.events.begin_step()
+            sched_out = self.scheduler.schedule()
+            if sched_out.is_empty:
+                self.last_iteration = IterationStats()
+                return []
+            if self.events.active:
+                self.events.on_scheduled(sched_out)
             self._before_forward(sched_out)
             runner_out = self.executor.execute_model(sched_out, self._token_masks())
+            return self._apply_output(sched_out, runner_out, t0)
         except Exception as exc:
             return self._fail_step(sched_out, exc)
-        return self._apply_output(sched_out, runner_out, t0)
 
     def _pipelined_step(self) -> list[RequestOutput]:
         """Pipeline parallelism (vLLM's batch queue): start a new batch while fewer than max_batches_in_flight run,
         so every stage has one to work on; once they are all started (or nothing else can be scheduled), finish the
         oldest. The scheduler leaves the requests of batches in flight out of the next ones. Structured-output
-        requests run one batch at a time: their grammars advance only with the tokens that came back."""
+        requests run one batch at a time: their grammars advance only with the tokens that came back. One failure
+        boundary, as step(): the batch being started or finished when something raised is the one that fails."""
         t0 = time.perf_counter()
-        self.events.begin_step()
-        depth = 1 if self.structured_output.matchers else self.max_batches_in_flight
-        if len(self._in_flight) < depth:
-            sched_out = self.scheduler.schedule(depth)
-            if not sched_out.is_empty:
-                self.scheduler.hold_in_flight(sched_out)
-                try:
+        sched_out: SchedulerOutput | None = None
+        try:
+            self.events.begin_step()
+            depth = 1 if self.structured_output.matchers else self.max_batches_in_flight
+            if len(self._in_flight) < depth:
+                sched_out = self.scheduler.schedule(depth)
+                if not sched_out.is_empty:
+                    self.scheduler.hold_in_flight(sched_out)
                     self._before_forward(sched_out)
                     started = self.executor.start_step(sched_out, self._token_masks())
-                except Exception as exc:
-                    return self._fail_step(sched_out, exc)
-                self._in_flight.append((sched_out, started))
-                self.max_batches_in_flight_seen = max(self.max_batches_in_flight_seen, len(self._in_flight))
-                if len(self._in_flight) < depth:
-                    self.last_iteration = IterationStats()
-                    return []
-        if not self._in_flight:
-            self.last_iteration = IterationStats()
-            return []
-        sched_out, started = self._in_flight.popleft()
-        if self.events.active:  # the batch's requests have not advanced since it was scheduled
-            self.events.on_scheduled(sched_out)
-        try:
+                    self._in_flight.append((sched_out, started))
+                    self.max_batches_in_flight_seen = max(self.max_batches_in_flight_seen, len(self._in_flight))
+                    if len(self._in_flight) < depth:
+                        self.last_iteration = IterationStats()
+                        return []
+            if not self._in_flight:
+                self.last_iteration = IterationStats()
+                return []
+            sched_out, started = self._in_flight.popleft()
+            if self.events.active:  # the batch's requests have not advanced since it was scheduled
+                self.events.on_scheduled(sched_out)
             runner_out = self.executor.finish_step(started)
+            return self._apply_output(sched_out, runner_out, t0)
         except Exception as exc:
             return self._fail_step(sched_out, exc)
-        return self._apply_output(sched_out, runner_out, t0)
 
     def _token_masks(self) -> StructuredOutputManager | None:
         return self.structured_output if self.structured_output.matchers else None
@@ -337,12 +313,20 @@ class LLMEngine:
             self.events.end_step(sched_out, runner_out.forward_time)
         return outputs
 
-    def _fail_step(self, sched_out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
-        """The forward raised: fail the requests of this step, keep everyone else. Their blocks go back to the
-        pool; none of this step's blocks was registered in the prefix cache (hashes are registered only after
-        a successful forward), so nothing unwritten can ever be hit."""
+    def _fail_step(self, sched_out: SchedulerOutput | None, exc: Exception) -> list[RequestOutput]:
+        """Something in the step raised: fail the requests of this step, keep everyone else. Their blocks go back to
+        the pool; none of this step's blocks was registered in the prefix cache before its forward succeeded
+        (hashes are registered only after it), so nothing unwritten can ever be hit. If the scheduler itself raised
+        (sched_out None), which requests the step held is unknown: the running ones and the waiting one it was
+        admitting are failed, so that neither a half-scheduled request nor one that makes it raise stays behind."""
         self.num_step_failures += 1
-        seq_ids = [s.request.request_id for s in sched_out.scheduled if not s.request.is_finished]
+        if sched_out is not None:
+            # finished ones too: a failure after update_from_output may have finished them without an output
+            seq_ids = [s.request.request_id for s in sched_out.scheduled]
+        else:
+            seq_ids = [r.request_id for r in self.scheduler.running]
+            if self.scheduler.num_waiting:
+                seq_ids.append(self.scheduler.waiting.peek().request_id)
         user_ids = self.output_processor.user_request_ids(seq_ids)
         logger.error("Engine step failed (%s: %s); failing the %d request(s) it scheduled: %s",
                      type(exc).__name__, exc, len(user_ids), user_ids, exc_info=exc)
@@ -351,6 +335,9 @@ class LLMEngine:
         outputs = self._fail_requests(dict.fromkeys(user_ids, message), time.time())
         self.structured_output.retain(self.scheduler.requests)
         if self.events.active:
+            if sched_out is None:
+                sched_out = SchedulerOutput()
+                self.events.on_scheduled(sched_out)
             self.events.end_step(sched_out, 0.0, failed=True)
         return outputs
 
@@ -385,6 +372,7 @@ class LLMEngine:
             scheduler.external_prefix_cache_hits = self.scheduler.external_hit_tokens
             scheduler.kv_connector_saved_blocks = self.kv_connector.stats.num_saved_blocks
             scheduler.kv_connector_failures = self.kv_connector.store.num_failures
+            scheduler.kv_connector_rejected_payloads = self.kv_connector.stats.num_rejected_payloads
         return EngineStats(scheduler, self.last_iteration)
 
     def take_step_stats(self) -> StepStats:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable, Protocol
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, KVCacheConfig
 from pagedserve.engine.events import EngineEventRecorder
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.request_stream import RequestStream
@@ -21,13 +21,16 @@ from pagedserve.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class EngineHealth:
     healthy: bool
-    status: str  # ok | starting | draining | dead | failing
+    status: str  # ok | starting | draining | dead | failing (failed steps in a row) | stalled (a step too long)
     message: str = ""
 
 
 class EngineClient(Protocol):
     @property
     def config(self) -> EngineConfig: ...
+
+    @property
+    def kv_cache_config(self) -> KVCacheConfig: ...  # the KV blocks the engine allocated
 
     @property
     def tokenizer(self) -> Any: ...

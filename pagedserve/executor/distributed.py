@@ -24,7 +24,8 @@ from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.executor.base import Executor, ExecutorDeadError
 from pagedserve.executor.cpu_binding import bind_threads
 from pagedserve.executor.step_broadcast import Command, ControlChannel, pack_step
-from pagedserve.executor.worker import RunnerArgs, WorkerSpec
+from pagedserve.config import EngineConfig
+from pagedserve.executor.worker import WorkerSpec
 from pagedserve.model_executor.attention import AttentionMetadata
 from pagedserve.model_executor.model_runner import ModelRunner, ModelRunnerOutput, StartedStep, TokenMaskSource
 from pagedserve.model_executor.parallel_state import ParallelLayout, ParallelState, create_store, init_parallel_state
@@ -88,7 +89,8 @@ class DriverModelRunner(ModelRunner):
     def _post_logits_recv(self) -> None:
         if self._posted is None and self._logits_rows:
             parallel: ParallelState = self.model.parallel
-            self._posted = parallel.recv_logits_from_last_stage(self._logits_rows.popleft(), self.config.vocab_size)
+            self._posted = parallel.recv_logits_from_last_stage(self._logits_rows.popleft(),
+                                                                 self.model_config.vocab_size)
 
     def _receive_logits(self) -> torch.Tensor:
         work, logits = self._posted
@@ -102,25 +104,24 @@ class DistributedExecutor(Executor):
     backend = ""
     health_check_interval_s = 0.0  # how often a step first asks whether every worker still runs
 
-    def __init__(self, runner_args: RunnerArgs, layout: ParallelLayout, cpus: list[list[int]] | None,
-                 num_threads: int | None) -> None:
+    def __init__(self, config: EngineConfig, layout: ParallelLayout, cpus: list[list[int]] | None) -> None:
         self.layout = layout
-        self.runner_args = runner_args
+        self.config = config
         self._dead_reason: str | None = None
         self._stopped = False
         self._next_health_check = 0.0
         world = layout.world_size
         timeout_s = envs.PAGEDSERVE_DIST_TIMEOUT_S
-        threads = [num_threads or (len(cpus[r]) if cpus else max(1, (os.cpu_count() or 1) // world))
+        threads = [config.parallel.num_threads or (len(cpus[r]) if cpus else max(1, (os.cpu_count() or 1) // world))
                    for r in range(world)]
-        host = self._store_host()
+        host = self._rendezvous_host = self._store_host()
         store = create_store(host, world, timeout_s)
-        self._launch([WorkerSpec(rank, layout, host, store.port, timeout_s, runner_args,
+        self._launch([WorkerSpec(rank, layout, host, store.port, timeout_s, config,
                                  cpus[rank] if cpus else None, threads[rank]) for rank in range(1, world)])
         try:
             bind_threads(cpus[0] if cpus else None, threads[0])
             parallel = self._join(store, timeout_s)
-            self.driver = runner_args.build(parallel, DriverModelRunner)
+            self.driver = DriverModelRunner(config, parallel)
             self.driver.channel = ControlChannel(parallel.world_group)
         except BaseException:
             self._stop_workers(graceful=False)
@@ -154,7 +155,8 @@ class DistributedExecutor(Executor):
 
         def join() -> None:
             try:
-                result["state"] = init_parallel_state(self.layout, 0, store, self.runner_args.device, timeout_s)
+                device = torch.device(self.config.parallel.device)
+                result["state"] = init_parallel_state(self.layout, 0, store, device, timeout_s, self._rendezvous_host)
             except Exception as exc:  # handed to the waiting thread
                 result["error"] = exc
 
@@ -174,7 +176,7 @@ class DistributedExecutor(Executor):
     def max_batches_in_flight(self) -> int:
         """One batch per pipeline stage keeps every stage busy (vLLM's virtual engines). Speculative decoding
         stays synchronous: the drafter proposes from the tokens just sampled."""
-        return self.layout.pp_size if self.runner_args.speculative is None else 1
+        return self.layout.pp_size if self.config.speculative is None else 1
 
     def execute_model(self, out: SchedulerOutput, token_masks: TokenMaskSource | None = None) -> ModelRunnerOutput:
         return self._guarded(self.driver.execute_model, out, token_masks)
@@ -234,13 +236,12 @@ class DistributedExecutor(Executor):
     def kv_bytes_per_block(self) -> int:
         """Per rank: its layers x its KV heads (the driver's also a draft model's). Ranks on one host share its
         memory (sum); GPUs have their own (max)."""
-        layout, args = self.layout, self.runner_args
-        cfg = args.model_config
+        layout, cfg, kv_dtype = self.layout, self.config.model, self.driver.kv_dtype
         per_rank = [self.driver.kv_bytes_per_block] + [
-            2 * len(layout.layer_range(cfg.num_layers, layout.coords(rank)[0])) * args.block_size
-            * layout.local_kv_heads(cfg.num_kv_heads) * cfg.head_dim * args.kv_dtype.itemsize
+            2 * len(layout.layer_range(cfg.num_layers, layout.coords(rank)[0])) * self.config.cache.block_size
+            * layout.local_kv_heads(cfg.num_kv_heads) * cfg.head_dim * kv_dtype.itemsize
             for rank in range(1, layout.world_size)]
-        return sum(per_rank) if args.device.type == "cpu" else max(per_rank)
+        return sum(per_rank) if self.config.parallel.device == "cpu" else max(per_rank)
 
     def shutdown(self) -> None:
         if self._stopped:

@@ -9,6 +9,7 @@ from pagedserve.executor.distributed import DistributedExecutor
 from pagedserve.executor.worker import WorkerSpec, run_worker
 
 PLACEMENT_TIMEOUT_S = 60.0
+PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the directory holding pagedserve/
 
 
 class _RayWorker:
@@ -38,15 +39,13 @@ class RayExecutor(DistributedExecutor):
         return ray.util.get_node_ip_address()
 
     def _launch(self, specs: list[WorkerSpec]) -> None:
-        import pagedserve
-
         ray = import_ray()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._placement = ray.util.placement_group([{"CPU": 1}] * len(specs), strategy="PACK")
         ray.get(self._placement.ready(), timeout=PLACEMENT_TIMEOUT_S)
         # the workers import this very package (a source checkout is not necessarily installed on the nodes)
-        env = {"env_vars": {"PYTHONPATH": str(Path(pagedserve.__file__).resolve().parents[1])}}
+        env = {"env_vars": {"PYTHONPATH": str(PACKAGE_PARENT)}}
         actor_cls = ray.remote(num_cpus=1)(_RayWorker)
         self._actors, self._runs = {}, {}
         for i, spec in enumerate(specs):

@@ -9,44 +9,24 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.config import SpeculativeConfig
+from pagedserve.config import EngineConfig
 from pagedserve.executor.cpu_binding import bind_threads
 from pagedserve.executor.step_broadcast import Command, ControlChannel, unpack_step
-from pagedserve.model_executor.model_config import ModelConfig
 from pagedserve.model_executor.model_runner import ModelRunner
-from pagedserve.model_executor.parallel_state import ParallelLayout, ParallelState, connect_store, init_parallel_state
+from pagedserve.model_executor.parallel_state import ParallelLayout, connect_store, init_parallel_state
 
 logger = logging.getLogger("pagedserve")
 
 
 @dataclass(frozen=True)
-class RunnerArgs:
-    """Everything a rank needs to build its ModelRunner (picklable: it travels to the workers)."""
-    model_config: ModelConfig
-    device: torch.device
-    dtype: torch.dtype
-    block_size: int
-    seed: int
-    linear_backend: str
-    quantization: str | None
-    kv_dtype: torch.dtype
-    speculative: SpeculativeConfig | None = None  # drafts are proposed on the driver only
-    enforce_eager: bool = False  # no CUDA graphs
-
-    def build(self, parallel: ParallelState, runner_cls: type[ModelRunner] = ModelRunner) -> ModelRunner:
-        return runner_cls(self.model_config, self.device, self.dtype, self.block_size, self.seed,
-                          self.linear_backend, self.quantization, self.kv_dtype,
-                          self.speculative if parallel.is_driver else None, parallel, self.enforce_eager)
-
-
-@dataclass(frozen=True)
 class WorkerSpec:
+    """What a worker rank needs (picklable: it travels to the worker process or actor)."""
     rank: int
     layout: ParallelLayout
     store_host: str
     store_port: int
     timeout_s: float
-    runner: RunnerArgs
+    config: EngineConfig  # the rank builds its ModelRunner from it, as the driver does
     cpus: list[int] | None
     num_threads: int
 
@@ -66,8 +46,9 @@ def name_process_and_die_with_parent(rank: int) -> None:
 def run_worker(spec: WorkerSpec) -> None:
     bind_threads(spec.cpus, spec.num_threads)
     store = connect_store(spec.store_host, spec.store_port, spec.layout.world_size, spec.timeout_s)
-    parallel = init_parallel_state(spec.layout, spec.rank, store, spec.runner.device, spec.timeout_s)
-    runner = spec.runner.build(parallel)
+    parallel = init_parallel_state(spec.layout, spec.rank, store, torch.device(spec.config.parallel.device),
+                                   spec.timeout_s, spec.store_host)
+    runner = ModelRunner(spec.config, parallel)
     channel = ControlChannel(parallel.world_group)
     sends_logits = parallel.rank == parallel.logits_rank
     logger.info("Worker rank %d (pp %d, tp %d) ready", parallel.rank, parallel.pp_rank, parallel.tp_rank)

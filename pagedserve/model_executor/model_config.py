@@ -1,4 +1,5 @@
-"""What the engine needs from a checkpoint's config.json, read directly (old and new transformers layouts)."""
+"""What the engine needs from a checkpoint's config.json, read directly (old and new transformers layouts), with
+what the engine resolved about serving it (dtype, max_model_len, served name): frozen once created."""
 from __future__ import annotations
 
 import json
@@ -6,10 +7,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+from pagedserve.model_executor.models.registry import SUPPORTED_ARCHITECTURES
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     model_dir: Path
     architecture: str
@@ -25,16 +26,23 @@ class ModelConfig:
     rope_scaling: dict | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
-    qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
+    attention_bias: bool | None  # config.json's attention_bias (None: not given, the family's default)
     checkpoint_dtype: str | None
     eos_token_ids: frozenset[int]
     bos_token_id: int | None
-    max_model_len: int = 0  # resolved by the engine
-    served_model_name: str = ""
+    # ---- resolved for serving (from_dir's arguments)
+    dtype: str  # the weights' and activations' dtype: float32 | bfloat16 | float16
+    max_model_len: int  # prompt + output tokens of one request
+    served_model_name: str
+    tokenizer: str  # the tokenizer's path or hub id
+    is_default_model: bool  # the embedded demo model
 
     @classmethod
-    def from_dir(cls, model_dir: Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: Path, *, dtype: str = "float32", max_model_len: int | None = None,
+                 served_model_name: str | None = None, tokenizer: str | None = None,
+                 is_default_model: bool = False) -> "ModelConfig":
+        """The checkpoint's config; max_model_len defaults to the positions the model supports (and may not exceed
+        them), the served name to the directory."""
         cfg = json.loads((model_dir / "config.json").read_text())
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
@@ -44,10 +52,14 @@ class ModelConfig:
         rope = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         num_heads = cfg["num_attention_heads"]
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "MistralForCausalLM") else None
+        # a window without use_sliding_window (Mistral's configs) is in use; Qwen's configs say when it is not
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         max_pos = cfg.get("max_position_embeddings", 2048)
         if sliding:  # we implement full attention only: stay inside the window, where the two agree
             max_pos = min(max_pos, sliding)
+        if max_model_len is not None and max_model_len > max_pos:
+            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
+                             f"({max_pos}).")
         return cls(
             model_dir=model_dir,
             architecture=arch,
@@ -63,12 +75,20 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=cfg.get("attention_bias"),
             checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             eos_token_ids=_eos_ids(model_dir, cfg),
             bos_token_id=cfg.get("bos_token_id"),
+            dtype=dtype,
+            max_model_len=max_model_len or max_pos,
+            served_model_name=served_model_name or str(model_dir),
+            tokenizer=tokenizer or str(model_dir),
+            is_default_model=is_default_model,
         )
+
+    @property
+    def path(self) -> str:
+        return str(self.model_dir)
 
     @property
     def num_params(self) -> int:

@@ -12,22 +12,23 @@ from typing import Protocol, Sequence
 
 import torch
 
-from pagedserve.config import SpeculativeConfig
+from pagedserve.config import EngineConfig
 from pagedserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedserve.kv_transfer.block_io import write_kv_blocks
-from pagedserve.model_executor.attention import AttentionMetadata
+from pagedserve.model_executor.attention.metadata import AttentionMetadata
+from pagedserve.model_executor.attention.selector import get_attention_backend
 from pagedserve.model_executor.cuda_graphs import DecodeGraphs, wants_cuda_graphs
 from pagedserve.model_executor.host_allocator import keep_freed_memory
 from pagedserve.model_executor.input_batch import TokenSpan, prepare_batch, runs_as_decode
-from pagedserve.model_executor.model_config import ModelConfig
-from pagedserve.model_executor.model_loader import (allocate_kv_cache, kv_bytes_per_block, load_model,
-                                                     pick_linear_backend)
+from pagedserve.model_executor.model_loader import allocate_kv_cache, kv_bytes_per_block, load_model
 from pagedserve.model_executor.parallel_state import SINGLE, ParallelState
-from pagedserve.model_executor.platform import available_memory
+from pagedserve.model_executor.platform import available_memory, torch_dtype
+from pagedserve.model_executor.quantization.registry import get_quantization_config
 from pagedserve.model_executor.rejection_sampler import DraftBatch, rejection_sample
 from pagedserve.model_executor.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata
 from pagedserve.outputs import Logprob
-from pagedserve.spec_decode.drafter import make_drafter
+from pagedserve.spec_decode.drafter import DrafterContext
+from pagedserve.spec_decode.selector import make_drafter
 
 @dataclass
 class StepMasks:
@@ -72,27 +73,30 @@ class StartedStep:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype, block_size: int,
-                 seed: int = 0, linear_backend: str = "auto", quantization: str | None = None,
-                 kv_dtype: torch.dtype | None = None, speculative: SpeculativeConfig | None = None,
-                 parallel: ParallelState = SINGLE, enforce_eager: bool = False) -> None:
-        self.config = model_config
-        self.device = device
-        self.dtype = dtype
-        self.kv_dtype = kv_dtype or dtype  # a bfloat16 cache halves what decode attention streams
-        self.block_size = block_size
+    def __init__(self, config: EngineConfig, parallel: ParallelState = SINGLE) -> None:
+        """Every rank builds its runner from the engine's config; only the driver's has a drafter."""
+        self.model_config = config.model
+        self.device = device = torch.device(config.parallel.device)
+        self.dtype = torch_dtype(config.model.dtype)
+        self.kv_dtype = torch_dtype(config.cache.kv_cache_dtype)  # a bfloat16 cache halves what decode attention reads
+        self.block_size = config.cache.block_size
         if device.type == "cpu":
             keep_freed_memory()  # each step's activations reuse the last step's pages (host_allocator.py)
-        self.linear_backend = pick_linear_backend(linear_backend, quantization, device)
-        self.model = load_model(model_config, device, dtype, self.linear_backend, parallel)
+        self.attn_backend = get_attention_backend(config.attention_backend, device)
+        self.quant_config = get_quantization_config(config.load.quantization, config.load.linear_backend, device)
+        self.model = load_model(self.model_config, device, self.dtype, self.quant_config, self.attn_backend, parallel)
         self.sampler = Sampler()
-        self.default_generator = torch.Generator(device=device).manual_seed(seed)
+        self.default_generator = torch.Generator(device=device).manual_seed(config.seed)
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # speculative decoding: proposes each sampling request's next drafts
-        self.drafter = make_drafter(speculative, self) if speculative is not None else None
+        self.drafter = make_drafter(config.speculative, DrafterContext(
+            device, self.dtype, self.kv_dtype, self.block_size, self.model_config.max_model_len,
+            self.model_config.vocab_size, config.seed, self.quant_config, self.attn_backend)) \
+            if config.speculative is not None and parallel.is_driver else None
         # CUDA graphs for decode-only steps (cuda_graphs.py)
-        self.use_cuda_graphs = wants_cuda_graphs(device.type, enforce_eager, parallel.layout.world_size)
+        self.use_cuda_graphs = wants_cuda_graphs(self.attn_backend, device, config.enforce_eager,
+                                                 parallel.layout.world_size)
         self.decode_graphs: DecodeGraphs | None = None  # built with the KV cache (graphs record its addresses)
 
     # ------------------------------------------------------------------ KV cache
@@ -108,7 +112,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_cache(self.model, num_blocks, self.block_size, self.kv_dtype, self.device)
         if self.use_cuda_graphs:
-            self.decode_graphs = DecodeGraphs(self.run_model, self.block_size, self.device)
+            self.decode_graphs = DecodeGraphs(self.run_model, self.block_size, self.device, self.attn_backend)
         if self.drafter is not None:  # same block ids, its own layers: the block tables serve both
             self.drafter.allocate_kv_cache(num_blocks)
 

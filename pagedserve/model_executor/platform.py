@@ -18,6 +18,11 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """A resolved dtype name from the config ("float32" | "bfloat16" | "float16") as a torch dtype."""
+    return _DTYPES[name]
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """The model dtype for `--dtype` ("auto" or a name). "auto" is bfloat16 on GPUs and on CPUs with AMX-BF16 or
     AVX512-BF16 (as vLLM's CPU backend picks: bfloat16 GEMMs and the native bfloat16 ops run there at ~2x the

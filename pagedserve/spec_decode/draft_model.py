@@ -13,34 +13,33 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.config import SpeculativeConfig
+from pagedserve.config import SpeculativeConfig, dtype_name
 from pagedserve.core.scheduler import ScheduledRequest
 from pagedserve.model_executor.input_batch import TokenSpan, prepare_batch, runs_as_decode
 from pagedserve.model_executor.model_config import ModelConfig, resolve_model_dir
 from pagedserve.model_executor.model_loader import allocate_kv_cache, kv_bytes_per_block, load_model
 from pagedserve.model_executor.sampler import (SAMPLING_EPS, SamplingMetadata, inverse_cdf_sample,
                                                processed_logits, sampling_probs)
-from pagedserve.spec_decode.drafter import Drafter
+from pagedserve.spec_decode.drafter import Drafter, DrafterContext
 
 
 class DraftModelDrafter(Drafter):
-    def __init__(self, config: SpeculativeConfig, runner) -> None:
-        super().__init__(config, runner.config.max_model_len)
-        self.num_lookahead_tokens = config.num_speculative_tokens
-        cfg = ModelConfig.from_dir(resolve_model_dir(config.model))
-        if cfg.vocab_size != runner.config.vocab_size:
+    def __init__(self, config: SpeculativeConfig, context: DrafterContext) -> None:
+        super().__init__(config, context)
+        model_dir = resolve_model_dir(config.model)
+        try:
+            cfg = ModelConfig.from_dir(model_dir, dtype=dtype_name(context.dtype), max_model_len=context.max_model_len)
+        except ValueError as exc:
+            raise ValueError(f"speculative_config.model: {exc}") from None
+        if cfg.vocab_size != context.vocab_size:
             raise ValueError(f"speculative_config.model has a vocabulary of {cfg.vocab_size} tokens, the target "
-                             f"{runner.config.vocab_size}: a draft model must share the target's tokenizer.")
-        if cfg.max_position_embeddings < runner.config.max_model_len:
-            raise ValueError(f"speculative_config.model supports {cfg.max_position_embeddings} positions, fewer than "
-                             f"max_model_len={runner.config.max_model_len}.")
-        cfg.max_model_len = runner.config.max_model_len
+                             f"{context.vocab_size}: a draft model must share the target's tokenizer.")
         self.model_config = cfg
-        self.device = runner.device
-        self.kv_dtype = runner.kv_dtype
-        self.block_size = runner.block_size
-        self.model = load_model(cfg, runner.device, runner.dtype, runner.linear_backend)
-        self.generator = torch.Generator(device=runner.device).manual_seed(runner.default_generator.initial_seed())
+        self.device = context.device
+        self.kv_dtype = context.kv_dtype
+        self.block_size = context.block_size
+        self.model = load_model(cfg, context.device, context.dtype, context.quant_config, context.attn_backend)
+        self.generator = torch.Generator(device=context.device).manual_seed(context.seed)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_valid: dict[str, int] = {}  # request id -> leading positions whose draft K/V is valid
         self._probs: dict[str, torch.Tensor] = {}  # request id -> [k, V] q of its current drafts (random rows)

@@ -1,8 +1,11 @@
 """The runner's speculative-decoding side: after each step's sampling, decide how many drafts each request may
-have (DraftBudget) and ask the proposer for them. Subclasses are the proposers."""
+have (DraftBudget) and ask the proposer for them. Subclasses are the proposers; each gets a DrafterContext (what it
+may know of the target), never the runner."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,22 +14,30 @@ from pagedserve.core.scheduler import ScheduledRequest
 from pagedserve.spec_decode.ngram import NgramProposer
 from pagedserve.spec_decode.policy import DraftBudget
 
+if TYPE_CHECKING:
+    from pagedserve.model_executor.attention.backend import AttentionBackend
+    from pagedserve.model_executor.quantization.base import QuantizationConfig
 
-def make_drafter(config: SpeculativeConfig, runner) -> "Drafter":
-    """The proposer for `config`, next to the target model's runner (a draft model runs on its device)."""
-    if config.method == "ngram":
-        return NgramDrafter(config, runner.config.max_model_len)
-    from pagedserve.spec_decode.draft_model import DraftModelDrafter
 
-    return DraftModelDrafter(config, runner)
+@dataclass(frozen=True)
+class DrafterContext:
+    """What a proposer knows of the target it drafts for: a draft model runs on the target's device, in its dtypes,
+    on its block tables (same block size), with its linear method and attention backend."""
+    device: torch.device
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    seed: int  # the draft model's sampling generator starts from the target's seed
+    quant_config: "QuantizationConfig"
+    attn_backend: "AttentionBackend"
 
 
 class Drafter(ABC):
-    num_lookahead_tokens = 0  # slots the scheduler reserves past the step's tokens for the proposer's own K/V
-
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, context: DrafterContext) -> None:
         self.config = config
-        self.budget = DraftBudget(config, max_model_len)
+        self.budget = DraftBudget(config, context.max_model_len)
 
     def propose(self, items: list[ScheduledRequest], sampled: dict[str, list[int]], batch_size: int,
                 constrained: dict) -> dict[str, list[int]]:
@@ -66,8 +77,8 @@ class Drafter(ABC):
 
 
 class NgramDrafter(Drafter):
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        super().__init__(config, max_model_len)
+    def __init__(self, config: SpeculativeConfig, context: DrafterContext) -> None:
+        super().__init__(config, context)
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 
     def _propose(self, chosen: list[tuple[ScheduledRequest, list[int], int]]) -> list[list[int]]:

@@ -22,6 +22,8 @@ from pagedserve import SamplingParams
 from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
 
+pytestmark = pytest.mark.server
+
 ARTIFACTS = Path(os.environ.get("PAGEDSERVE_TEST_ARTIFACTS", REPO_ROOT / "test-artifacts"))
 
 
@@ -99,8 +101,8 @@ def test_events_stream_needs_the_key_and_shows_a_real_request(server):
 
 def test_replay_serves_a_recorded_trace(tiny_model_dir, tmp_path):
     trace = tmp_path / "trace.jsonl"
-    engine = LLMEngine(EngineArgs(model=str(tiny_model_dir("llama")), num_threads=1, num_kv_blocks=64,
-                                  max_model_len=256, trace_file=str(trace)))
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir("llama")), num_threads=1,
+                                                   num_kv_blocks=64, max_model_len=256, trace_file=str(trace)))
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     for i in range(3):
         engine.add_request(f"r{i}", [5 + i] * (9 + i), params)

@@ -26,7 +26,7 @@ from pagedserve.entrypoints.diagnose import read_server
 from pagedserve.metrics.diagnose import Diagnosis, diagnose, format_report
 from pagedserve.metrics.server_metrics import metrics_evidence, metrics_window
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.server, pytest.mark.usefixtures("one_thread")]
 
 
 @dataclass(frozen=True)
@@ -95,8 +95,8 @@ def record(engine: LLMEngine, arrivals: dict[int, list[tuple[str, list[int], int
 
 
 def run_offline(tiny_model_dir, scenario: Scenario, **kwargs) -> tuple[LLMEngine, Diagnosis]:
-    engine = LLMEngine(EngineArgs(model=str(tiny_model_dir("llama", **scenario.model)), num_threads=1,
-                                  dtype="float32", **scenario.engine, **kwargs))
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir("llama", **scenario.model)),
+                                                   num_threads=1, dtype="float32", **scenario.engine, **kwargs))
     result = diagnose(record(engine, scenario.arrivals))
     scenario.check(result)
     return engine, result
