@@ -6,7 +6,7 @@
 
 On a shared machine whole-run timings drift by more than these kernels change, so each decode call runs both the
 baseline build's decode kernel (`--baseline-kernels`: the sources of an earlier commit) and the current one, and each
-prefill chunk both a baseline (`--prefill-baseline`: PyTorch's SDPA, what attention.py used before the native prefill
+prefill chunk both a baseline (`--prefill-baseline`: PyTorch's SDPA, what the CPU backend used before the native prefill
 kernel, or `kernels`, the baseline build's prefill kernel) and the current native prefill kernel, on the same inputs,
 alternating which goes first; the engine continues with the current kernels' output. The mixed workload (`bench
 --dataset mixed`, exact output lengths, greedy, all requests submitted at once, 2048-token budget, prefix caching
@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import pagedserve.model_executor.attention as attention
 from pagedserve.benchmarks.datasets import TokenSpace, sample_mixed
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.model_executor import kernels as K
@@ -30,7 +29,7 @@ from pagedserve.sampling_params import SamplingParams
 
 
 def sdpa_prefill(q, k_cache, v_cache, block_ids, first, scale):
-    """attention.py's prefill path before the native kernel: SDPA over the gathered context."""
+    """The CPU backend's prefill path before the native kernel: SDPA over the gathered context."""
     n, kvh, d = q.shape[0], k_cache.shape[2], q.shape[2]
     ctx = first + n
     keys = k_cache[block_ids].reshape(-1, kvh, d)[:ctx].to(q.dtype)
@@ -42,7 +41,7 @@ def sdpa_prefill(q, k_cache, v_cache, block_ids, first, scale):
 
 
 class BothKernels:
-    """What attention.py sees as `cpu_kernels()`: runs each attention call with both sides and times them."""
+    """What the CPU attention backend sees as its kernels: runs each attention call with both sides and times them."""
 
     def __init__(self, current, baseline, prefill_baseline: str) -> None:
         self.current, self.baseline, self.prefill_baseline = current, baseline, prefill_baseline
@@ -105,7 +104,7 @@ def main(argv=None) -> int:
     llm = LLM(args.model, num_threads=args.threads, dtype=args.dtype, max_num_batched_tokens=2048,
               max_num_seqs=args.num_prompts, enable_prefix_caching=False)
     both = BothKernels(current, baseline, args.prefill_baseline)
-    attention.cpu_kernels = lambda: both
+    llm.llm_engine.runner.attn_backend.kernels = both
     engine = llm.llm_engine
     for i, r in enumerate(sample_mixed(TokenSpace(engine.model_config.vocab_size), args.num_prompts, seed=0)):
         engine.add_request(str(i), r.prompt, SamplingParams(max_tokens=r.expected_output_len, ignore_eos=True,

@@ -4,14 +4,15 @@ A decode step of a small model is hundreds of small kernels launched from Python
 set its time. A CUDA graph records the launches once and replays them with one call. A graph replays fixed
 addresses and shapes, so the step's inputs are copied into static buffers of a captured shape: the row count is
 padded up to the nearest capture size (vLLM's list: 1, 2, 4, then multiples of 8), the block table's width up to
-a power of two, at least one decode partition (it fixes the Triton decode kernel's split-K grid, so short contexts
-keep few partitions). A padding row has slot -1 (writes no K/V) and context length 0 (attends to nothing, output
+a power of two, at least the attention backend's `cuda_graph_min_width_tokens` (the Triton backend's: one decode
+partition, which fixes its decode kernel's split-K grid, so short contexts keep few partitions). A padding row has slot -1 (writes no K/V) and context length 0 (attends to nothing, output
 0); its logits are dropped.
 
 Graphs are captured lazily, the first time a decode step of that shape arrives (one warm-up forward that also
-compiles the Triton kernels, then the capture), and share one memory pool. Steps with prefill chunks, more rows
-than the largest capture size, or parallel ranks run eagerly; so does everything with `enforce_eager`
-(vLLM's --enforce-eager). The CPU path never gets here (model_runner.py builds no DecodeGraphs there).
+compiles the backend's kernels, then the capture), and share one memory pool. Steps with prefill chunks, more
+rows than the largest capture size, or parallel ranks run eagerly; so does everything with `enforce_eager`
+(vLLM's --enforce-eager), and every backend that does not support graphs (`supports_cuda_graphs`: its K/V write
+must skip padding rows). The CPU never gets here (the runner builds no DecodeGraphs there).
 """
 from __future__ import annotations
 
@@ -21,22 +22,21 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.model_executor.attention import AttentionMetadata, uses_triton
+from pagedserve.model_executor.attention.backend import AttentionBackend
+from pagedserve.model_executor.attention.metadata import AttentionMetadata
 from pagedserve.model_executor.input_batch import InputBatch
 
 logger = logging.getLogger("pagedserve")
 
 MAX_CAPTURE_SIZE = 256  # decode rows; a bigger step is compute-bound enough that launches no longer dominate
 CAPTURE_SIZES = (1, 2, 4, *range(8, MAX_CAPTURE_SIZE + 1, 8))
-# Block tables narrower than one split-K partition of the decode kernel (triton_attention.DECODE_PARTITION tokens)
-# cost the same as one partition wide: they share a graph, so short contexts do not multiply the captures.
-MIN_WIDTH_TOKENS = 512
 
 
-def wants_cuda_graphs(device_type: str, enforce_eager: bool, world_size: int) -> bool:
-    """Graphs on a GPU with the Triton attention backend (the fallback's K/V write cannot skip a padding row), one
-    rank (collectives stay eager), unless enforce_eager."""
-    return device_type == "cuda" and not enforce_eager and world_size == 1 and uses_triton(device_type)
+def wants_cuda_graphs(attn_backend: AttentionBackend, device: torch.device, enforce_eager: bool,
+                      world_size: int) -> bool:
+    """Graphs on a GPU with an attention backend that supports them, one rank (collectives stay eager), unless
+    enforce_eager."""
+    return device.type == "cuda" and not enforce_eager and world_size == 1 and attn_backend.supports_cuda_graphs
 
 
 def padded_batch_size(num_rows: int) -> int | None:
@@ -44,10 +44,11 @@ def padded_batch_size(num_rows: int) -> int | None:
     return next((size for size in CAPTURE_SIZES if size >= num_rows), None)
 
 
-def padded_width(num_blocks: int, block_size: int) -> int:
-    """Block-table width of the graph serving a table num_blocks wide: the next power of two, at least one
-    decode partition."""
-    return max(1 << max(0, num_blocks - 1).bit_length(), -(-MIN_WIDTH_TOKENS // block_size))
+def padded_width(num_blocks: int, block_size: int, min_width_tokens: int) -> int:
+    """Block-table width of the graph serving a table num_blocks wide: the next power of two, at least
+    min_width_tokens (block tables narrower than that share a graph, so short contexts do not multiply the
+    captures)."""
+    return max(1 << max(0, num_blocks - 1).bit_length(), -(-min_width_tokens // block_size))
 
 
 @dataclass
@@ -105,10 +106,12 @@ class DecodeGraphs:
     capture=False replays by running the forward on the static buffers without a graph: the padding and buffer
     logic, testable on a CPU (Triton's interpreter), minus the recording itself."""
 
-    def __init__(self, forward: Forward, block_size: int, device: torch.device, capture: bool = True) -> None:
+    def __init__(self, forward: Forward, block_size: int, device: torch.device, attn_backend: AttentionBackend,
+                 capture: bool = True) -> None:
         self.forward = forward
         self.block_size = block_size
         self.device = device
+        self.min_width_tokens = attn_backend.cuda_graph_min_width_tokens
         self.capture = capture
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.graphs: dict[tuple[int, int], CapturedDecode] = {}
@@ -121,7 +124,8 @@ class DecodeGraphs:
     def run(self, batch: InputBatch) -> torch.Tensor:
         """The step's logits, rows as in batch.logits_indices."""
         meta = batch.attn_metadata
-        key = (padded_batch_size(meta.num_decodes), padded_width(meta.decode_block_tables.shape[1], self.block_size))
+        key = (padded_batch_size(meta.num_decodes),
+               padded_width(meta.decode_block_tables.shape[1], self.block_size, self.min_width_tokens))
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = self._capture(*key)
@@ -137,7 +141,7 @@ class DecodeGraphs:
 
         if not self.capture:
             return CapturedDecode(inputs, step)
-        # warm up on a side stream (compiles the Triton kernels, lets cuBLAS pick its kernels) before recording;
+        # warm up on a side stream (compiles the backend's kernels, lets cuBLAS pick its kernels) before recording;
         # every row is padding here, so nothing is written to the KV cache
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))

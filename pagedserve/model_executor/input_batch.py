@@ -8,7 +8,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve.model_executor.attention import AttentionMetadata, PrefillSpan, chunk_causal_mask
+from pagedserve.model_executor.attention.metadata import (
+    AttentionMetadata,
+    PrefillSpan,
+    chunk_causal_mask,
+)
 
 
 @dataclass

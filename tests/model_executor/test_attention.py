@@ -1,11 +1,16 @@
-"""Paged attention against a plain reference: the native CPU decode kernel and the PyTorch paths."""
+"""The attention backends against a plain reference and against each other: the native CPU backend (and its
+SDPA fallbacks) and the PyTorch SDPA reference backend."""
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from pagedserve.model_executor.attention import AttentionMetadata, PrefillSpan, paged_attention
+from pagedserve.model_executor.attention.metadata import (
+    AttentionMetadata,
+    PrefillSpan,
+    chunk_causal_mask,
+)
+from pagedserve.model_executor.attention.selector import get_attention_backend
 from pagedserve.model_executor.kernels import cpu_kernels
 
 BS, KVH, H, HD = 16, 2, 6, 32
@@ -21,19 +26,23 @@ def reference(q, keys, values, first):
     return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v).transpose(0, 1)
 
 
-@pytest.mark.parametrize("use_kernel", [True, False])
-@pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                             (torch.float32, torch.bfloat16)])
-def test_mixed_batch_matches_reference(use_kernel, dtype, kv_dtype, monkeypatch):
-    if use_kernel and cpu_kernels() is None:
+def make_backend(name: str, monkeypatch):
+    """"cpu" (the native kernels), "cpu-fallback" (the CPU backend with its kernels off: its SDPA paths) or
+    "torch" (the reference backend)."""
+    if name == "cpu" and cpu_kernels() is None:
         pytest.fail("the native CPU kernel did not build (needs a C++ compiler and ninja)")
-    if not use_kernel:
-        monkeypatch.setattr("pagedserve.model_executor.attention.cpu_kernels", lambda: None)
+    if name == "cpu-fallback":
+        monkeypatch.setattr("pagedserve.model_executor.attention.cpu.cpu_kernels", lambda: None)
+    return get_attention_backend(name.removesuffix("-fallback"), torch.device("cpu"))
+
+
+def mixed_batch(backend, dtype, kv_dtype):
+    """Three decodes (contexts 1, 17, 40), a first prefill chunk (12 tokens) and a later chunk (20 after 35), their
+    earlier context already in a cache of the backend's layout. Returns (q, k, v views of one fused QKV output,
+    k_cache, v_cache, meta, [(cached, new)], [(keys, values)] of every sequence)."""
     g = torch.Generator().manual_seed(0)
     num_blocks = 64
-    k_cache = torch.zeros(num_blocks, BS, KVH, HD, dtype=kv_dtype)
-    v_cache = torch.zeros_like(k_cache)
-    # three decodes (contexts 1, 17, 40), a first prefill chunk (12 tokens) and a later chunk (20 after 35)
+    k_cache, v_cache = backend.allocate_kv_cache(1, num_blocks, BS, KVH, HD, kv_dtype, torch.device("cpu"))[0]
     seqs = [(0, 1), (16, 1), (39, 1), (0, 12), (35, 20)]  # (tokens already cached, new tokens)
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables, full_kv, slots, queries = [], [], [], []
@@ -43,12 +52,12 @@ def test_mixed_batch_matches_reference(use_kernel, dtype, kv_dtype, monkeypatch)
         keys = torch.randn(cached + new, KVH, HD, generator=g).to(dtype)
         values = torch.randn(cached + new, KVH, HD, generator=g).to(dtype)
         pos = torch.arange(cached + new)
-        slot = torch.tensor(table)[pos // BS] * BS + pos % BS
-        k_cache.view(-1, KVH, HD)[slot[:cached]] = keys[:cached].to(kv_dtype)
-        v_cache.view(-1, KVH, HD)[slot[:cached]] = values[:cached].to(kv_dtype)
+        blocks, offsets = torch.tensor(table)[pos // BS], pos % BS
+        k_cache[blocks[:cached], offsets[:cached]] = keys[:cached].to(kv_dtype)
+        v_cache[blocks[:cached], offsets[:cached]] = values[:cached].to(kv_dtype)
         tables.append(table)
         full_kv.append((keys, values))
-        slots.append(slot[cached:])
+        slots.append((blocks * BS + offsets)[cached:])
         queries.append(torch.randn(new, H, HD, generator=g).to(dtype))
     q = torch.cat(queries)
     k_new = torch.cat([kv[0][c:] for kv, (c, _) in zip(full_kv, seqs)])
@@ -58,8 +67,8 @@ def test_mixed_batch_matches_reference(use_kernel, dtype, kv_dtype, monkeypatch)
     prefills = []
     start = 3
     for (cached, new), table in zip(seqs[3:], tables[3:]):
-        mask = None if cached == 0 else torch.arange(cached + new)[None, :] <= torch.arange(cached, cached + new)[:, None]
-        prefills.append(PrefillSpan(start, new, cached + new, torch.tensor(table), mask))
+        prefills.append(PrefillSpan(start, new, cached + new, torch.tensor(table),
+                                    chunk_causal_mask(cached, cached + new, torch.device("cpu"))))
         start += new
     meta = AttentionMetadata(torch.cat(slots), 3, decode_bt, torch.tensor([c + n for c, n in seqs[:3]]), BS, prefills)
     # q, k and v as the model passes them: strided views of one fused QKV output
@@ -67,7 +76,16 @@ def test_mixed_batch_matches_reference(use_kernel, dtype, kv_dtype, monkeypatch)
     q_view = qkv[:, :H * HD].view(-1, H, HD)
     k_view = qkv[:, H * HD:(H + KVH) * HD].view(-1, KVH, HD)
     v_view = qkv[:, (H + KVH) * HD:].view(-1, KVH, HD)
-    out = paged_attention(q_view, k_view, v_view, k_cache, v_cache, meta, HD ** -0.5)
+    return q_view, k_view, v_view, k_cache, v_cache, meta, seqs, full_kv
+
+
+@pytest.mark.parametrize("backend_name", ["cpu", "cpu-fallback", "torch"])
+@pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.float32, torch.bfloat16)])
+def test_mixed_batch_matches_reference(backend_name, dtype, kv_dtype, monkeypatch):
+    backend = make_backend(backend_name, monkeypatch)
+    q, k, v, k_cache, v_cache, meta, seqs, full_kv = mixed_batch(backend, dtype, kv_dtype)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, HD ** -0.5)
     offset = 0
     tol = 1e-5 if kv_dtype == torch.float32 else 2e-2
     assert out.dtype == dtype
@@ -75,6 +93,54 @@ def test_mixed_batch_matches_reference(use_kernel, dtype, kv_dtype, monkeypatch)
         expected = reference(q[offset:offset + new].float(), keys.float(), values.float(), cached)
         torch.testing.assert_close(out[offset:offset + new].float(), expected, atol=tol, rtol=tol)
         offset += new
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_matches_torch_reference_backend(dtype, monkeypatch):
+    """The native CPU backend (head-major joint layout) against the PyTorch SDPA reference backend (token-major):
+    the same outputs, and the same K/V written at every slot of the step."""
+    cpu, ref = make_backend("cpu", monkeypatch), make_backend("torch", monkeypatch)
+    assert cpu.name == "cpu" and ref.name == "torch"
+    cpu_inputs, ref_inputs = mixed_batch(cpu, dtype, dtype), mixed_batch(ref, dtype, dtype)
+    assert not cpu_inputs[3].is_contiguous() and ref_inputs[3].is_contiguous()  # two layouts, one indexing
+    out = cpu.forward(*cpu_inputs[:6], HD ** -0.5)
+    expected = ref.forward(*ref_inputs[:6], HD ** -0.5)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, expected, **tol)
+    torch.testing.assert_close(cpu_inputs[3], ref_inputs[3], atol=0, rtol=0)  # K cache, every block
+    torch.testing.assert_close(cpu_inputs[4], ref_inputs[4], atol=0, rtol=0)
+
+
+def test_attention_backend_engine_argument():
+    import argparse
+
+    from pagedserve.config import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert parser.parse_args([]).attention_backend == "auto"
+    assert EngineArgs.from_cli_args(parser.parse_args(["--attention-backend", "torch"])).attention_backend == "torch"
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, cpu, triton, torch"):
+        EngineArgs(attention_backend="flash")
+
+
+def test_selector_resolves_names_and_refuses_bad_ones(monkeypatch):
+    from pagedserve.model_executor.attention.selector import (
+        ATTENTION_BACKENDS,
+        resolve_attention_backend_name,
+    )
+
+    monkeypatch.delenv("PAGEDSERVE_ATTENTION_BACKEND", raising=False)
+    assert set(ATTENTION_BACKENDS) == {"cpu", "triton", "torch"}
+    assert resolve_attention_backend_name("auto", "cpu") == "cpu"
+    assert resolve_attention_backend_name("auto", "mps") == "torch"
+    assert resolve_attention_backend_name("torch", "cuda") == "torch"
+    monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "torch")  # the default of "auto" only
+    assert resolve_attention_backend_name("auto", "cpu") == "torch"
+    assert resolve_attention_backend_name("cpu", "cpu") == "cpu"
+    with pytest.raises(ValueError, match="auto, cpu, triton, torch"):
+        get_attention_backend("flash", torch.device("cpu"))
+    with pytest.raises(ValueError, match="CPU only"):
+        get_attention_backend("cpu", torch.device("meta"))
 
 
 @pytest.mark.parametrize("num_seqs, num_kv_heads, threads", [(1, 2, 2), (2, 4, 4), (1, 2, 3), (5, 2, 2), (3, 4, 1)])

@@ -13,9 +13,16 @@ import torch
 from hf_reference import assert_greedy_match, hf_greedy, mixed_prompts
 
 from pagedserve.config import EngineArgs
-from pagedserve.model_executor import attention
-from pagedserve.model_executor.cuda_graphs import (CAPTURE_SIZES, MAX_CAPTURE_SIZE, DecodeGraphInputs, DecodeGraphs,
-                                                   padded_batch_size, padded_width, wants_cuda_graphs)
+from pagedserve.model_executor.attention.selector import get_attention_backend
+from pagedserve.model_executor.cuda_graphs import (
+    CAPTURE_SIZES,
+    MAX_CAPTURE_SIZE,
+    DecodeGraphInputs,
+    DecodeGraphs,
+    padded_batch_size,
+    padded_width,
+    wants_cuda_graphs,
+)
 from pagedserve.model_executor.input_batch import TokenSpan, prepare_batch
 
 # Triton's interpreter must be on before triton is first imported (it patches triton.language then)
@@ -27,28 +34,24 @@ def test_capture_sizes_and_padding():
     assert CAPTURE_SIZES[:5] == (1, 2, 4, 8, 16) and CAPTURE_SIZES[-1] == MAX_CAPTURE_SIZE
     assert [padded_batch_size(n) for n in (1, 2, 3, 5, 8, 9, 17, 255, 256)] == [1, 2, 4, 8, 8, 16, 24, 256, 256]
     assert padded_batch_size(MAX_CAPTURE_SIZE + 1) is None
-    assert [padded_width(n, 128) for n in (1, 2, 3, 4, 5, 100)] == [4, 4, 4, 4, 8, 128]  # >= 512 tokens
-    assert [padded_width(n, 16) for n in (1, 32, 33, 100)] == [32, 32, 64, 128]
+    assert [padded_width(n, 128, 512) for n in (1, 2, 3, 4, 5, 100)] == [4, 4, 4, 4, 8, 128]  # >= 512 tokens
+    assert [padded_width(n, 16, 512) for n in (1, 32, 33, 100)] == [32, 32, 64, 128]
+    assert [padded_width(n, 16, 0) for n in (1, 2, 3, 100)] == [1, 2, 4, 128]
 
 
-def test_graphs_only_for_one_cuda_rank_unless_enforce_eager(monkeypatch):
-    monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "auto")
-    attention.uses_triton.cache_clear()
-    try:
-        assert not wants_cuda_graphs("cpu", False, 1)
-        assert not wants_cuda_graphs("cuda", True, 1)
-        assert not wants_cuda_graphs("cuda", False, 2)
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            assert not wants_cuda_graphs("cuda", False, 1)  # no Triton backend: the fallback cannot pad
-        else:
-            assert wants_cuda_graphs("cuda", False, 1)
-        monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "torch")
-        attention.uses_triton.cache_clear()
-        assert not wants_cuda_graphs("cuda", False, 1)
-    finally:
-        attention.uses_triton.cache_clear()
+def test_graphs_only_for_one_cuda_rank_unless_enforce_eager():
+    """Graphs where the attention backend supports them (its K/V write skips padding rows: Triton; not the
+    reference backend), on one CUDA rank, unless enforce_eager."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    reference = get_attention_backend("torch", cpu)
+    assert not reference.supports_cuda_graphs and not wants_cuda_graphs(reference, cuda, False, 1)
+    assert not wants_cuda_graphs(get_attention_backend("cpu", cpu), cpu, False, 1)
+    pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[triton]')")
+    triton = get_attention_backend("triton", cpu)
+    assert wants_cuda_graphs(triton, cuda, False, 1)
+    assert not wants_cuda_graphs(triton, cpu, False, 1)
+    assert not wants_cuda_graphs(triton, cuda, True, 1)
+    assert not wants_cuda_graphs(triton, cuda, False, 2)
 
 
 def test_enforce_eager_flag():
@@ -93,35 +96,30 @@ def test_prefill_steps_and_big_batches_run_eagerly():
 
 @pytest.mark.parametrize("capture", [False, pytest.param(True, marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="recording a CUDA graph needs a GPU"))])
-def test_padded_static_decode_matches_transformers(capture, tiny_model_dir, tiny_tokenizer, monkeypatch):
+def test_padded_static_decode_matches_transformers(capture, tiny_model_dir, tiny_tokenizer):
     """Whole generations whose decode steps run through the graph path's padded static buffers (rows padded to
     8 and 4, block tables to 128 blocks of 4, padding rows' K/V writes skipped) on the Triton kernels, attention
     and the layers' small ops (in the interpreter without a GPU; captured and replayed as CUDA graphs with one):
     greedy tokens equal HF's float32 ones."""
     pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[triton]')")
-    monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "triton")
-    attention.uses_triton.cache_clear()
-    try:
-        from pagedserve import LLM, SamplingParams
-        from pagedserve.model_executor import triton_layer_ops
-        from pagedserve.model_executor.layers import fused_ops
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.model_executor import triton_layer_ops
 
-        assert fused_ops(torch.zeros(1)) is triton_layer_ops  # RMSNorm, rotary, silu * mul in Triton too
-
-        model_dir = tiny_model_dir("qwen3")  # GQA, q/k norms, head_dim 32
-        prompts = mixed_prompts(tiny_tokenizer, n=5, lengths=(5, 24))
-        llm = LLM(str(model_dir), dtype="float32", num_threads=1, num_kv_blocks=64, block_size=4)
-        runner = llm.llm_engine.runner
-        if not capture:
-            runner.decode_graphs = DecodeGraphs(runner.run_model, runner.block_size, runner.device, capture=False)
-        assert runner.decode_graphs is not None and runner.decode_graphs.capture == capture
-        runner.decode_graphs.graphs.clear()  # only this generation's shapes (not the engine warm-up's)
-        max_tokens = [3, 6, 6, 6, 6]  # 5 decode rows (padded to 8), then 4 (no padding)
-        outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False, sampling_params=[
-            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in max_tokens])
-        assert set(runner.decode_graphs.graphs) == {(8, 128), (4, 128)}
-        hf = [dataclasses.replace(ref, token_ids=ref.token_ids[:n])
-              for ref, n in zip(hf_greedy(model_dir, prompts, max(max_tokens)), max_tokens)]
-        assert_greedy_match([o.outputs[0] for o in outs], hf)
-    finally:
-        attention.uses_triton.cache_clear()
+    model_dir = tiny_model_dir("qwen3")  # GQA, q/k norms, head_dim 32
+    prompts = mixed_prompts(tiny_tokenizer, n=5, lengths=(5, 24))
+    llm = LLM(str(model_dir), dtype="float32", num_threads=1, num_kv_blocks=64, block_size=4,
+              attention_backend="triton")
+    runner = llm.llm_engine.runner
+    assert runner.attn_backend.fused_ops(torch.zeros(1)) is triton_layer_ops  # RMSNorm, rotary, silu * mul too
+    if not capture:
+        runner.decode_graphs = DecodeGraphs(runner.run_model, runner.block_size, runner.device,
+                                            runner.attn_backend, capture=False)
+    assert runner.decode_graphs is not None and runner.decode_graphs.capture == capture
+    runner.decode_graphs.graphs.clear()  # only this generation's shapes (not the engine warm-up's)
+    max_tokens = [3, 6, 6, 6, 6]  # 5 decode rows (padded to 8), then 4 (no padding)
+    outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False, sampling_params=[
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in max_tokens])
+    assert set(runner.decode_graphs.graphs) == {(8, 128), (4, 128)}
+    hf = [dataclasses.replace(ref, token_ids=ref.token_ids[:n])
+          for ref, n in zip(hf_greedy(model_dir, prompts, max(max_tokens)), max_tokens)]
+    assert_greedy_match([o.outputs[0] for o in outs], hf)

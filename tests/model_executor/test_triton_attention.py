@@ -1,5 +1,5 @@
-"""The Triton paged-attention kernels (pagedserve/model_executor/triton_attention.py) against a plain PyTorch
-reference. Without a GPU they run in Triton's interpreter (TRITON_INTERPRET=1, set before the kernels are
+"""The Triton attention backend (pagedserve/model_executor/attention/triton.py) against a plain PyTorch
+reference and the PyTorch SDPA reference backend. Without a GPU they run in Triton's interpreter (TRITON_INTERPRET=1, set before the kernels are
 defined); on a CUDA machine the same tests run the compiled kernels (benchmarks/device_check.sh)."""
 from __future__ import annotations
 
@@ -15,8 +15,13 @@ if not torch.cuda.is_available():  # before triton is first imported: it patches
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[triton]')")
 
-from pagedserve.model_executor import triton_attention as ta  # noqa: E402
-from pagedserve.model_executor.attention import AttentionMetadata, PrefillSpan, chunk_causal_mask  # noqa: E402
+from pagedserve.model_executor.attention import triton as ta  # noqa: E402
+from pagedserve.model_executor.attention.metadata import (  # noqa: E402
+    AttentionMetadata,
+    PrefillSpan,
+    chunk_causal_mask,
+)
+from pagedserve.model_executor.attention.selector import get_attention_backend  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -143,7 +148,8 @@ def test_write_kv_by_slot_mapping(kv_dtype):
 
 def test_mixed_step_through_paged_attention():
     """The backend's entry point on a step as the runner builds it: two decode rows, then a first prefill chunk
-    and a later one, against the reference after the step's K/V are written."""
+    and a later one, against the reference after the step's K/V are written, and against the PyTorch SDPA
+    reference backend on a copy of the cache (same layout: both token-major)."""
     block_size, kvh, hd, heads = 8, 2, 16, 4
     k_cache, v_cache = random_cache(30, block_size, kvh, hd, torch.float32, seed=9)
     # (earlier context, new tokens): two decodes, a first chunk, a chunk after 12 tokens
@@ -162,7 +168,13 @@ def test_mixed_step_through_paged_attention():
                              torch.tensor([21, 7], device=DEVICE), block_size, prefills)
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(start, h, hd, generator=g).to(DEVICE) for h in (heads, kvh, kvh))
-    out = ta.paged_attention(q, k, v, k_cache, v_cache, meta, 0.25)
+    backend, reference = get_attention_backend("triton", DEVICE), get_attention_backend("torch", DEVICE)
+    assert isinstance(backend, ta.TritonAttentionBackend)
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.25)
+    torch.testing.assert_close(out, reference.forward(q, k, v, ref_k_cache, ref_v_cache, meta, 0.25),
+                               atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(k_cache, ref_k_cache, atol=0, rtol=0)
     start = 0
     for (first, n), table in zip(spans, tables):
         want = reference_attention(q[start:start + n], k_cache, v_cache, table, list(range(first, first + n)), 0.25)
@@ -171,9 +183,8 @@ def test_mixed_step_through_paged_attention():
 
 
 def test_graph_width_floor_is_one_decode_partition():
-    from pagedserve.model_executor.cuda_graphs import MIN_WIDTH_TOKENS
-
-    assert MIN_WIDTH_TOKENS == ta.DECODE_PARTITION
+    backend = ta.TritonAttentionBackend(DEVICE)
+    assert backend.supports_cuda_graphs and backend.cuda_graph_min_width_tokens == ta.DECODE_PARTITION
 
 
 H100_H200_MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():  # before triton is first imported: it patches
 pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[triton]')")
 
 from pagedserve.model_executor import triton_layer_ops as tlo  # noqa: E402
-from pagedserve.model_executor.layers import fused_ops  # noqa: E402
+from pagedserve.model_executor.attention.selector import get_attention_backend  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -102,17 +102,17 @@ def test_rotary_in_place_on_a_strided_view(dtype):
 
 def test_fused_ops_follow_the_attention_backend(monkeypatch):
     """Triton's small ops wherever attention runs on Triton: CUDA by default, a CPU only when asked (the engine
-    tests that run the CUDA path on a CPU); the compiled CPU ops otherwise."""
-    from pagedserve.model_executor.attention import uses_triton
+    tests that run the CUDA path on a CPU); the compiled CPU ops beside the CPU backend, none beside the PyTorch
+    reference backend."""
+    from pagedserve.model_executor.kernels import cpu_kernels
 
+    monkeypatch.delenv("PAGEDSERVE_ATTENTION_BACKEND", raising=False)
     cpu = torch.zeros(2, 4)
-    try:
-        for choice, on_cpu in (("auto", False), ("torch", False), ("triton", True)):
-            monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", choice)
-            uses_triton.cache_clear()
-            assert (fused_ops(cpu) is tlo) == on_cpu
-            assert fused_ops(cpu.to(torch.float64)) is not tlo
-            if torch.cuda.is_available():
-                assert (fused_ops(cpu.cuda()) is tlo) == (choice != "torch")
-    finally:
-        uses_triton.cache_clear()
+    for choice, expected in (("auto", cpu_kernels()), ("cpu", cpu_kernels()), ("torch", None), ("triton", tlo)):
+        backend = get_attention_backend(choice, cpu.device)
+        assert backend.fused_ops(cpu) is expected, choice
+        assert backend.fused_ops(cpu.to(torch.float64)) is None  # no fused op takes float64
+    if torch.cuda.is_available():
+        gpu = cpu.cuda()
+        assert get_attention_backend("auto", gpu.device).fused_ops(gpu) is tlo
+        assert get_attention_backend("torch", gpu.device).fused_ops(gpu) is None

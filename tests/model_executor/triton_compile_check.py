@@ -16,7 +16,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from pagedserve.model_executor import triton_attention as ta  # noqa: E402
+from pagedserve.model_executor.attention import triton as ta  # noqa: E402
 from pagedserve.model_executor import triton_layer_ops as tlo  # noqa: E402
 
 HEAD_DIM, BLOCK_SIZE = 128, 16

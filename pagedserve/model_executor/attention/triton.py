@@ -1,8 +1,10 @@
-"""Paged attention in Triton: the CUDA attention backend (attention.py picks it when Triton imports).
+"""Paged attention in Triton: the CUDA backend ("auto" picks it on a GPU when Triton imports; attention/selector.py).
 
 Every kernel reads the KV cache in place through block tables: no gather into a padded copy, no mask tensors.
-Cache layout as in attention.py: [num_blocks, block_size, num_kv_heads, head_dim] for K and for V, any of
-float32/bfloat16/float16; arithmetic is float32 (online softmax), the output is written in the query's dtype.
+Cache layout: two contiguous token-major tensors per layer, [num_blocks, block_size, num_kv_heads, head_dim] for K
+and for V (written by flat slot), any of float32/bfloat16/float16; arithmetic is float32 (online softmax), the
+output is written in the query's dtype. The layers' small ops run in Triton beside it (triton_layer_ops.py), and
+decode steps may be captured as CUDA graphs (cuda_graphs.py): the K/V write skips padding rows.
 
   * write_kv: one program per new token stores its K and V at slot_mapping[token]; a negative slot is a padding
     row (a CUDA graph's batch padded to a captured size) and writes nothing.
@@ -21,15 +23,16 @@ that is how CI checks them against a PyTorch reference (tests/model_executor/tes
 """
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING
+from types import ModuleType
 
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:
-    from pagedserve.model_executor.attention import AttentionMetadata
+from pagedserve import envs
+from pagedserve.model_executor import triton_layer_ops
+from pagedserve.model_executor.attention.backend import AttentionBackend
+from pagedserve.model_executor.attention.metadata import AttentionMetadata
 
 # Tokens per split-K partition of a decode row: enough work per program to hide the K/V loads' latency, few
 # enough partitions that a batch of one still spreads a long context over many SMs.
@@ -39,7 +42,7 @@ PREFILL_BLOCK_M = 64  # query rows per prefill program
 PREFILL_BLOCK_N = 64  # context tokens per tile
 # Triton's interpreter (3.9) computes a bfloat16 tl.dot wrongly, so there bfloat16 attention takes the float32
 # dot (the same kernels, operands upcast); bfloat16 tensor-core dots are checked on a GPU only.
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETED = envs.TRITON_INTERPRET
 
 
 def _fp32_dot(dtype: torch.dtype) -> bool:
@@ -243,7 +246,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """attention.paged_attention's contract: q [T, H, D], k/v [T, KVH, D] (this step's new tokens), decode rows
+    """AttentionBackend.forward's contract: q [T, H, D], k/v [T, KVH, D] (this step's new tokens), decode rows
     first. No host synchronisation: a decode-only step runs inside a CUDA graph."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -254,3 +257,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         sl = slice(span.start, span.start + span.num_tokens)
         prefill_attention(q[sl], k_cache, v_cache, span.block_ids, span.context_len, scale, out[sl])
     return out
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    supports_cuda_graphs = True
+    # a block table narrower than one split-K partition costs the decode kernel the same as one partition wide
+    cuda_graph_min_width_tokens = DECODE_PARTITION
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+    def fused_ops(self, x: torch.Tensor) -> ModuleType | None:
+        return triton_layer_ops if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else None

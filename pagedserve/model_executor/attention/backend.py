@@ -1,0 +1,68 @@
+"""The contract every attention backend keeps, and the one place the rest of the model side learns about it.
+
+A backend owns the KV cache's layout (it allocates the per-layer K and V tensors), writes a step's new K/V into it
+and runs attention over a flattened step (decode rows and prefill chunks, attention/metadata.py). It also says
+what else may run on its device beside it: the fused small ops of a decoder layer (`fused_ops`), the native
+whole-stack decode (`supports_fused_decode_stack`) and CUDA graphs (`supports_cuda_graphs`). Adding a backend is
+one file here and one line in selector.py.
+
+Every layout keeps the same logical indexing, [num_blocks, block_size, num_kv_heads, head_dim] for K and for V
+(strided views where the storage differs), so that code outside the backend (KV transfer, tests) indexes blocks
+the same way whatever the layout.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from types import ModuleType
+from typing import ClassVar
+
+import torch
+
+from pagedserve.model_executor.attention.metadata import AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (K cache, V cache)
+
+
+class AttentionBackend(ABC):
+    name: ClassVar[str]
+    # CUDA graphs replay fixed shapes: a backend supports them when its K/V write skips padding rows (slot -1) and
+    # its decode reads nothing past a row's context length
+    supports_cuda_graphs: ClassVar[bool] = False
+    # block tables narrower than this many tokens share one graph (they cost the backend's decode the same)
+    cuda_graph_min_width_tokens: ClassVar[int] = 0
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @classmethod
+    def check_device(cls, device: torch.device) -> None:
+        """Raises ValueError when this backend cannot run on `device` (default: every device)."""
+
+    def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                          head_dim: int, dtype: torch.dtype, device: torch.device) -> list[KVCache]:
+        """Per layer (K cache, V cache), each indexed [num_blocks, block_size, num_kv_heads, head_dim]; by default
+        two contiguous token-major tensors (a slot's heads adjacent, writable by flat slot)."""
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in range(num_layers)]
+
+    @abstractmethod
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """k, v: [T, KVH, D] (views of the QKV output) stored at slot_mapping ([T] long)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, KVH, D] (this step's new tokens, written to the cache first). Returns [T, H, D]."""
+
+    def fused_ops(self, x: torch.Tensor) -> ModuleType | None:
+        """The decoder layer's small ops that run beside this backend for a tensor like x (a module with rms_norm,
+        rotary_inplace and silu_and_mul), or None: the layers run PyTorch's ops."""
+        return None
+
+    @property
+    def supports_fused_decode_stack(self) -> bool:
+        """Whether the native whole-stack decode (kernels/decode_layers.cpp) may run a decode-only step over this
+        backend's cache: it reads and writes the cache itself, in the CPU backend's layout."""
+        return False

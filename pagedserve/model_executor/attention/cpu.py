@@ -1,0 +1,88 @@
+"""The CPU backend: the native kernels (kernels/), with the reference backend's SDPA paths where one does not apply.
+
+KV cache layout: per layer, views of one [num_blocks, 2, num_kv_heads, block_size, head_dim] tensor. A block's K
+and V are one contiguous run, which decode attention streams a little faster than two separate tensors, and
+head-major inside it, so that each KV head's rows of a block are contiguous for the decode kernel's walk. The
+views keep the common [num_blocks, block_size, num_kv_heads, head_dim] indexing (attention/backend.py).
+
+  * K/V write: one native call for K and V, straight from the QKV output (float32 / bfloat16 activations);
+  * decodes: a native kernel reads each row's blocks in place through its block table
+    (q read in place from the QKV output, the output written in place);
+  * prefill chunks: with AVX-512 (head_dim % 16 == 0), one native call per chunk reads the chunk's whole context,
+    its own new K/V included, from the cache through its block table (causal with an offset; bfloat16 on AMX
+    tiles where the CPU has them); elsewhere the reference SDPA per chunk.
+Any activation dtype the kernels do not read (float16), or a build without the kernels, runs the reference paths.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from pagedserve.model_executor.attention.backend import KVCache
+from pagedserve.model_executor.attention.metadata import AttentionMetadata
+from pagedserve.model_executor.attention.torch_sdpa import TorchSDPABackend
+from pagedserve.model_executor.kernels import cpu_kernels
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the native kernels read and write (any KV cache dtype)
+
+
+class CpuAttentionBackend(TorchSDPABackend):
+    name = "cpu"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.kernels = cpu_kernels()  # None: the build failed or is disabled, every op runs the reference path
+
+    @classmethod
+    def check_device(cls, device: torch.device) -> None:
+        if device.type != "cpu":
+            raise ValueError(f"attention backend 'cpu' runs on the CPU only, not on {device.type!r}.")
+
+    def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                          head_dim: int, dtype: torch.dtype, device: torch.device) -> list[KVCache]:
+        joint = [torch.zeros((num_blocks, 2, num_kv_heads, block_size, head_dim), dtype=dtype, device=device)
+                 for _ in range(num_layers)]
+        return [(kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)) for kv in joint]
+
+    def _native(self, x: torch.Tensor) -> ModuleType | None:
+        return self.kernels if x.dtype in NATIVE_DTYPES else None
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        kernels = self._native(k)
+        if kernels is None:
+            super().write_kv(k, v, k_cache, v_cache, slot_mapping)
+        else:
+            kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        kernels = self._native(q)
+        if kernels is None:
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+        kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        d = meta.num_decodes
+        if d:
+            kernels.paged_decode_attention(q[:d], k_cache, v_cache, meta.decode_block_tables,
+                                           meta.decode_context_lens, scale, out[:d])
+        native_prefill = kernels.native_prefill(k.shape[2])
+        for span in meta.prefills:
+            if native_prefill:  # reads the chunk's context (its own K/V included) from the cache in place
+                sl = slice(span.start, span.start + span.num_tokens)
+                kernels.paged_prefill_attention(q[sl], k_cache, v_cache, span.block_ids,
+                                                span.context_len - span.num_tokens, scale, out[sl])
+            else:
+                self.prefill(q, k, v, k_cache, v_cache, span, scale, out)
+        return out
+
+    def fused_ops(self, x: torch.Tensor) -> ModuleType | None:
+        """The compiled small ops (kernels/layer_ops.cpp) for float32 / bfloat16 on the CPU: at decode batch sizes
+        these ops cost more in per-op dispatch than in arithmetic (RMSNorm alone is six ATen ops, and in bfloat16
+        PyTorch adds conversions around each)."""
+        return self._native(x)
+
+    @property
+    def supports_fused_decode_stack(self) -> bool:
+        return self.kernels is not None

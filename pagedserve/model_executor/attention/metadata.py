@@ -1,0 +1,49 @@
+"""What every attention backend reads about one flattened step: where the new K/V go and, per query row, which
+blocks of the paged cache it attends to.
+
+Token order in the batch: all decode rows first, then prefill chunks. A decode row is one query token with its own
+block table and context length: a request's decode token, or each token of a short span (a verification of draft
+tokens, a short prefill tail; input_batch.runs_as_decode), whose rows see the context up to their own position -
+causal, since every K/V of the step is written before any attention of the layer reads. A prefill chunk attends
+causally to its whole context, offset by what came before it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+
+@dataclass
+class PrefillSpan:
+    start: int  # index of the chunk's first token in the flattened batch
+    num_tokens: int  # new tokens in this chunk
+    context_len: int  # tokens attended to by the chunk's last token (earlier context + the chunk)
+    block_ids: torch.Tensor  # [num_blocks_of_request] long
+    causal_mask: torch.Tensor | None  # [num_tokens, context_len] bool when context_len > num_tokens
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] long (slot = block_id * block_size + offset; -1: write nothing)
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long, padded with block 0
+    decode_context_lens: torch.Tensor | None  # [num_decodes] long
+    block_size: int
+    prefills: list[PrefillSpan]
+
+    @cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """[num_decodes, 1, 1, max_blocks * block_size] bool, True = attend (for the gathered SDPA path)."""
+        width = self.decode_block_tables.shape[1] * self.block_size
+        positions = torch.arange(width, device=self.decode_context_lens.device)
+        return (positions[None, :] < self.decode_context_lens[:, None])[:, None, None, :]
+
+
+def chunk_causal_mask(first: int, context_len: int, device: torch.device) -> torch.Tensor | None:
+    """[context_len - first, context_len] bool for a prefill chunk starting at position `first`: causal over the
+    whole context, offset by what came before. None for a first chunk (plain causal over its own tokens)."""
+    if first == 0:
+        return None
+    return torch.arange(context_len, device=device)[None, :] <= torch.arange(first, context_len, device=device)[:, None]

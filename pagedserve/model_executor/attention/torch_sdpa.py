@@ -1,0 +1,70 @@
+"""The reference backend: plain PyTorch, no native kernel, on any device. Token-major cache (the default layout).
+
+  * K/V write: an indexed store at (block, offset) of each slot;
+  * decodes: one batched SDPA over the blocks gathered through the padded block table, masked past each row's
+    context length;
+  * prefill chunks: one SDPA per chunk: a chunk with no earlier context attends to its own new K/V (causal), a
+    later chunk gathers its context through its block table (causal with an offset).
+
+The tests compare the other backends with this one, and the engine's greedy outputs on it with Hugging Face's.
+The CPU backend (cpu.py) runs these same paths wherever its kernels do not apply.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.model_executor.attention.backend import AttentionBackend
+from pagedserve.model_executor.attention.metadata import AttentionMetadata, PrefillSpan
+
+
+class TorchSDPABackend(AttentionBackend):
+    name = "torch"
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        # (block, offset) pairs, not flat slots: a cache may be a strided view (the CPU layout), not viewable flat
+        block_size = k_cache.shape[1]
+        blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+        k_cache[blocks, offsets] = k.to(k_cache.dtype)
+        v_cache[blocks, offsets] = v.to(v_cache.dtype)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if meta.num_decodes:
+            self.decode(q, k_cache, v_cache, meta, scale, out)
+        for span in meta.prefills:
+            self.prefill(q, k, v, k_cache, v_cache, span, scale, out)
+        return out
+
+    @staticmethod
+    def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               out: torch.Tensor) -> None:
+        """The decode rows (the first meta.num_decodes of q) into out."""
+        d = meta.num_decodes
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        bt = meta.decode_block_tables
+        keys = k_cache[bt].reshape(d, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+        values = v_cache[bt].reshape(d, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+        o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
+                                           scale=scale, enable_gqa=True)
+        out[:d] = o.squeeze(2)
+
+    @staticmethod
+    def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                span: PrefillSpan, scale: float, out: torch.Tensor) -> None:
+        """One prefill chunk's rows into out."""
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        sl = slice(span.start, span.start + span.num_tokens)
+        qs = q[sl].transpose(0, 1).unsqueeze(0)
+        if span.causal_mask is None:  # the chunk is the whole context so far
+            keys, values = k[sl], v[sl]
+        else:
+            keys = k_cache[span.block_ids].reshape(-1, num_kv_heads, head_dim)[:span.context_len].to(q.dtype)
+            values = v_cache[span.block_ids].reshape(-1, num_kv_heads, head_dim)[:span.context_len].to(q.dtype)
+        o = F.scaled_dot_product_attention(qs, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
+                                           attn_mask=span.causal_mask, is_causal=span.causal_mask is None,
+                                           scale=scale, enable_gqa=True)
+        out[sl] = o.squeeze(0).transpose(0, 1)
