@@ -22,7 +22,8 @@ import torch
 
 from pagedserve.benchmarks.shapes import SHAPES
 from pagedserve.model_executor.kernels import cpu_kernels
-from pagedserve.model_executor.layers import Linear
+from pagedserve.model_executor.layers.linear import Linear
+from pagedserve.model_executor.quantization.int8 import Int8Config
 
 
 def layer_matrices(shape) -> list[tuple[int, int]]:
@@ -55,12 +56,14 @@ def main(argv=None) -> int:
         for k, n in mats:
             w = torch.randn(n, k)
             if dtype == torch.int8:
-                library_linear, native_linear = Linear(k, n), Linear(k, n)
-                for linear, allow_native in ((library_linear, False), (native_linear, True)):
+                library_linear, native_linear = (Linear(k, n, False, Int8Config(allow_native=allow_native))
+                                                 for allow_native in (False, True))
+                for linear in (library_linear, native_linear):
                     linear.weight.data.copy_(w)
-                    linear.set_backend("int8", allow_native=allow_native)
-                lib_layer.append(library_linear._packed)
-                native_layer.append((native_linear._small_packed, native_linear._int8_scale, native_linear._int8_shift))
+                    linear.process_weights_after_loading()
+                lib_layer.append(library_linear.fbgemm_weight)
+                t = native_linear.native_decode_tensors()
+                native_layer.append((t.packed_weight, t.int8_scale, t.int8_shift))
             else:
                 w = w.to(dtype)
                 lib_layer.append(torch.ops.mkldnn._reorder_linear_weight(w, None))

@@ -16,3 +16,40 @@ def test_int8_quality_on_demo_model():
         assert r["ppl_int8_fbgemm"] > r["ppl_fp32"] * 0.98
         assert r["ppl_delta_fbgemm_pct"] < 3.0, r
     assert r["mean_common_prefix"] >= 0.5, r
+
+
+def test_quantization_registry_names_and_errors():
+    """`--quantization` values come from the registry; each gives every linear its method; a bad name or a device
+    the format does not run on is a clear ValueError (offline and from EngineArgs)."""
+    import pytest
+    import torch
+
+    from pagedserve.config import EngineArgs
+    from pagedserve.model_executor.layers.linear import Linear
+    from pagedserve.model_executor.quantization.int8 import Int8Config, Int8LinearMethod
+    from pagedserve.model_executor.quantization.registry import (
+        QUANTIZATION_METHODS,
+        get_quantization_config,
+    )
+    from pagedserve.model_executor.quantization.unquantized import (
+        UnquantizedConfig,
+        UnquantizedLinearMethod,
+    )
+
+    cpu = torch.device("cpu")
+    assert set(QUANTIZATION_METHODS) == {"int8"}
+    int8 = get_quantization_config("int8", "auto", cpu)
+    assert isinstance(int8, Int8Config)
+    assert isinstance(Linear(8, 4, False, int8, "layers.0.mlp.down_proj").linear_method, Int8LinearMethod)
+    plain = get_quantization_config(None, "onednn", cpu)
+    assert isinstance(plain, UnquantizedConfig) and plain.method.backend == "onednn"
+    assert isinstance(Linear(8, 4, True, plain).linear_method, UnquantizedLinearMethod)
+    assert get_quantization_config(None, "native", torch.device("meta")).method.backend == "torch"  # CPU kernels only
+    with pytest.raises(ValueError, match="quantization must be None or one of int8, got 'gptq'"):
+        get_quantization_config("gptq", "auto", cpu)
+    with pytest.raises(ValueError, match="int8' is implemented for the CPU only"):
+        get_quantization_config("int8", "auto", torch.device("meta"))
+    with pytest.raises(ValueError, match="linear_backend must be one of auto, torch, onednn, native"):
+        get_quantization_config(None, "blas", cpu)
+    with pytest.raises(ValueError, match="quantization must be None or one of int8"):
+        EngineArgs(quantization="awq")
