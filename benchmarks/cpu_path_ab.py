@@ -9,7 +9,7 @@ per linear backend and KV dtype, the same requests and KV contents), `--rounds` 
 the table reports the median over rounds. Variants (each adds one change to the one before):
 
   baseline      pre-packed oneDNN linears at every row count, PyTorch small ops (norm, rotary, silu*mul)
-  +mkl-small-m  F.linear (MKL) below ONEDNN_MIN_ROWS rows (layers.py)
+  +mkl-small-m  F.linear (MKL) below ONEDNN_MIN_ROWS rows (quantization/unquantized.py)
   +fused-ops    the compiled small ops (kernels/layer_ops.cpp): RMSNorm with the residual add, rotary in place,
                 silu*mul (batch-1 products still through MKL)
   +native-gemm  products of up to NATIVE_GEMM_MAX_ROWS rows through the native packed small GEMM (small_gemm.cpp;
@@ -40,24 +40,24 @@ import time
 import numpy as np
 import torch
 
-import pagedserve.model_executor.attention as attention
-import pagedserve.model_executor.layers as layers
+import pagedserve.model_executor.quantization.unquantized as unquantized
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.model_executor.kernels import cpu_kernels
+from pagedserve.model_executor.layers.linear import Linear
 from pagedserve.sampling_params import SamplingParams
 
 VARIANTS = {  # name -> (linear backend, ONEDNN_MIN_ROWS, native small ops, KV cache dtype)
     "baseline": ("onednn", 1, False, "auto"),
-    "+mkl-small-m": ("onednn", layers.ONEDNN_MIN_ROWS, False, "auto"),
-    "+fused-ops": ("onednn", layers.ONEDNN_MIN_ROWS, True, "auto"),
-    "+native-gemm": ("native", layers.ONEDNN_MIN_ROWS, True, "auto"),
-    "+bf16-kv": ("native", layers.ONEDNN_MIN_ROWS, True, "bfloat16"),
+    "+mkl-small-m": ("onednn", unquantized.ONEDNN_MIN_ROWS, False, "auto"),
+    "+fused-ops": ("onednn", unquantized.ONEDNN_MIN_ROWS, True, "auto"),
+    "+native-gemm": ("native", unquantized.ONEDNN_MIN_ROWS, True, "auto"),
+    "+bf16-kv": ("native", unquantized.ONEDNN_MIN_ROWS, True, "bfloat16"),
 }
 DEFAULT = "+native-gemm"
 
 
 class LegacyBf16Attention:
-    """The kernels as attention.py used them before they took bfloat16: K/V written by index_copy_, decode
+    """The kernels as the CPU attention backend used them before they took bfloat16: K/V written by index_copy_, decode
     attention on a float32 copy of q, its output copied back."""
 
     def __init__(self, real) -> None:
@@ -90,10 +90,29 @@ BF16_VARIANTS = {  # name -> (model dtype, small ops in bf16 native, attention g
 
 
 def set_native_gemm_rows(engine, rows: int | None) -> None:
-    """Every packed Linear of the engine's model takes the native small GEMM up to `rows` rows (None: its default)."""
-    for module in engine.runner.model.modules():
-        if isinstance(module, layers.Linear) and module._small_packed is not None:
-            module._native_max_rows = layers.native_gemm_max_rows(module._small_packed.dtype) if rows is None else rows
+    """Every packed Linear of the engine's model takes the native small GEMM up to `rows` rows (None: its default),
+    and so does the whole-stack decode."""
+    model = engine.runner.model
+    for module in model.modules():
+        if isinstance(module, Linear) and getattr(module, "small_gemm_weight", None) is not None:
+            default = unquantized.native_gemm_max_rows(module.small_gemm_weight.dtype)
+            module.native_max_rows = default if rows is None else rows
+    if model.fused_decode is not None:
+        model.fused_decode.max_rows = min(m.native_max_rows for m in model.modules()
+                                          if isinstance(m, Linear) and m.small_gemm_weight is not None)
+
+
+def set_fused_ops(engine, on: bool) -> None:
+    """The attention backend's fused small ops (RMSNorm, rotary, silu*mul) on, or PyTorch's ops (and no
+    whole-stack decode, which runs them natively)."""
+    runner = engine.runner
+    if not hasattr(runner, "native_decode_stack"):  # the model's own, kept while switched off
+        runner.native_decode_stack = runner.model.fused_decode
+    if on:
+        runner.attn_backend.__dict__.pop("fused_ops", None)
+    else:
+        runner.attn_backend.fused_ops = lambda x: None
+    runner.model.fused_decode = runner.native_decode_stack if on else None
 
 
 def decoding_engine(model: str, batch: int, context: int, threads: int, kv_cache_dtype: str,
@@ -151,9 +170,9 @@ def main(argv=None) -> int:
         results: dict[str, list[float]] = {name: [] for name in VARIANTS}
         for _ in range(args.rounds):
             for name, (backend, min_rows, native, kv_dtype) in VARIANTS.items():
-                layers.ONEDNN_MIN_ROWS = min_rows
-                layers.NATIVE_DTYPES = (torch.float32, torch.bfloat16) if native else ()
+                unquantized.ONEDNN_MIN_ROWS = min_rows
                 engine = engines[backend, kv_dtype]
+                set_fused_ops(engine, native)
                 engine.step()  # the first step after a switch warms caches for the new path
                 results[name].append(step_ms(engine, args.steps))
         med = {name: float(np.median(v)) for name, v in results.items()}
@@ -176,14 +195,16 @@ def bf16_suite(args) -> int:
         try:
             for _ in range(args.rounds):
                 for name, (dtype, native_small, glue, gemm_rows) in BF16_VARIANTS.items():
-                    layers.NATIVE_DTYPES = (torch.float32, torch.bfloat16) if native_small else (torch.float32,)
-                    attention.cpu_kernels = cpu_kernels if glue == "new" else (lambda: LegacyBf16Attention(kernels))
+                    set_fused_ops(engines[dtype], native_small)
+                    engines[dtype].runner.attn_backend.kernels = \
+                        kernels if glue == "new" else LegacyBf16Attention(kernels)
                     set_native_gemm_rows(engines[dtype], gemm_rows)
                     engines[dtype].step()  # the first step after a switch warms caches for the new path
                     results[name].append(step_ms(engines[dtype], args.steps))
         finally:
-            layers.NATIVE_DTYPES = (torch.float32, torch.bfloat16)
-            attention.cpu_kernels = cpu_kernels
+            for engine in engines.values():
+                set_fused_ops(engine, True)
+                engine.runner.attn_backend.kernels = kernels
         med = {name: float(np.median(v)) for name, v in results.items()}
         cells = " | ".join(f"{med[n]:.1f}" for n in BF16_VARIANTS)
         print(f"| {batch} | {cells} | {med['fp32'] / med['bf16']:.2f}x | {med['bf16-before'] / med['bf16']:.2f}x | "

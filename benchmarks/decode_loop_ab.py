@@ -5,7 +5,7 @@
 Each case is PRECISION:BATCH:CONTEXT (precision float32, bfloat16 or int8: float32 activations, int8 weights).
 Per case one engine; then `--rounds` rounds, alternating which path goes first: BATCH requests of CONTEXT random
 prompt tokens are prefilled, and the median of `--steps` pure-decode steps is taken with the loop
-(`LlamaForCausalLM._native_decode`, kernels/decode_layers.cpp) and with it switched off (the Python layers run the
+(the model's `fused_decode`, layers/fused_decode.py over kernels/decode_layers.cpp) and with it switched off (the Python layers run the
 same native ops one by one). Both paths compute the same tokens (tests/model_executor/test_decode_layers.py), so only the time
 differs. Reported: every round's median step per path, and the ratio of the means.
 """
@@ -62,18 +62,17 @@ def main() -> None:
     p.add_argument("--num-threads", type=int, default=2)
     args = p.parse_args()
 
-    from pagedserve.model_executor.models import llama
-
-    native = llama.LlamaForCausalLM._native_decode
-    off = lambda self, *a: None  # noqa: E731  (the Python layers run)
     for case in args.cases:
         llm, batch, context = engine_for_case(case, args)
+        model = llm.llm_engine.runner.model
+        native = model.fused_decode
+        if native is None:
+            raise SystemExit(f"{case}: this engine runs no native decode stack (no small GEMM for these weights)")
         times: dict[bool, list[float]] = {True: [], False: []}
         for r in range(args.rounds):
             for loop in ((True, False) if r % 2 == 0 else (False, True)):
-                llama.LlamaForCausalLM._native_decode = native if loop else off
+                model.fused_decode = native if loop else None  # None: the Python layers run
                 times[loop].append(median_decode_step(llm.llm_engine, batch, context, args.steps, seed=2 * r + loop))
-        llama.LlamaForCausalLM._native_decode = native
         ratio = statistics.mean(times[False]) / statistics.mean(times[True])
         print(f"{case}: Python layers {' / '.join(f'{x:.2f}' for x in times[False])} ms, "
               f"native loop {' / '.join(f'{x:.2f}' for x in times[True])} ms, ratio {ratio:.3f}", flush=True)

@@ -1,11 +1,12 @@
-"""The native decode-layer loop (kernels/decode_layers.cpp, LlamaForCausalLM._native_decode) against the Python
-layers it replaces on pure-decode steps: the same ops in the same order, so bitwise the same tokens and logprobs."""
+"""The native whole-stack decode (kernels/decode_layers.cpp, layers/fused_decode.py FusedDecodeStack) against the
+Python layers it replaces on pure-decode steps: the same ops in the same order, so bitwise the same tokens and
+logprobs; and where a model opts out of it."""
 import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.model_executor.kernels import cpu_kernels
-from pagedserve.model_executor.models import llama
+from pagedserve.model_executor.layers.fused_decode import FusedDecodeStack
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain; q/k/v biases; q/k norms
@@ -18,9 +19,11 @@ def test_native_decode_loop_matches_python_layers(arch, dtype, quantization, tin
         pytest.skip("no native small GEMM for these weights in this build (the Python layers run every step)")
     llm = LLM(str(tiny_model_dir(arch)), dtype=dtype, quantization=quantization, num_threads=2, num_kv_blocks=128,
               max_model_len=256, enable_prefix_caching=False)  # the second run must prefill exactly as the first
+    model = llm.llm_engine.runner.model
+    assert model.fused_decode is not None  # the model opted in: CPU backend, one rank, native tensors everywhere
     prompts = [[3 + i, 40 + 7 * i, 90, 17 + i] * (2 + 3 * i) for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
-    native = llama.LlamaForCausalLM._native_decode
+    native = FusedDecodeStack.__call__
     took: list[bool] = []
 
     def counting(self, *args):
@@ -28,13 +31,22 @@ def test_native_decode_loop_matches_python_layers(arch, dtype, quantization, tin
         took.append(out is not None)
         return out
 
-    monkeypatch.setattr(llama.LlamaForCausalLM, "_native_decode", counting)
+    monkeypatch.setattr(FusedDecodeStack, "__call__", counting)
     fast = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert any(took) and not all(took)  # the decode steps took the loop, the prefill steps did not
-    monkeypatch.setattr(llama.LlamaForCausalLM, "_native_decode", lambda self, *args: None)
+    monkeypatch.setattr(model, "fused_decode", None)  # the Python layers on every step
     slow = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     for f, s in zip(fast, slow):
         f, s = f.outputs[0], s.outputs[0]
         assert f.token_ids == s.token_ids
         assert [{t: lp.logprob for t, lp in step.items()} for step in f.logprobs] == \
             [{t: lp.logprob for t, lp in step.items()} for step in s.logprobs]
+
+
+@pytest.mark.parametrize("engine_kwargs", [dict(attention_backend="torch"), dict(linear_backend="onednn")],
+                         ids=["torch-attention", "onednn-linears"])
+def test_no_native_decode_stack_where_it_cannot_run(engine_kwargs, tiny_model_dir):
+    """The stack reads the CPU backend's cache layout and the small GEMM's packed weights: with another attention
+    backend, or linears on oneDNN, the model does not build one."""
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", num_threads=1, num_kv_blocks=32, **engine_kwargs)
+    assert llm.llm_engine.runner.model.fused_decode is None

@@ -1,23 +1,42 @@
-"""The GEMM backends of Linear agree with F.linear at every row count, on both sides of the MKL/oneDNN switch and
-of the native small GEMM / oneDNN switch."""
+"""The layers: Linear on each of its quantization methods (the unquantized GEMM backends agree with F.linear at
+every row count, on both sides of the MKL/oneDNN switch and of the native small GEMM / oneDNN switch; int8 within
+int8 noise), and the small ops with the CPU backend's fused kernels against PyTorch's."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.model_executor.layers import (NATIVE_BF16_AMX_MAX_ROWS, NATIVE_BF16_NO_TILES_MAX_ROWS,
-                                             NATIVE_GEMM_MAX_ROWS, NATIVE_INT8_MAX_ROWS, ONEDNN_MIN_ROWS, Linear)
+from pagedserve.model_executor.layers.linear import Linear
+from pagedserve.model_executor.quantization.base import QuantizationConfig
+from pagedserve.model_executor.quantization.int8 import NATIVE_INT8_MAX_ROWS, Int8Config
+from pagedserve.model_executor.quantization.unquantized import (
+    NATIVE_BF16_AMX_MAX_ROWS,
+    NATIVE_BF16_NO_TILES_MAX_ROWS,
+    NATIVE_GEMM_MAX_ROWS,
+    ONEDNN_MIN_ROWS,
+    UnquantizedConfig,
+)
 
 
-def _random_layer(k: int, n: int, rows: int, dtype: torch.dtype):
-    """A Linear with random weights and bias in `dtype`, an input of `rows` rows and the float32 reference output."""
-    g = torch.Generator().manual_seed(rows)
-    layer = Linear(k, n, bias=True)
+def _linear(k: int, n: int, dtype: torch.dtype, quant_config: QuantizationConfig, bias: bool = False) -> Linear:
+    """A Linear with random weights (and bias) in `dtype`, processed by its method as after loading."""
+    g = torch.Generator().manual_seed(k * n)
+    layer = Linear(k, n, bias, quant_config)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(n, k, generator=g))
-        layer.bias.copy_(torch.randn(n, generator=g))
+        if bias:
+            layer.bias.copy_(torch.randn(n, generator=g))
     layer = layer.to(dtype)
+    layer.process_weights_after_loading()
+    return layer
+
+
+def _random_layer(k: int, n: int, rows: int, dtype: torch.dtype, quant_config: QuantizationConfig):
+    """A Linear with random weights and bias, an input of `rows` rows and the float32 reference output."""
+    g = torch.Generator().manual_seed(rows)
+    reference = _linear(k, n, dtype, UnquantizedConfig("torch"), bias=True)
+    layer = _linear(k, n, dtype, quant_config, bias=True)
     x = torch.randn(rows, k, generator=g).to(dtype)
-    return layer, x, F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    return layer, x, F.linear(x.float(), reference.weight.float(), reference.bias.float())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -28,8 +47,8 @@ def _random_layer(k: int, n: int, rows: int, dtype: torch.dtype):
 def test_linear_backends_match_f_linear(backend, rows, dtype):
     if backend != "torch" and not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
-    layer, x, expected = _random_layer(100, 163, rows, dtype)  # K not a multiple of 16, N not of 16: the tails
-    layer.set_backend(backend)
+    # K not a multiple of 16, N not of 16: the tails
+    layer, x, expected = _random_layer(100, 163, rows, dtype, UnquantizedConfig(backend))
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(layer(x).float(), expected, atol=tol * 10, rtol=tol)
 
@@ -43,16 +62,13 @@ def test_native_backend_packs_where_the_kernel_runs(dtype):
     ops = cpu_kernels()
     if ops is None or not torch.backends.mkldnn.is_available():
         pytest.fail("the native CPU kernels (and oneDNN) are needed here")
-    layer = Linear(64, 40).to(dtype)
-    layer.set_backend("native")
-    assert (layer._small_packed is not None) == ops.native_small_gemm(dtype)
+    layer = _linear(64, 40, dtype, UnquantizedConfig("native"))
+    assert (layer.native_decode_tensors() is not None) == ops.native_small_gemm(dtype)
     assert layer.weight.numel() == (0 if ops.native_small_gemm(dtype) else 64 * 40)  # one float copy, not two
-    odd = Linear(33, 8).to(dtype)
-    odd.set_backend("native")
-    assert (odd._small_packed is not None) == (ops.native_small_gemm(dtype) and dtype == torch.float32)
-    onednn = Linear(64, 40).to(dtype)
-    onednn.set_backend("onednn")
-    assert onednn._small_packed is None
+    odd = _linear(33, 8, dtype, UnquantizedConfig("native"))
+    assert (odd.native_decode_tensors() is not None) == (ops.native_small_gemm(dtype) and dtype == torch.float32)
+    onednn = _linear(64, 40, dtype, UnquantizedConfig("onednn"))
+    assert onednn.native_decode_tensors() is None
 
 
 @pytest.mark.parametrize("amx", [False, True])
@@ -61,8 +77,8 @@ def test_bf16_small_gemm_row_limit_follows_amx(amx, monkeypatch):
     kernel runs on the tiles, NATIVE_BF16_NO_TILES_MAX_ROWS where it cannot; float32 keeps the native kernel up to
     NATIVE_GEMM_MAX_ROWS, and elsewhere both dtypes do. int8 weights run the native kernel at every row count where
     it runs them at all (NATIVE_INT8_MAX_ROWS: no limit), AMX-INT8 tiles or VPDPBUSD."""
-    from pagedserve.model_executor import layers
     from pagedserve.model_executor.kernels import cpu_kernels
+    from pagedserve.model_executor.quantization import int8, unquantized
 
     ops = cpu_kernels()
     if ops is None or not ops.native_small_gemm(torch.bfloat16):
@@ -85,19 +101,19 @@ def test_bf16_small_gemm_row_limit_follows_amx(amx, monkeypatch):
             return ops.small_gemm_int8(x, *args)
 
     flags = {"avx512_bf16", "amx_bf16", "amx_int8"} if amx else {"avx512_bf16"}
-    monkeypatch.setattr(layers, "cpu_flags", lambda: frozenset(flags))
-    monkeypatch.setattr(layers, "cpu_kernels", lambda: Counting())
+    monkeypatch.setattr(unquantized, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(unquantized, "cpu_kernels", lambda: Counting())
+    monkeypatch.setattr(int8, "cpu_kernels", lambda: Counting())
     for dtype, limit in ((torch.bfloat16, bf16_limit), (torch.float32, NATIVE_GEMM_MAX_ROWS)):
-        assert layers.native_gemm_max_rows(dtype) == limit
-        layer, _, _ = _random_layer(64, 48, 1, dtype)
-        layer.set_backend("native")
+        assert unquantized.native_gemm_max_rows(dtype) == limit
+        layer = _linear(64, 48, dtype, UnquantizedConfig("native"))
+        assert layer.native_decode_tensors().max_rows == limit
         for rows in (1, limit, limit + 1):
             calls.clear()
             layer(torch.randn(rows, 64).to(dtype))
             assert calls == ([rows] if rows <= limit else []), (dtype, rows)
-    assert layers.native_gemm_max_rows(torch.int8) == NATIVE_INT8_MAX_ROWS
-    layer, _, _ = _random_layer(64, 48, 1, torch.float32)
-    layer.set_backend("int8")
+    layer = _linear(64, 48, torch.float32, Int8Config())
+    assert layer.native_decode_tensors().max_rows == NATIVE_INT8_MAX_ROWS
     for rows in (1, 17, 300, 2048):
         calls.clear()
         layer(torch.randn(rows, 64))
@@ -137,7 +153,7 @@ def _native_vs_torch(fn, monkeypatch):
     if cpu_kernels() is None:
         pytest.fail("the native CPU kernels did not build (needs a C++ compiler and ninja)")
     native = fn()
-    monkeypatch.setattr("pagedserve.model_executor.layers.cpu_kernels", lambda: None)
+    monkeypatch.setattr("pagedserve.model_executor.attention.cpu.cpu_kernels", lambda: None)
     return native, fn()
 
 
@@ -146,7 +162,10 @@ def _native_vs_torch(fn, monkeypatch):
 def test_fused_norm_rotary_silu_match_pytorch(rows, dtype, monkeypatch):
     """The layers with the native ops and with the PyTorch fallback, in the model's dtype (a bfloat16 model has
     bfloat16 norm weights and rotary tables: model.to(dtype) converts the buffers too)."""
-    from pagedserve.model_executor.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
+    from pagedserve.model_executor.attention.cpu import CpuAttentionBackend
+    from pagedserve.model_executor.layers.activation import silu_and_mul
+    from pagedserve.model_executor.layers.norm import RMSNorm
+    from pagedserve.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
 
     g = torch.Generator().manual_seed(rows)
     norm = RMSNorm(80, 1e-6)
@@ -160,11 +179,14 @@ def test_fused_norm_rotary_silu_match_pytorch(rows, dtype, monkeypatch):
     rotary = RotaryEmbedding(d, 4096, 10000.0, None).to(dtype)
     cos_sin = rotary.cos_sin(torch.randint(0, 4096, (rows,), generator=g))
 
-    def run():
+    def run():  # the CPU backend's fused ops where its kernels load, else PyTorch's ops
+        backend = CpuAttentionBackend(torch.device("cpu"))
+        norm.attn_backend = backend
         res = residual.clone()
         fused = norm(x, res)
         qk = qkv.clone()[:, :(heads + kv_heads) * d].view(rows, heads + kv_heads, d)  # strided, as in the model
-        return norm(x), fused, res, silu_and_mul(gate_up), apply_rotary(qk, cos_sin)
+        return (norm(x), fused, res, silu_and_mul(gate_up, backend.fused_ops(gate_up)),
+                apply_rotary(qk, cos_sin, backend.fused_ops(qk)))
 
     native, reference = _native_vs_torch(run, monkeypatch)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
@@ -182,12 +204,12 @@ def test_int8_backend_close_to_float_on_both_kernels(rows, dtype, allow_native):
     then it holds the only int8 copy) and on fbgemm (the path of the other builds); [batch, seq, K] inputs too."""
     from pagedserve.model_executor.kernels import cpu_kernels
 
-    layer, x, expected = _random_layer(128, 163, rows, dtype)
-    layer.set_backend("int8", allow_native=allow_native)
+    layer, x, expected = _random_layer(128, 163, rows, dtype, Int8Config(allow_native=allow_native))
     ops = cpu_kernels()
     native = allow_native and ops is not None and ops.native_small_gemm(torch.int8, 128)
-    assert (layer._small_packed is not None) == native
-    assert (layer._packed is None) == native  # one packed int8 copy, never two
+    assert (layer.native_decode_tensors() is not None) == native
+    assert (layer.fbgemm_weight is None) == native  # one packed int8 copy, never two
+    assert layer.weight.numel() == 0  # and no float copy
     y = layer(x)
     assert y.dtype == dtype
     err = (y.float() - expected).abs().max() / expected.abs().max()

@@ -1,0 +1,81 @@
+"""The native whole-stack decode (kernels/decode_layers.cpp): every decoder layer of a decode-only step in one
+native call, the layers' ops in their order (so bitwise the Python layers' results) without the Python and
+dispatch cost of each op, tens of microseconds per layer.
+
+A model opts in by building a FusedDecodeStack over its DecoderLayers once their weights are processed
+(`FusedDecodeStack.build`): there is one where the attention backend supports it (the CPU backend, its kernels
+built), the model runs on one tensor-parallel rank, and every linear's method hands over native tensors
+(quantization/base.py: the native small GEMM's packed weights, float or int8). Each step it runs only when every
+row is a decode row within the linears' row limit; otherwise, and for layers with forward hooks (the engine's
+fault injection, a user's, which must run), the Python layers do.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from pagedserve.model_executor.attention.backend import AttentionBackend, KVCache
+from pagedserve.model_executor.attention.metadata import AttentionMetadata
+from pagedserve.model_executor.kernels import cpu_kernels
+from pagedserve.model_executor.layers.linear import Linear
+from pagedserve.model_executor.parallel_state import ParallelState
+from pagedserve.model_executor.quantization.base import NativeLinearTensors
+
+
+class FusedDecodeStack:
+    def __init__(self, layers: nn.ModuleList, kernels: ModuleType, tensors: list[torch.Tensor], widths: list[int],
+                 max_rows: int, rms_norm_eps: float) -> None:
+        self.layers = layers
+        self.kernels = kernels
+        self.tensors = tensors  # per layer, in decode_layers' order
+        self.widths = widths  # per layer: the QKV, o_proj and gate_up output widths
+        self.max_rows = max_rows
+        self.weight_dtype = tensors[1].dtype  # the first QKV packed weight: the model dtype, or int8
+        attn = layers[0].self_attn
+        self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim, rms_norm_eps, attn.scale)
+
+    @classmethod
+    def build(cls, layers: nn.ModuleList, attn_backend: AttentionBackend, parallel: ParallelState,
+              rms_norm_eps: float) -> FusedDecodeStack | None:
+        """The stack over `layers` (DecoderLayers, weights processed), or None where it cannot run."""
+        kernels = cpu_kernels() if attn_backend.supports_fused_decode_stack and parallel.tp_size == 1 else None
+        if kernels is None or len(layers) == 0:
+            return None
+        none = torch.empty(0)
+
+        def product(lin: Linear) -> list[torch.Tensor]:
+            t: NativeLinearTensors = native[lin]
+            return [t.packed_weight, none if t.bias is None else t.bias,
+                    none if t.int8_scale is None else t.int8_scale, none if t.int8_shift is None else t.int8_shift]
+
+        tensors: list[torch.Tensor] = []
+        widths: list[int] = []
+        native: dict[Linear, NativeLinearTensors] = {}
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                t = lin.native_decode_tensors()
+                if t is None:
+                    return None
+                native[lin] = t
+            q_norm = none if attn.q_norm is None else attn.q_norm.weight
+            k_norm = none if attn.k_norm is None else attn.k_norm.weight
+            tensors += [layer.input_layernorm.weight, *product(attn.qkv_proj), q_norm, k_norm,
+                        *product(attn.o_proj), layer.post_attention_layernorm.weight,
+                        *product(mlp.gate_up_proj), *product(mlp.down_proj)]
+            widths += [attn.qkv_proj.out_features, attn.o_proj.out_features, mlp.gate_up_proj.out_features]
+        return cls(layers, kernels, tensors, widths, min(t.max_rows for t in native.values()), rms_norm_eps)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                 kv_caches: list[KVCache], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(hidden, residual) after every layer, or None when this step is not one the stack runs."""
+        rows = x.shape[0]
+        if meta.prefills or meta.num_decodes != rows or rows > self.max_rows \
+                or self.weight_dtype not in (x.dtype, torch.int8) \
+                or any(layer._forward_pre_hooks or layer._forward_hooks for layer in self.layers):
+            return None
+        return self.kernels.decode_layers(x, residual, self.tensors, self.widths, [t for kv in kv_caches for t in kv],
+                                          *cos_sin, meta.slot_mapping, meta.decode_block_tables,
+                                          meta.decode_context_lens, *self.shape)
