@@ -56,6 +56,7 @@ def _configs(prompts):
         "block-size-32": dict(num_kv_blocks=256, block_size=32),
         "chunk-threshold-48": dict(num_kv_blocks=512, long_prefill_token_threshold=48),
         "linear-onednn": dict(num_kv_blocks=512, linear_backend="onednn"),
+        "attention-torch": dict(num_kv_blocks=512, attention_backend="torch"),  # the PyTorch SDPA reference backend
         "no-native-kernels": dict(num_kv_blocks=512),  # run with the C++ kernels disabled (use_kernels)
         "avx2-kernels": dict(num_kv_blocks=512),  # run on the AVX2 build of the kernels (no small GEMM; use_kernels)
     }
@@ -107,7 +108,7 @@ def use_kernels(monkeypatch, isa: str | None):
 
 
 CONFIGS = ["prefix-caching-off", "budget-32-chunked", "pool-fits-longest-only", "block-size-8", "block-size-32",
-           "chunk-threshold-48", "linear-onednn", "no-native-kernels",
+           "chunk-threshold-48", "linear-onednn", "attention-torch", "no-native-kernels",
            pytest.param("avx2-kernels", marks=pytest.mark.kernels_build("avx2"))]
 
 
@@ -127,6 +128,7 @@ def test_greedy_same_in_every_config(arch, config, tiny_model_dir, tiny_tokenize
         assert not avx2.native_small_gemm(torch.float32)
         alternative = count_native_calls(monkeypatch, avx2)
     llm, ours = run(model_dir, prompts, **_configs(prompts)[config])
+    assert llm.llm_engine.runner.attn_backend.name == ("torch" if config == "attention-torch" else "cpu")
     hf = hf_greedy(model_dir, prompts, MAX_TOKENS)
     assert_greedy_match(ours, hf, logprob_atol=LOGPROB_ATOL)
     assert [list(o.token_ids) for o in ours] == reference, "outputs changed with the config"

@@ -40,8 +40,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_bfloat16_greedy_matches_transformers_up_to_near_ties(arch, native, speculative, tiny_model_dir,
                                                               tiny_tokenizer, monkeypatch):
     if not native:  # the PyTorch fallback in bfloat16, same rule
-        monkeypatch.setattr("pagedserve.model_executor.attention.cpu_kernels", lambda: None)
-        monkeypatch.setattr("pagedserve.model_executor.layers.cpu_kernels", lambda: None)
+        monkeypatch.setattr("pagedserve.model_executor.attention.cpu.cpu_kernels", lambda: None)
+        monkeypatch.setattr("pagedserve.model_executor.quantization.unquantized.cpu_kernels", lambda: None)
     elif kernels.cpu_kernels() is None:
         pytest.fail("the native CPU kernels did not build (needs a C++ compiler and ninja)")
     model_dir = tiny_model_dir(arch)
