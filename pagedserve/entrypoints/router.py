@@ -5,14 +5,15 @@ KV cache: the request's leading text (prompt or messages) is cut into chunks wit
 and each replica remembers (LRU) the chunks it was sent. The replica matching the most leading chunks wins,
 unless it has `--balance-abs-threshold` more requests in flight than the least loaded one; a request matching
 none goes to the least loaded replica (then the one holding the fewest prefixes, which spreads new prefixes).
-Replicas are health-checked every `--health-check-interval` seconds; a replica that refuses a connection is
-marked down and the request retried on the next best. Answers stream through unbuffered; a client disconnect
-closes the replica's request (the server aborts it). `--policy round_robin` is the baseline to compare with.
+A request counts as in flight on its replica from the moment it is dispatched (concurrent requests see it) until
+its answer ends, however it ends. Replicas are health-checked every `--health-check-interval` seconds; a replica
+that refuses a connection (or whose pool is full) gets nothing: the request goes to the next best. Answers stream
+through unbuffered; a client disconnect closes the replica's request (the server aborts it). Timeouts, pools, the
+API key and the body limit: entrypoints/http_relay.py. `--policy round_robin` is the baseline to compare with.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import itertools
 import json
@@ -20,11 +21,11 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedserve.entrypoints.http_relay import (add_generation_routes, forwarded_headers, new_client, stream_back,
+from pagedserve.entrypoints.http_relay import (RelayConfig, RelayGuard, Upstream, UpstreamUnavailable,
+                                               add_generation_routes, add_relay_args, relay, relay_lifespan,
                                                unavailable)
 
 logger = logging.getLogger("pagedserve")
@@ -44,12 +45,8 @@ def prefix_keys(payload: dict) -> list[int]:
     return keys
 
 
-@dataclass
-class Worker:
-    url: str
-    healthy: bool = True
-    in_flight: int = 0
-    num_routed: int = 0
+@dataclass(eq=False)
+class Worker(Upstream):
     prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)
 
     def matched(self, keys: list[int]) -> int:
@@ -59,9 +56,6 @@ class Worker:
                 break
             n += 1
         return n
-
-    def finished(self) -> None:
-        self.in_flight -= 1
 
     def remember(self, keys: list[int]) -> None:
         for key in keys:
@@ -91,59 +85,35 @@ class Router:
         return best
 
 
-def build_app(router: Router, health_check_interval: float = 2.0) -> FastAPI:
-    client = new_client()
+def build_app(router: Router, config: RelayConfig | None = None) -> FastAPI:
+    config = config or RelayConfig()
+    app = FastAPI(title="pagedserve router", lifespan=lambda app: relay_lifespan(router.workers, config))
+    app.add_middleware(RelayGuard, config=config)
 
-    async def check_health() -> None:
-        while True:
-            for w in router.workers:
-                try:
-                    w.healthy = (await client.get(w.url + "/health", timeout=2.0)).status_code == 200
-                except httpx.HTTPError:
-                    w.healthy = False
-            await asyncio.sleep(health_check_interval)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        task = asyncio.create_task(check_health())
-        yield
-        task.cancel()
-        await client.aclose()
-
-    app = FastAPI(title="pagedserve router", lifespan=lifespan)
-
-    async def route(request: Request, path: str) -> Response:
-        body = await request.body()
+    async def route(request: Request, path: str, body: bytes) -> Response:
         try:
             payload = json.loads(body)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):
             payload = None
         keys = prefix_keys(payload) if isinstance(payload, dict) else []
         tried: set[str] = set()
         while (worker := router.choose(keys, tried)) is not None:
             tried.add(worker.url)
-            try:
-                upstream = await client.send(client.build_request("POST", worker.url + path, content=body,
-                                                                  headers=forwarded_headers(request)), stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing was sent: another replica may
-                logger.warning("worker %s unreachable (%s); marked down, retrying elsewhere", worker.url, exc)
-                worker.healthy = False
-                continue
-            worker.in_flight += 1
-            worker.num_routed += 1
             worker.remember(keys)
-            return stream_back(upstream, {"x-pagedserve-worker": worker.url}, worker.finished)
+            try:
+                return await relay(worker, request, "POST", path, body)
+            except UpstreamUnavailable as exc:  # nothing was sent: another replica may take it
+                logger.warning("%s; retrying elsewhere", exc)
         return unavailable("no healthy worker")
 
-    add_generation_routes(app, route)
+    add_generation_routes(app, route, config)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         for w in router.workers:
             if w.healthy:
-                with contextlib.suppress(httpx.HTTPError):
-                    r = await client.get(w.url + "/v1/models", headers=forwarded_headers(request))
-                    return Response(r.content, status_code=r.status_code, media_type="application/json")
+                with contextlib.suppress(UpstreamUnavailable):
+                    return await relay(w, request, "GET", "/v1/models")
         return unavailable("no healthy worker")
 
     @app.get("/health")
@@ -152,8 +122,7 @@ def build_app(router: Router, health_check_interval: float = 2.0) -> FastAPI:
 
     @app.get("/workers")
     async def workers() -> Response:
-        return JSONResponse([{"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight,
-                              "num_routed": w.num_routed, "num_prefixes": len(w.prefixes)} for w in router.workers])
+        return JSONResponse([w.state() | {"num_prefixes": len(w.prefixes)} for w in router.workers])
 
     return app
 
@@ -165,7 +134,7 @@ def add_router_parser(subparsers) -> None:
     p.add_argument("--policy", choices=["cache_aware", "round_robin"], default="cache_aware")
     p.add_argument("--balance-abs-threshold", type=int, default=4,
                    help="route by load instead of prefix when the best match has this many more requests in flight")
-    p.add_argument("--health-check-interval", type=float, default=2.0)
+    add_relay_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.set_defaults(func=_run_router)
@@ -174,6 +143,6 @@ def add_router_parser(subparsers) -> None:
 def _run_router(args: argparse.Namespace) -> int:
     import uvicorn
 
-    app = build_app(Router(args.worker, args.policy, args.balance_abs_threshold), args.health_check_interval)
+    app = build_app(Router(args.worker, args.policy, args.balance_abs_threshold), RelayConfig.from_args(args))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -11,6 +11,8 @@ from server_helpers import MAIN_ARGS, ServerProcess, auth_headers, get_server, s
 from pagedserve.entrypoints.data_parallel import replica_argv
 from pagedserve.entrypoints.router import Router, prefix_keys
 
+pytestmark = pytest.mark.server
+
 
 def test_cache_aware_choice_follows_prefixes_and_load():
     router = Router(["http://a", "http://b"], balance_abs_threshold=2)
@@ -71,7 +73,7 @@ def test_serve_data_parallel_launches_replicas_behind_the_router(tiny_model_dir)
     model_dir = tiny_model_dir("llama")
     server = ServerProcess(model_dir, MAIN_ARGS + ("--data-parallel-size", "2"))
     try:
-        workers = httpx.get(server.url + "/workers").json()
+        workers = httpx.get(server.url + "/workers", headers=auth_headers()).json()  # the replicas' key
         assert len(workers) == 2 and all(w["healthy"] for w in workers)
         assert server.url not in {w["url"] for w in workers}
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="test-key-123")
