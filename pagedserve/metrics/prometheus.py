@@ -13,7 +13,7 @@ registered in prometheus_client's global REGISTRY.  Counters are exposed with th
 | pagedserve:prefix_cache_queries_total | counter | prompt tokens looked up in the prefix cache |
 | pagedserve:prefix_cache_hits_total | counter | of which were found cached |
 | pagedserve:num_preemptions_total | counter | preemptions (requests evicted to free KV blocks) |
-| pagedserve:engine_step_failures_total | counter | engine steps whose forward raised (their requests failed with a 500, the rest went on) |
+| pagedserve:engine_step_failures_total | counter | engine steps in which anything raised (schedule, KV connector, forward, output; their requests failed with a 500, the rest went on) |
 | pagedserve:num_requests_rejected_queue_full_total | counter | requests refused with 429 because the waiting queue was full |
 | pagedserve:prompt_tokens_total | counter | prefill tokens computed |
 | pagedserve:generation_tokens_total | counter | tokens generated |
@@ -36,6 +36,7 @@ registered in prometheus_client's global REGISTRY.  Counters are exposed with th
 | pagedserve:external_prefix_cache_hits_total | counter | of which loaded from there instead of computed |
 | pagedserve:kv_connector_saved_blocks_total | counter | KV blocks saved to the KV connector's store |
 | pagedserve:kv_connector_failures_total | counter | store operations that failed (recomputed / not saved instead) |
+| pagedserve:kv_connector_rejected_payloads_total | counter | stored KV blocks that failed their size or integrity check (recomputed instead) |
 | pagedserve:spec_decode_num_drafts_total | counter | verifications of a request's drafts (speculative decoding) |
 | pagedserve:spec_decode_num_draft_tokens_total | counter | draft tokens verified |
 | pagedserve:spec_decode_num_accepted_tokens_total | counter | of which accepted |
@@ -161,6 +162,8 @@ class PrometheusStatLogger(StatLoggerBase):
                                   ).labels(**self._lv)
         self.c_kv_failures = counter("kv_connector_failures", "KV store operations that failed."
                                      ).labels(**self._lv)
+        self.c_kv_rejected = counter("kv_connector_rejected_payloads", "Stored KV blocks that failed their size or "
+                                     "integrity check (recomputed instead).").labels(**self._lv)
         self._last_external = SchedulerStats()
         self.c_spec_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.").labels(**self._lv)
         self.c_spec_draft_tokens = counter("spec_decode_num_draft_tokens",
@@ -192,6 +195,7 @@ class PrometheusStatLogger(StatLoggerBase):
         self._inc(self.c_external_hits, s.external_prefix_cache_hits, last.external_prefix_cache_hits)
         self._inc(self.c_kv_saved, s.kv_connector_saved_blocks, last.kv_connector_saved_blocks)
         self._inc(self.c_kv_failures, s.kv_connector_failures, last.kv_connector_failures)
+        self._inc(self.c_kv_rejected, s.kv_connector_rejected_payloads, last.kv_connector_rejected_payloads)
         self._last_external = s
         if s.spec_decoding is not None:
             self._update_spec_decoding(s.spec_decoding)

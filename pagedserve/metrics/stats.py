@@ -27,6 +27,7 @@ class SchedulerStats:
     external_prefix_cache_hits: int = 0
     kv_connector_saved_blocks: int = 0
     kv_connector_failures: int = 0  # store operations that failed (their blocks were recomputed / not saved)
+    kv_connector_rejected_payloads: int = 0  # stored blocks that failed their size or integrity check (recomputed)
 
 
 @dataclass

@@ -10,6 +10,8 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 
+pytestmark = pytest.mark.server
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 BLOCK = 16
 
@@ -67,10 +69,14 @@ def test_second_tier_serves_evicted_prefix(model_dir):
 
 
 def block_nbytes(model_dir) -> int:
-    """Bytes of one KV block of `model_dir` in float32 (layers x K,V x tokens x KV heads x head dim x 4)."""
+    """Bytes of one stored KV block of `model_dir` in float32: its tag, then layers x K,V x tokens x KV heads x
+    head dim x 4."""
+    from pagedserve.kv_transfer.connector import TAG_BYTES
+
     c = json.loads((model_dir / "config.json").read_text())
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return c["num_hidden_layers"] * 2 * BLOCK * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * 4
+    kv_heads = c.get("num_key_value_heads", c["num_attention_heads"])
+    return TAG_BYTES + c["num_hidden_layers"] * 2 * BLOCK * kv_heads * head_dim * 4
 
 
 def test_cpu_tier_spills_to_disk_and_loads_back(model_dir, tmp_path):
@@ -299,20 +305,32 @@ def test_disaggregated_prefill_decode_through_proxy(tiny_model_dir, redis_url):
             assert s.stop() == 0
 
 
-def test_unreachable_redis_is_left_alone_for_a_while():
-    """After a failure the store answers as a miss without trying again until retry_after_s has passed."""
+def test_unreachable_redis_is_left_alone_for_a_while(monkeypatch):
+    """After a failure that direction (reads; lookups and writes) answers as a miss / drops the save without trying
+    again until retry_after_s has passed; the other direction is not held back by it. The stores' clock is a fake
+    one the test advances (no wall-clock window that a loaded machine could overrun)."""
     import socket
     import time
+    import types
 
     pytest.importorskip("redis", reason="the redis client package (pagedserve[kv]) is not installed")
+    from pagedserve.kv_transfer import stores
     from pagedserve.kv_transfer.stores import RedisStore
+
+    now = [1000.0]
+    clock = {name: getattr(time, name) for name in dir(time) if not name.startswith("_")}
+    monkeypatch.setattr(stores, "time", types.SimpleNamespace(**{**clock, "monotonic": lambda: now[0]}))
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     store = RedisStore(f"redis://127.0.0.1:{port}", retry_after_s=0.2)
     assert store.get_prefix(["k"]) == [] and store.num_failures == 1
-    store.put([("k", b"v")])
-    assert store.missing(["k"]) == [] and store.get_prefix(["k"]) == [] and store.num_failures == 1
-    time.sleep(0.25)
-    assert store.get_prefix(["k"]) == [] and store.num_failures == 2
+    assert store.get_prefix(["k"]) == [] and store.num_failures == 1  # reads: left alone
+    store.put([("k", b"v")])  # writes were not held back by the failed read
+    assert store.num_failures == 2
+    assert store.missing(["k"]) == [] and store.num_failures == 2  # lookups and writes: left alone
+    now[0] += 0.19
+    assert store.get_prefix(["k"]) == [] and store.num_failures == 2  # not yet
+    now[0] += 0.02
+    assert store.get_prefix(["k"]) == [] and store.num_failures == 3
