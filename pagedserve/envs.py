@@ -24,7 +24,6 @@ if TYPE_CHECKING:  # the types `envs.NAME` has (read through __getattr__ below)
     PAGEDSERVE_ADMIN_API_KEY: str | None
     OPENAI_API_KEY: str | None
     PAGEDSERVE_KV_TRANSFER_SECRET: str | None
-    PAGEDSERVE_KV_TRANSFER_SECRET: str | None
     PAGEDSERVE_FAULT_INJECT_TOKEN: str | None
 
 DEFAULT_GOMP_SPINCOUNT = "10000"
@@ -97,12 +96,6 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[str, Callable[[], Any]]] = {
     "OPENAI_API_KEY": (
         "The key `pagedserve bench serve` sends (as vLLM's benchmark client), for a server started with --api-key.",
         _str("OPENAI_API_KEY", None)),
-    # ---- KV connector (kv_transfer/)
-    "PAGEDSERVE_KV_TRANSFER_SECRET": (
-        "A secret the instances sharing a KV store (redis, directory) hold: every stored block carries an HMAC "
-        "under it, so whoever can write to the store without it cannot make an instance load a block. Unset: a "
-        "plain digest (catches corruption, not forgery).",
-        _str("PAGEDSERVE_KV_TRANSFER_SECRET", None)),
     # ---- KV connector (kv_transfer/)
     "PAGEDSERVE_KV_TRANSFER_SECRET": (
         "A secret the instances sharing a KV store (redis, directory) hold: every stored block carries an HMAC "
