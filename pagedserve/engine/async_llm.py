@@ -15,10 +15,12 @@ Design
   -> 400 before anything is queued), refuses with QueueFullError (429) when `max_queued_requests` sequences
   already wait, and is then awaited until the engine thread has queued it, so any rejection reaches the HTTP
   layer before a streaming response has started.
-* Failure isolation: the engine fails only the requests of a step whose forward raised (their outputs carry
-  `error`: those streams end with EngineRequestError, a 500) and keeps serving everyone else.  If the loop
-  itself raises (a bug), every in-flight request is failed and the loop goes on.  `health()` is unhealthy
-  after `max_consecutive_step_failures` failed steps in a row, until a step succeeds again.
+* Failure isolation: the engine fails only the requests of a step in which anything raised (scheduling, KV
+  connector I/O, the forward, output processing; their outputs carry `error`: those streams end with
+  EngineRequestError, a 500) and keeps serving everyone else.  If the loop itself raises (a bug), every
+  in-flight request is failed, the iteration counts as a failed step, and the loop goes on.  `health()` is
+  unhealthy after `max_consecutive_step_failures` failed steps in a row, until a step succeeds again, and while
+  a step has run longer than `step_timeout_s` (a hung store or kernel: the watchdog), until it returns.
 * Cancellation: a consumer that stops early (client disconnected -> the StreamingResponse task is
   cancelled -> `generate()`'s finally) aborts the request, and the engine frees its KV blocks on the
   engine thread's next iteration (it is woken at once; at most one in-flight step away).
@@ -78,6 +80,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pagedserve.engine")
 
+# vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S: a step running longer is reported by /health (it is not interrupted)
+DEFAULT_STEP_TIMEOUT_S = 60.0
+
 __all__ = ["AsyncLLM", "RequestStream", "merge_delta", "EngineDeadError", "EngineRequestError",
            "EngineShuttingDown", "QueueFullError", "RequestAborted"]
 
@@ -127,10 +132,13 @@ class AsyncLLM:
     def __init__(self, engine: "LLMEngine", *, log_stats: bool = True, log_interval_s: float = 10.0,
                  stat_loggers: Iterable[StatLoggerBase] = (), start: bool = True,
                  max_queued_requests: int | None = None, max_consecutive_step_failures: int = 5,
+                 step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S,
                  engine_thread: EngineThread | None = None) -> None:
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.max_consecutive_step_failures = max_consecutive_step_failures
+        self.step_timeout_s = step_timeout_s
+        self._step_started: float | None = None  # monotonic start of the step running now (engine thread writes)
         loggers: list[StatLoggerBase] = list(stat_loggers)
         if log_stats:
             loggers.insert(0, LoggingStatLogger(log_interval_s))
@@ -207,6 +215,12 @@ class AsyncLLM:
             return EngineHealth(False, "dead", "the engine loop is not running")
         if self._stop or self._draining:
             return EngineHealth(False, "draining", "the server is shutting down")
+        started = self._step_started
+        if started is not None and self.step_timeout_s is not None:
+            running_s = time.monotonic() - started
+            if running_s > self.step_timeout_s:
+                return EngineHealth(False, "stalled", f"the current engine step has run for {running_s:.1f} s "
+                                                      f"(--step-timeout-s {self.step_timeout_s:g})")
         if self.consecutive_step_failures >= self.max_consecutive_step_failures:
             return EngineHealth(False, "failing", f"the last {self.consecutive_step_failures} engine steps failed")
         return EngineHealth(True, "ok")
@@ -349,6 +363,7 @@ class AsyncLLM:
                     self._iteration(adds, aborts, fail_exc)
                 except Exception as exc:  # a bug in this loop, not in a request: keep serving
                     logger.exception("Engine loop iteration failed; failing the in-flight requests")
+                    self.consecutive_step_failures += 1
                     self._fail_everything(EngineRequestError(f"engine loop error: {type(exc).__name__}: {exc}"))
                 finally:
                     self._flush()
@@ -402,7 +417,11 @@ class AsyncLLM:
 
     def _step(self) -> None:
         failures_before = self.engine.num_step_failures
-        outputs = self.engine.step()
+        self._step_started = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        finally:
+            self._step_started = None
         if self.engine.num_step_failures > failures_before:
             self.consecutive_step_failures += 1
         elif self.engine.last_iteration.num_scheduled_tokens:

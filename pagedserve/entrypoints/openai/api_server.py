@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedserve import envs
-from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.async_llm import DEFAULT_STEP_TIMEOUT_S, AsyncLLM
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.entrypoints.dashboard.routes import add_live_event_routes
 from pagedserve.entrypoints.openai.errors import (OpenAIError, error_response, exception_to_openai,
@@ -82,6 +82,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "mistral ([TOOL_CALLS])")
     p.add_argument("--max-consecutive-step-failures", type=int, default=5,
                    help="/health answers 503 after this many failed engine steps in a row (until one succeeds)")
+    p.add_argument("--step-timeout-s", type=float, default=DEFAULT_STEP_TIMEOUT_S,
+                   help="/health answers 503 while an engine step has run longer than this (a hung KV store or "
+                        "kernel), until it returns (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S)")
     EngineArgs.add_cli_args(p)  # --served-model-name, --max-num-seqs, --num-kv-blocks, ... (vLLM names)
     p.set_defaults(func=run_server)
     return p
@@ -355,7 +358,8 @@ def run_server(args: argparse.Namespace) -> int:
     async_llm = AsyncLLM.from_engine_args(engine_args, log_stats=not args.disable_log_stats,
                                           log_interval_s=args.log_stats_interval,
                                           max_queued_requests=args.max_queued_requests,
-                                          max_consecutive_step_failures=args.max_consecutive_step_failures)
+                                          max_consecutive_step_failures=args.max_consecutive_step_failures,
+                                          step_timeout_s=args.step_timeout_s)
     # The grammar engine's view of the vocabulary (0.1-0.2 s for 8k-49k tokens) is built now, not inside the first
     # constrained request's step, where it stalled every request of the batch.
     t_grammar = time.perf_counter()
