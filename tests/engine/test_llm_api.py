@@ -45,7 +45,7 @@ def test_prompt_limits(llm):
     with pytest.raises(ValueError, match="token ids must be in"):
         llm.generate(prompt_token_ids=[[5, 10**6]], use_tqdm=False)
     # a request that fits max_model_len but not the whole KV pool is refused up front, never left to hang
-    small = LLM(llm.llm_engine.args.model, num_kv_blocks=4, num_threads=1, max_model_len=512)
+    small = LLM(llm.llm_engine.config.model.path, num_kv_blocks=4, num_threads=1, max_model_len=512)
     with pytest.raises(ValueError, match="KV blocks"):
         small.generate(prompt_token_ids=[[5] * 60], sampling_params=SamplingParams(max_tokens=10), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests() and not small.llm_engine.has_unfinished_requests()
