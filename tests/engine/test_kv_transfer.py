@@ -226,7 +226,10 @@ def test_kv_transfer_config_errors(model_dir):
                        ({"kv_connector": "cpu", "kv_buffer_size": 0}, "kv_buffer_size"),
                        ({"kv_connector": "cpu", "path": "x", "disk_size": -1}, "disk_size"),
                        ({"kv_connector": "cpu", "disk_size": 1 << 20}, "path"),
-                       ({"kv_connector": "cpu", "extra": 1}, "unknown"), ("{", "JSON")]:
+                       ({"kv_connector": "cpu", "extra": 1}, "unknown"), ("{", "JSON"),
+                       ({"kv_connector": "redis", "url": "redis://x", "ttl_s": 0}, "ttl_s"),
+                       ({"kv_connector": "cpu", "ttl_s": 60}, "ttl_s"),
+                       ({"kv_connector": "cpu", "kv_namespace": ""}, "kv_namespace")]:
         with pytest.raises(ValueError, match=match):
             EngineArgs(kv_transfer_config=bad)
     with pytest.raises(ValueError, match="prefix caching"):
