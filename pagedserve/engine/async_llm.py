@@ -64,7 +64,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, KVCacheConfig
 from pagedserve.engine.events import EngineEventRecorder
 from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest
 from pagedserve.engine.protocol import EngineHealth
@@ -179,6 +179,10 @@ class AsyncLLM:
     @property
     def config(self) -> EngineConfig:
         return self.engine.config
+
+    @property
+    def kv_cache_config(self) -> KVCacheConfig:
+        return self.engine.kv_cache_config
 
     @property
     def tokenizer(self) -> Any:

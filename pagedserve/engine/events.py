@@ -28,7 +28,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, TextIO
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, KVCacheConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventCollector, block_state,
                                        encode_block_hash)
@@ -41,10 +41,15 @@ SNAPSHOT_EVERY = 512  # steps: the ring always holds a snapshot to start from
 TRACE_FLUSH_INTERVAL_S = 1.0
 
 
-def config_dict(config: EngineConfig) -> dict[str, Any]:
-    """The served config as plain JSON (what the dashboard shows and `diagnose` reasons about)."""
-    out = dataclasses.asdict(config)
-    out["model"]["eos_token_ids"] = sorted(config.model.eos_token_ids)
+def config_dict(config: EngineConfig, kv_cache: KVCacheConfig) -> dict[str, Any]:
+    """The served config as plain JSON (what the dashboard shows and `diagnose` reasons about): of the model what it
+    is as served, and the cache with the block count the engine allocated."""
+    out = dataclasses.asdict(dataclasses.replace(config, model=None))
+    m = config.model
+    out["model"] = {"path": m.path, "served_model_name": m.served_model_name, "is_default_model": m.is_default_model,
+                    "architecture": m.architecture, "dtype": m.dtype, "max_model_len": m.max_model_len,
+                    "vocab_size": m.vocab_size, "eos_token_ids": sorted(m.eos_token_ids)}
+    out["cache"]["num_blocks"] = kv_cache.num_blocks
     return out
 
 
@@ -90,9 +95,9 @@ class EngineEventRecorder:
     """Owned by the LLMEngine; its `begin_step` / `on_scheduled` / `end_step` / `on_arrival` run on the engine
     thread. `subscribe` / `unsubscribe` / `request_snapshot` may be called from any thread."""
 
-    def __init__(self, config: EngineConfig, scheduler: Scheduler, kv: KVCacheManager,
+    def __init__(self, config: EngineConfig, kv_cache: KVCacheConfig, scheduler: Scheduler, kv: KVCacheManager,
                  buffer_size: int = DEFAULT_BUFFER_SIZE) -> None:
-        self.config = config_dict(config)
+        self.config = config_dict(config, kv_cache)
         self.scheduler = scheduler
         self.kv = kv
         self.ring = EventRing(buffer_size)

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, KVCacheConfig
 from pagedserve.engine.structured_output import StructuredOutputManager
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import SamplingParams
@@ -39,9 +39,10 @@ class ProcessedRequest:
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, tokenizer: Any,
+    def __init__(self, config: EngineConfig, kv_cache: KVCacheConfig, tokenizer: Any,
                  structured_output: StructuredOutputManager | None = None) -> None:
         self.config = config
+        self.kv_cache = kv_cache  # the blocks the engine allocated: no request may need more
         self.tokenizer = tokenizer
         self.structured_output = structured_output
 
@@ -71,7 +72,7 @@ class InputProcessor:
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
         """max_tokens when a request gives none: what max_model_len leaves, capped by what the whole KV pool
         holds, so that the default never makes a request that could never run."""
-        room = min(self.config.model.max_model_len, self.config.cache.num_tokens) - num_prompt_tokens
+        room = min(self.config.model.max_model_len, self.kv_cache.num_tokens) - num_prompt_tokens
         return max(room, 1)
 
     def _check_length(self, num_prompt: int, max_tokens: int | None, param: str) -> int:
@@ -89,7 +90,7 @@ class InputProcessor:
                 f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} in the completion). "
                 f"Please reduce the length of the prompt or completion (max_tokens <= {limit - num_prompt}).",
                 param="max_tokens", code="context_length_exceeded")
-        cache = self.config.cache
+        cache = self.kv_cache
         need = cdiv(num_prompt + max_tokens, cache.block_size)
         if need > cache.num_blocks:
             raise InvalidRequestError(

@@ -23,7 +23,7 @@ def make_engine(tiny_model_dir):
     """LLMEngine on the tiny Llama: 64 blocks of 4 tokens unless told otherwise."""
     def make(**kwargs) -> LLMEngine:
         args = {"num_kv_blocks": 64, "max_model_len": 256, "block_size": 4, **kwargs}
-        return LLMEngine(EngineArgs(model=str(tiny_model_dir("llama")), num_threads=1, **args))
+        return LLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir("llama")), num_threads=1, **args))
     return make
 
 

@@ -188,7 +188,7 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
     base = OpenAIServing(engine_client, served, log_requests)
 
     registry = CollectorRegistry()
-    cache_info = {"block_size": config.cache.block_size, "num_gpu_blocks": config.cache.num_blocks,
+    cache_info = {"block_size": config.cache.block_size, "num_gpu_blocks": engine_client.kv_cache_config.num_blocks,
                   "enable_prefix_caching": config.cache.enable_prefix_caching,
                   "cache_dtype": config.cache.kv_cache_dtype}
     prometheus = PrometheusStatLogger(registry, served, max_model_len=max_model_len,
