@@ -33,6 +33,8 @@ import threading
 import time
 from pathlib import Path
 
+from pagedserve import envs
+
 logger = logging.getLogger("pagedserve")
 
 KERNEL_DIR = Path(__file__).resolve().parent
@@ -51,7 +53,6 @@ ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 BASE_CFLAGS = ("-O3", "-fopenmp", "-ffast-math")
 LOCK_NAME = "pagedserve.lock"
-DEFAULT_LOCK_TIMEOUT_S = 300.0
 
 
 @functools.cache
@@ -78,7 +79,7 @@ def supported_isas(flags: frozenset[str] | None = None) -> list[str]:
 def detect_isa() -> str:
     """The level to build for: PAGEDSERVE_CPU_ISA if set (must be one this CPU runs), else the best one."""
     supported = supported_isas()
-    forced = os.environ.get("PAGEDSERVE_CPU_ISA", "").strip().lower()
+    forced = envs.PAGEDSERVE_CPU_ISA
     if forced:
         if forced not in ISA_LEVELS:
             raise ValueError(f"PAGEDSERVE_CPU_ISA={forced!r}: expected one of {', '.join(ISA_LEVELS)}")
@@ -169,7 +170,7 @@ def build_extension(name: str, sources: list[Path], cflags: list[str], timeout_s
     from torch.utils.cpp_extension import load
 
     if timeout_s is None:
-        timeout_s = float(os.environ.get("PAGEDSERVE_KERNEL_BUILD_TIMEOUT", DEFAULT_LOCK_TIMEOUT_S))
+        timeout_s = envs.PAGEDSERVE_KERNEL_BUILD_TIMEOUT
     build_dir = _build_directory(name)
     lock = acquire_build_lock(build_dir, timeout_s)
     if lock is None:
@@ -217,7 +218,7 @@ def load_cpu_kernels(isa: str | None = None):
     disabled (PAGEDSERVE_CPU_KERNELS=0) or cannot be built. Cached per level; call it at engine start-up so the
     first request does not wait for a compiler."""
     global _default
-    if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") == "0":
+    if not envs.PAGEDSERVE_CPU_KERNELS:
         return None
     with _lock:
         default = isa is None
