@@ -5,9 +5,9 @@ engine reads the blocks `save` is given (evicted or newly written ones) into pay
 
 Nothing read from a store is trusted: each record is a tag followed by the payload, the tag an HMAC-SHA256 of
 the record's key and payload under the instances' shared secret (PAGEDSERVE_KV_TRANSFER_SECRET; without one, the
-empty key: a plain digest that catches corruption but not forgery). A record whose tag or size does not match is a miss (counted in `num_rejected_payloads`) and is
-overwritten once this instance has recomputed the block. The key's namespace holds a digest of the weights'
-bytes, so two checkpoints of one shape never share blocks."""
+empty key: a plain digest that catches corruption but not forgery). A record whose tag or size does not match is
+a miss (counted in `num_rejected_payloads`) and is overwritten once this instance has recomputed the block. The
+key's namespace holds a digest of the weights' bytes, so two checkpoints of one shape never share blocks."""
 from __future__ import annotations
 
 import hashlib

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
-from test_kv_transfer import BLOCK, generate, make_llm, redis_url, tokens  # noqa: F401 (redis_url: a fixture)
+from test_kv_transfer import BLOCK, generate, make_llm, tokens
 
 from pagedserve.kv_transfer.connector import TAG_BYTES, weights_digest
 from pagedserve.metrics.prometheus import PrometheusStatLogger, render

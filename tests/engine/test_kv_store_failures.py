@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from test_kv_transfer import BLOCK, generate, make_llm, redis_url, tokens  # noqa: F401 (redis_url: a fixture)
+from test_kv_transfer import BLOCK, generate, make_llm, tokens
 
 from pagedserve.kv_transfer.stores import DirectoryStore
 
