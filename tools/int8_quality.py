@@ -19,19 +19,22 @@ import math
 import torch
 
 from pagedserve.demo_model_path import default_model_path
-from pagedserve.model_executor.layers import Linear
+from pagedserve.model_executor.layers.linear import Linear
+from pagedserve.model_executor.quantization.int8 import Int8Config
 from tools.eval_demo_model import held_out_windows, load_model_float32, mean_loss
 
 
 def quantize_hf_linears(model: torch.nn.Module, allow_native: bool = True) -> torch.nn.Module:
+    """Every nn.Linear of `model` replaced by pagedserve's int8 Linear (allow_native=False: fbgemm's kernel)."""
+    config = Int8Config(allow_native=allow_native)
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, torch.nn.Linear):
-                q = Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                q = Linear(child.in_features, child.out_features, bias=child.bias is not None, quant_config=config)
                 q.weight.data.copy_(child.weight.data)
                 if child.bias is not None:
                     q.bias.data.copy_(child.bias.data)
-                q.set_backend("int8", allow_native=allow_native)
+                q.process_weights_after_loading()
                 setattr(module, child_name, q)
     return model
 
@@ -61,7 +64,7 @@ def evaluate(model_dir: str, max_tokens: int, num_prompts: int, prompt_len: int 
     result = {"eval_tokens": int(windows[:, 1:].numel()), "loss_fp32": fp32, "loss_int8": int8,
               "ppl_fp32": math.exp(fp32), "ppl_int8": math.exp(int8),
               "ppl_delta_pct": 100 * (math.exp(int8) / math.exp(fp32) - 1)}
-    if any(m._small_packed is not None for m in int8_model.modules() if isinstance(m, Linear)):
+    if any(m.native_decode_tensors() is not None for m in int8_model.modules() if isinstance(m, Linear)):
         fbgemm = mean_loss(quantize_hf_linears(load_model_float32(model_dir), allow_native=False), windows)
         result.update(loss_int8_fbgemm=fbgemm, ppl_int8_fbgemm=math.exp(fbgemm),
                       ppl_delta_fbgemm_pct=100 * (math.exp(fbgemm) / math.exp(fp32) - 1))
