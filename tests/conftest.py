@@ -8,12 +8,14 @@ See tests/tiny_models.py (checkpoints) and tests/hf_reference.py (HF greedy refe
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import settings
 
 # Tests live in one folder per subsystem (core/, model_executor/, engine/, entrypoints/, benchmarks/); the shared
@@ -31,26 +33,11 @@ settings.register_profile("ci", derandomize=True, database=None, print_blob=True
 settings.register_profile("thorough", max_examples=1000, derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-# The environment before any test module was imported: a variable a module sets at import (TRITON_INTERPRET, which
-# must precede triton's first import) is kept for that module's tests only (restore_process_state).
-_ENV_AT_START = dict(os.environ)
-_ENV_SET_BY_MODULE: dict[Path, dict[str, str]] = {}
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_make_collect_report(collector):
-    """Notes what importing a test module added to os.environ, and takes it out again for the rest of the run."""
-    before = dict(os.environ)
-    report = yield
-    added = {k: v for k, v in os.environ.items() if before.get(k) != v}
-    if added and isinstance(collector, pytest.Module):
-        _ENV_SET_BY_MODULE[collector.path] = added
-        for key in added:
-            if key in before:
-                os.environ[key] = before[key]
-            else:
-                del os.environ[key]
-    return report
+# Without a GPU the Triton kernels' tests run in Triton's interpreter, which must be on before triton is first
+# imported and when each kernel module is imported (the decorator reads it), whichever test imports one first: set
+# for this process here. Server subprocesses do not inherit it (server_helpers.ServerProcess).
+if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_finish(session):
@@ -77,13 +64,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def restore_process_state(request, monkeypatch):
-    """Every test starts from the same process state and leaves it so: os.environ as before the test (plus what its
-    module set at import), torch's intra-op thread count."""
-    import torch
-
-    for key, value in _ENV_SET_BY_MODULE.get(Path(request.path), {}).items():
-        monkeypatch.setenv(key, value)
+def restore_process_state():
+    """Every test leaves the process state as it found it: os.environ and torch's intra-op thread count."""
     env = dict(os.environ)
     threads = torch.get_num_threads()
     yield

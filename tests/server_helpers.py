@@ -42,9 +42,11 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", str(model_dir),
                "--host", "127.0.0.1", "--port", str(self.port), "--num-threads", "1", "--seed", "0",
                "--disable-uvicorn-access-log", "--log-stats-interval", "2", *args]
-        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        # the test process's own TRITON_INTERPRET (conftest: Triton's interpreter for the in-process kernel tests)
+        # is not the server's: a server runs what a user's would unless the test asks for it
+        inherited = {k: v for k, v in os.environ.items() if k not in ("PAGEDSERVE_API_KEY", "TRITON_INTERPRET")}
+        env = dict(inherited, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
-        env.pop("PAGEDSERVE_API_KEY", None)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT))
         self.exit_code: int | None = None
         deadline = time.monotonic() + startup_timeout

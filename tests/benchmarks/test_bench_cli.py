@@ -7,6 +7,8 @@ import pytest
 
 from pagedserve.benchmarks.cli import add_bench_parser
 
+pytestmark = pytest.mark.slow
+
 ENGINE = ["--num-threads", "1", "--num-kv-blocks", "256", "--max-model-len", "512", "--dtype", "float32"]
 
 

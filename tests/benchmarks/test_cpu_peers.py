@@ -11,6 +11,8 @@ import sys
 import pytest
 from tiny_models import make_tiny_checkpoint
 
+pytestmark = pytest.mark.slow
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "benchmarks", "cpu_peers.py")
 

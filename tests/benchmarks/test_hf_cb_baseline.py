@@ -12,6 +12,8 @@ import torch
 
 from pagedserve.benchmarks.datasets import SampleRequest
 
+pytestmark = pytest.mark.slow
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 transformers_cb = pytest.importorskip("transformers.generation.continuous_batching")

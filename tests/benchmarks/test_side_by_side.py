@@ -7,7 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 from tiny_models import make_tiny_checkpoint
+
+pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "benchmarks", "side_by_side.py")

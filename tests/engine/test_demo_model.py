@@ -23,6 +23,8 @@ from pagedserve.demo_model_path import default_model_path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository's tools/, outside the package
 from tools import eval_demo_model as ev  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 MODEL_DIR = Path(default_model_path())
 FIB = "def fibonacci(n):"
 ENGINE_PROMPTS = [FIB, "import os\n\n\ndef main(argv):\n", "class Stack:\n    def push(self, item):"]

@@ -188,6 +188,7 @@ def test_unsupported_architecture(tmp_path):
         LLM(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_generate_cli(tiny_model_dir):
     result = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "generate", str(tiny_model_dir("llama")),
                              "--prompt", "def f(x):", "--max-tokens", "8", "--num-kv-blocks", "64", "--num-threads", "1"],

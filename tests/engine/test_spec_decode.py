@@ -17,6 +17,8 @@ from pagedserve.model_executor.rejection_sampler import DraftBatch, rejection_sa
 from pagedserve.model_executor.sampler import SamplingMetadata
 from pagedserve.spec_decode.ngram import propose_ngram
 
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,

@@ -368,6 +368,7 @@ def test_server_builds_the_grammar_tokenizer_at_start_up(server):
     assert "Structured output (llguidance) ready in" in server.log()
 
 
+@pytest.mark.server
 def test_auto_tool_choice_hermes_over_http_streams_content_then_the_call(model_dir):
     """--enable-auto-tool-choice --tool-call-parser hermes on a real server: the model's text is forced into the
     Hermes format by a regex constraint (a random-weight model would not write it); the server turns it into
@@ -479,6 +480,7 @@ def test_mask_bias_allows_exactly_the_grammars_tokens(llm):
         manager.retain(set())
 
 
+@pytest.mark.slow
 def test_mask_worker_opens_no_openmp_pool(tiny_tokenizer_dir):
     """The grammar thread runs no parallel torch op: OpenMP would give it a thread pool of its own, and with more
     pool threads than cores libgomp stops spin-waiting, so the engine's every parallel region wakes its worker by

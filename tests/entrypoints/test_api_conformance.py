@@ -35,6 +35,8 @@ from typing import Any, ClassVar
 import httpx
 import pytest
 
+pytestmark = pytest.mark.server
+
 C, CH = "/v1/completions", "/v1/chat/completions"
 MAX_MODEL_LEN = 128
 # Per-request limits of the engine (EngineArgs defaults; the server below does not change them).

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def _gomp_spincount_seen_by_a_command(env_value: str | None) -> str:
     code = ("import os, sys\n"
@@ -18,6 +20,7 @@ def _gomp_spincount_seen_by_a_command(env_value: str | None) -> str:
     return out.stderr.rsplit("GOMP=", 1)[1]
 
 
+@pytest.mark.slow
 def test_cli_sets_a_short_openmp_spin_unless_the_user_chose_one():
     assert _gomp_spincount_seen_by_a_command(None) == "10000"
     assert _gomp_spincount_seen_by_a_command("200000") == "200000"

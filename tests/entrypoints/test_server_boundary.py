@@ -14,6 +14,8 @@ import openai
 import pytest
 from server_helpers import ServerProcess, auth_headers, metric_value, stops_ending_with_last_token
 
+pytestmark = pytest.mark.server
+
 C = "/v1/completions"
 FAULT_TOKEN = 767  # the fault-injection server fails every step that schedules a prompt holding this token id
 LIMIT_ARGS = ("--num-kv-blocks", "128", "--max-model-len", "512", "--max-num-seqs", "1",
@@ -167,11 +169,14 @@ def test_disconnect_storm_frees_everything(server):
     assert httpx.get(url + "/health").status_code == 200
 
 
+@pytest.mark.kernels_build
+@pytest.mark.timeout(900)
 def test_ready_means_ready_with_an_empty_kernel_cache(tiny_model_dir, tmp_path):
     """A fresh kernel cache: the build happens before the server binds, so the first /health 200 comes after
-    it, and the first request compiles nothing."""
+    it, and the first request compiles nothing. The generic level: the cheapest build (this one runs every time)."""
     srv = ServerProcess(tiny_model_dir("llama"), ("--num-kv-blocks", "64", "--max-model-len", "256"),
-                        startup_timeout=900, env={"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")})
+                        startup_timeout=900, env={"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
+                                                  "PAGEDSERVE_CPU_ISA": "generic"})
     try:
         log_at_ready = srv.log()
         r = httpx.post(srv.url + C, json={"prompt": "hello", "max_tokens": 4})

@@ -12,6 +12,8 @@ import pytest
 
 from server_helpers import API_KEY, auth_headers
 
+pytestmark = pytest.mark.server
+
 C, CH = "/v1/completions", "/v1/chat/completions"
 MSG = [{"role": "user", "content": "the cat reads"}]
 LONG_TEXT = " ".join(["the cat reads a long letter"] * 120)  # ~700+ tokens > max_model_len 512

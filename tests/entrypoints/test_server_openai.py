@@ -11,6 +11,8 @@ import pytest
 
 from server_helpers import API_KEY, auth_headers, metric_value
 
+pytestmark = pytest.mark.server
+
 PROMPT = "the cat reads a long letter"
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat reads"}]
 

@@ -10,6 +10,8 @@ from server_helpers import MAIN_ARGS, get_server, metric_value
 
 from pagedserve.benchmarks.serve import format_spec_decode, scrape_spec_decode_counters, spec_decode_summary
 
+pytestmark = pytest.mark.server
+
 openai = pytest.importorskip("openai")
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}

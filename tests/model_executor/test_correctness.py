@@ -16,6 +16,8 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.core.kv_cache_manager import cdiv
 from pagedserve.model_executor import kernels
 
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
 # float32 against HF's float32: every returned logprob (top-2 and the sampled token) within this of HF's log-softmax

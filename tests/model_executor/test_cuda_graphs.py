@@ -94,6 +94,7 @@ def test_prefill_steps_and_big_batches_run_eagerly():
     assert not DecodeGraphs.fits(big)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capture", [False, pytest.param(True, marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="recording a CUDA graph needs a GPU"))])
 def test_padded_static_decode_matches_transformers(capture, tiny_model_dir, tiny_tokenizer):

@@ -8,6 +8,8 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.model_executor.kernels import cpu_kernels
 from pagedserve.model_executor.layers.fused_decode import FusedDecodeStack
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain; q/k/v biases; q/k norms
 @pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", None), ("float32", "int8"),

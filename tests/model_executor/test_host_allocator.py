@@ -38,6 +38,7 @@ def faults_of_three_steps(keep: str) -> tuple[int, str]:
     return int(done.stdout.strip()), done.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 @glibc
 def test_freed_activations_are_reused_not_faulted_in_again():
     kept, applied = faults_of_three_steps("1")

@@ -17,6 +17,8 @@ from pagedserve.model_executor import kernels as K
 
 TINY_SOURCE = textwrap.dedent("""
     #include <Python.h>
+pytestmark = pytest.mark.kernels_build
+
     #define PS_CAT2(a, b) a##b
     #define PS_CAT(a, b) PS_CAT2(a, b)
     static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "tiny", nullptr, -1, nullptr};

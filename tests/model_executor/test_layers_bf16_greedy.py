@@ -31,7 +31,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "disable_by_batch_size": 64}
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.mark.parametrize("native, speculative", [(True, None), (False, None), (True, NGRAM)],

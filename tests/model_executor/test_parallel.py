@@ -30,6 +30,8 @@ from pagedserve.engine.fault_injection import FaultInjector
 from pagedserve.executor.cpu_binding import parse_cpu_bind
 from pagedserve.model_executor.parallel_state import ParallelLayout
 
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
 
@@ -335,6 +337,16 @@ def two_namespaces(monkeypatch):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # takes its end of the veth pair along
 
 
+def _wait_for_port_in_namespace(ns: str, ip: str, port: int, timeout_s: float = 120.0) -> None:
+    """Until something accepts TCP connections at ip:port inside network namespace `ns` (a bound for a hang)."""
+    probe = f"import socket; socket.create_connection(({ip!r}, {port}), timeout=2).close()"
+    deadline = time.monotonic() + timeout_s
+    while subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", probe], capture_output=True).returncode:
+        assert time.monotonic() < deadline, f"nothing listens at {ip}:{port} in {ns}"
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(900)  # two Ray nodes and a driver, each a fresh process (minutes on a loaded machine)
 def test_ray_tensor_parallel_across_two_network_namespaces(two_namespaces, tiny_model_dir, tiny_tokenizer):
     """The multi-node path without any address outside this machine: a Ray head (no CPUs: it can host no worker) in
     one namespace, a Ray node with one CPU in the other, the engine in the first; gloo between the two over the
@@ -358,7 +370,8 @@ def test_ray_tensor_parallel_across_two_network_namespaces(two_namespaces, tiny_
                                            "--disable-usage-stats", "--temp-dir", os.path.join(temp_dir, ns), *extra],
                                           env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL))
-            time.sleep(3 if ns == ns_a else 0)  # the head first
+            if ns == ns_a:  # the node joins a head that listens
+                _wait_for_port_in_namespace(ns_a, ip_a, port)
         env = dict(os.environ, GLOO_SOCKET_IFNAME=dev_a, RAY_ADDRESS=f"{ip_a}:{port}",
                    PAGEDSERVE_DIST_TIMEOUT_S="60")
         driver = subprocess.run(["ip", "netns", "exec", ns_a, sys.executable, "-c", TWO_NODE_DRIVER, str(model_dir),

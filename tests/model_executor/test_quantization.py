@@ -2,12 +2,15 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 from pagedserve.demo_model_path import default_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository's tools/, outside the package
 from tools.int8_quality import evaluate  # noqa: E402
 
 
+@pytest.mark.slow
 def test_int8_quality_on_demo_model():
     r = evaluate(default_model_path(), max_tokens=4096, num_prompts=8, new_tokens=16)
     assert r["ppl_int8"] > r["ppl_fp32"] * 0.98  # quantization does not help

@@ -190,6 +190,7 @@ def test_graph_width_floor_is_one_decode_partition():
 H100_H200_MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the tests above run the compiled kernels")
 def test_kernels_compile_for_sm90():
     """Outside the interpreter, every kernel goes through Triton's real compiler down to a cubin for sm_90 (no GPU

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The test suite as CI runs it (.ci/run), in two tiers: the fast tier first (no server processes, no builds beyond
+# the default kernels, nothing marked slow: about two minutes), stopping at its first failure, then the rest. Each
+# prints its 25 slowest tests and writes a JUnit file under test-results/.
+#   scripts/test.sh                  both tiers
+#   scripts/test.sh fast|rest        one tier
+#   scripts/test.sh thorough ...     the same with hypothesis drawing new, more examples (HYPOTHESIS_PROFILE)
+# Extra arguments go to pytest (e.g. scripts/test.sh fast -k scheduler).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+FAST="not slow and not server and not kernels_build"
+if [ "${1:-}" = thorough ]; then
+  export HYPOTHESIS_PROFILE=thorough
+  shift
+fi
+tier=all
+case "${1:-}" in fast | rest) tier=$1; shift ;; esac
+mkdir -p test-results
+if [ "$tier" != rest ]; then
+  python -m pytest -x -m "$FAST" --durations=25 --junitxml=test-results/fast.xml "$@"
+fi
+if [ "$tier" != fast ]; then
+  python -m pytest -m "not ($FAST)" --durations=25 --junitxml=test-results/rest.xml "$@"
+fi
