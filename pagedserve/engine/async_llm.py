@@ -250,8 +250,8 @@ class AsyncLLM:
                           prompt_param: str = "prompt") -> RequestStream:
         """Validate, check the queue, queue the request and wait until the engine has taken it."""
         self._check_accepting()
-        processed = self.input_processor.process(request_id, prompt, params, priority=priority,
-                                                 cache_salt=cache_salt, prompt_param=prompt_param)
+        processed = await self.input_processor.process_async(request_id, prompt, params, priority=priority,
+                                                             cache_salt=cache_salt, prompt_param=prompt_param)
         loop = asyncio.get_running_loop()
         if request_id in self._streams:
             raise InvalidRequestError(f"Request id {request_id!r} is already in flight.", param="request_id")

@@ -4,17 +4,22 @@
 checks everything the scheduler or the sampler could later trip on (token ids against the vocabulary, lengths
 against max_model_len and the KV pool, logprob counts, limits) and raises `InvalidRequestError` naming the
 parameter. It reads only the frozen `EngineConfig` and the tokenizer, so the server may call it on its own
-thread before a request is queued: bad input costs no engine work.
+thread before a request is queued: bad input costs no engine work. It also bounds what a valid request may cost
+(RequestLimits): stop strings and stop token ids, sequences, n x max_tokens x logprobs, and the structured-output
+grammar, compiled here once per request on the grammar compiler's worker (`process_async` awaits it without
+holding the event loop).
 
 `render_chat` is the one chat-template renderer (LLM.chat and /v1/chat/completions).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.config import EngineConfig, KVCacheConfig
+from pagedserve.engine.grammar_compiler import CompiledGrammar, GrammarCompiler
 from pagedserve.engine.structured_output import StructuredOutputManager
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import SamplingParams
@@ -35,7 +40,7 @@ class ProcessedRequest:
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
-    grammar: str | None = None  # structured output: the compiled llguidance grammar
+    grammar: CompiledGrammar | None = None  # structured output: compiled once for all n sequences
 
 
 class InputProcessor:
@@ -45,6 +50,7 @@ class InputProcessor:
         self.kv_cache = kv_cache  # the blocks the engine allocated: no request may need more
         self.tokenizer = tokenizer
         self.structured_output = structured_output
+        self.grammars = GrammarCompiler(structured_output, config.limits) if structured_output is not None else None
 
     @property
     def vocab_size(self) -> int:
@@ -121,8 +127,25 @@ class InputProcessor:
             raise InvalidRequestError(f"The stop strings total {total} characters; the limit is "
                                       f"{limits.max_stop_chars} (--max-stop-chars).", param="stop",
                                       code="stop_strings_too_long")
+        if len(params.stop_token_ids) > limits.max_stop_token_ids:
+            raise InvalidRequestError(f"At most {limits.max_stop_token_ids} stop_token_ids are allowed "
+                                      f"(--max-stop-token-ids), got {len(params.stop_token_ids)}.",
+                                      param="stop_token_ids", code="too_many_stop_token_ids")
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         self.check_num_sequences(1, params.n)
+
+    def _check_logprob_entries(self, params: SamplingParams, max_tokens: int) -> None:
+        """Every sampled token of every sequence keeps its top-`logprobs` (and its own) until the response is
+        sent: n x max_tokens x (logprobs + 1) entries, checked with max_tokens as resolved."""
+        if params.logprobs is None:
+            return
+        entries = params.n * max_tokens * (params.logprobs + 1)
+        limit = self.config.limits.max_logprob_entries
+        if entries > limit:
+            raise InvalidRequestError(
+                f"This request asks for n={params.n} x max_tokens={max_tokens} x (logprobs={params.logprobs} + 1) = "
+                f"{entries} logprob entries; the limit is {limit} per request (--max-logprob-entries). Lower n, "
+                f"max_tokens or logprobs.", param="logprobs", code="too_many_logprobs")
 
     def check_beam_width(self, beam_width: int) -> None:
         """Beam search asks for 2 x beam_width logprobs per step."""
@@ -135,6 +158,30 @@ class InputProcessor:
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                 arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
                 prompt_param: str = "prompt") -> ProcessedRequest:
+        """Validate and, for structured output, compile (blocking this thread up to the compile timeout)."""
+        processed = self._validate(request_id, prompt, params, arrival_time, priority, cache_salt, prompt_param)
+        if params.structured_outputs is None:
+            return processed
+        return dataclasses.replace(processed, grammar=self._compiler().compile(params.structured_outputs))
+
+    async def process_async(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                            arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
+                            prompt_param: str = "prompt") -> ProcessedRequest:
+        """`process` for the event loop: the grammar compiles on its worker while the loop serves others."""
+        processed = self._validate(request_id, prompt, params, arrival_time, priority, cache_salt, prompt_param)
+        if params.structured_outputs is None:
+            return processed
+        return dataclasses.replace(processed,
+                                   grammar=await self._compiler().compile_async(params.structured_outputs))
+
+    def _compiler(self) -> GrammarCompiler:
+        if self.grammars is None:
+            raise InvalidRequestError("This engine does not support structured outputs.",
+                                      param="structured_outputs", code="unsupported_parameter")
+        return self.grammars
+
+    def _validate(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_time: float | None,
+                  priority: int, cache_salt: str | None, prompt_param: str) -> ProcessedRequest:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams.", param="sampling_params")
         if priority != 0 and self.config.scheduler.policy != "priority":
@@ -147,15 +194,10 @@ class InputProcessor:
         if not token_ids:
             raise InvalidRequestError(f"{prompt_param} must not be empty.", param=prompt_param)
         max_tokens = self._check_length(len(token_ids), params.max_tokens, prompt_param)
-        grammar = None
-        if params.structured_outputs is not None:
-            if self.structured_output is None:
-                raise InvalidRequestError("This engine does not support structured outputs.",
-                                          param="structured_outputs", code="unsupported_parameter")
-            grammar = self.structured_output.grammar(params.structured_outputs)
+        self._check_logprob_entries(params, max_tokens)
         return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
                                 max_tokens, time.time() if arrival_time is None else arrival_time, priority,
-                                cache_salt, grammar)
+                                cache_salt)
 
 
 # ------------------------------------------------------------------------------------------ chat

@@ -14,32 +14,25 @@ run it, chosen per engine (`overlap_masks`):
   the whole mask first and get it before the forward, on the engine thread. Filling the masks of often-rejected
   sequences up front instead measured slower (2351 vs 2977 tok/s on the demo model), so every row is checked.
 
-Grammars are compiled once per distinct constraint (an LRU cache); compiling and validating happens at
-add_request time, on the caller's thread, so a bad schema is a 400 naming the field and never blocks a step.
+Grammars are compiled once per request, before the engine takes it, on a worker thread of their own with a time
+limit (grammar_compiler.py): a bad schema is a 400 naming the field and never blocks a step. Each sequence's matcher
+is a deep copy of the request's compiled template (microseconds).
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from pagedserve.errors import InvalidRequestError
+from pagedserve.engine.grammar_compiler import CompiledGrammar
 from pagedserve.model_executor.model_runner import StepMasks
-from pagedserve.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger("pagedserve")
 
-_GRAMMAR_CACHE_SIZE = 256
-# JSON whitespace: free, but in bounded runs (enough for pretty-printed nesting), so that a weak model cannot
-# spend all of max_tokens on whitespace between two tokens; disable_any_whitespace makes it compact instead.
-_JSON_WHITESPACE = {"whitespace_pattern": "[ \\t\\n\\r]{0,24}"}
-_JSON_COMPACT = {"whitespace_flexible": False}
 # Byte value -> its 8 tokens' logit bias (bit b of a byte is token 8 * byte_index + b: llguidance's little-endian
 # bitmask). A table lookup is ~40x faster here than torch's masked_fill with a bool mask.
 _BYTE_TO_BIAS = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, 0.0, -np.inf).astype(np.float32)
@@ -51,18 +44,12 @@ def _done(value: torch.Tensor) -> "Future[torch.Tensor]":
     return future
 
 
-def _lark_choice(choices: list[str]) -> str:
-    # JSON string literals are valid Lark literals: quotes and escapes come out right.
-    return "start: " + " | ".join(json.dumps(c) for c in choices)
-
-
 class StructuredOutputManager:
     def __init__(self, tokenizer: Any, vocab_size: int, overlap_masks: bool = True) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.overlap_masks = overlap_masks  # False: sample first, fill only rejected rows' masks (module docstring)
         self._ll_tokenizer = None  # built on first use (~0.1-1 s)
-        self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
         self.matchers: dict[str, Any] = {}  # sequence id -> llguidance.LLMatcher
         self._executor: ThreadPoolExecutor | None = None
         self._ll_executor = None  # llguidance's batch executor: one GIL-free call for all rows
@@ -78,44 +65,9 @@ class StructuredOutputManager:
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
         return self._ll_tokenizer
 
-    # ------------------------------------------------------------------------------ grammars
-    def grammar(self, params: StructuredOutputsParams) -> str:
-        """The llguidance grammar of a constraint, compiled and validated once (InvalidRequestError if bad)."""
-        key = params.key()
-        cached = self._grammars.get(key)
-        if cached is not None:
-            self._grammars.move_to_end(key)
-            return cached
-        import llguidance
-
-        kind, text = key
-        param = params.param(kind)
-        if kind in ("json", "json_object"):
-            schema = {"type": "object"} if kind == "json_object" else params.json
-            if isinstance(schema, dict) and "x-guidance" not in schema:
-                schema = {**schema, "x-guidance": _JSON_COMPACT if params.disable_any_whitespace else _JSON_WHITESPACE}
-            text = json.dumps(schema)
-            kind = "json"
-        if kind == "choice":
-            source = llguidance.grammar_from("lark", _lark_choice(params.choice or []))
-        else:
-            try:
-                source = llguidance.grammar_from({"json": "json", "regex": "regex", "grammar": "grammar"}[kind], text)
-            except Exception as exc:  # e.g. a GBNF grammar that does not parse
-                raise InvalidRequestError(f"Invalid {kind}: {exc}", param=param, code="invalid_grammar") from exc
-        error = llguidance.LLMatcher.validate_grammar(source, self.ll_tokenizer)
-        if error:
-            raise InvalidRequestError(f"Invalid {kind}: {error}", param=param, code="invalid_grammar")
-        self._grammars[key] = source
-        if len(self._grammars) > _GRAMMAR_CACHE_SIZE:
-            self._grammars.popitem(last=False)
-        return source
-
     # ------------------------------------------------------------------------------ per sequence
-    def add(self, sequence_id: str, grammar: str) -> None:
-        import llguidance
-
-        self.matchers[sequence_id] = llguidance.LLMatcher(self.ll_tokenizer, grammar)
+    def add(self, sequence_id: str, grammar: CompiledGrammar) -> None:
+        self.matchers[sequence_id] = grammar.new_matcher()  # a copy of the request's template: no compile here
 
     def retain(self, live_sequence_ids) -> None:
         """Drop the state of every sequence that is no longer live (finished, aborted or failed)."""

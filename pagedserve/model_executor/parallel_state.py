@@ -11,10 +11,18 @@ Collectives:
   * pipeline parallel: (hidden, residual) sent to the same tp rank of the next stage;
   * control (gloo on the CPU even with NCCL for activations): the driver's per-step broadcast and the logits sent
     back to it from the last stage.
+
+Exposure: the rendezvous store is torch's TCPStore, which has no authentication and by default listens on every
+interface. When the ranks meet on a loopback address (the `mp` backend: one machine), the store and gloo's
+sockets are bound to that address, so nothing off the machine can reach them; and on the CPU, where no group needs
+the store after it is built (NCCL would, for its lazily created communicators), the store is closed once every rank
+has built its groups. Multi-node (`ray`) rendezvous stays on the node address for the group's start-up.
 """
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import socket
 from dataclasses import dataclass, field
 
 import torch
@@ -166,21 +174,49 @@ class ParallelState:
 SINGLE = ParallelState()  # one process: every collective is a no-op
 
 
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def create_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
-    """The driver's rendezvous store, on a free port (read back from `.port`)."""
+    """The driver's rendezvous store, on a free port (read back from `.port`). On a loopback host it listens there
+    only: torch's server binds every interface unless handed a socket that is already bound."""
+    listen_fd = None
+    if is_loopback(host):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.bind((host, 0))
+        sock.listen(world_size * 4)
+        listen_fd = sock.detach()  # the store owns (and closes) it from here
     return dist.TCPStore(host, 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+                         wait_for_workers=False, master_listen_fd=listen_fd)
 
 
 def connect_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def _gloo_group(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
+                bind_host: str | None) -> dist.ProcessGroupGloo:
+    if bind_host is None:  # gloo's default: the address this machine's hostname resolves to
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
 def init_parallel_state(layout: ParallelLayout, rank: int, store: dist.Store, device: torch.device,
-                        timeout_s: float) -> ParallelState:
-    """Join the grid (blocks until every rank has): the world group, and this rank's stage's tp group."""
+                        timeout_s: float, store_host: str | None = None) -> ParallelState:
+    """Join the grid (blocks until every rank has): the world group, and this rank's stage's tp group. With the
+    store on a loopback `store_host`, gloo binds there too and, on the CPU, the store is let go once every rank is
+    in (the driver's copy is the server: dropping it closes the port)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    world_group = dist.ProcessGroupGloo(dist.PrefixStore("world", store), rank, layout.world_size, timeout)
+    bind_host = store_host if store_host is not None and is_loopback(store_host) else None
+    world_group = _gloo_group(dist.PrefixStore("world", store), rank, layout.world_size, timeout, bind_host)
     tp_group = None
     if layout.tp_size > 1:
         pp_rank, tp_rank = layout.coords(rank)
@@ -188,5 +224,8 @@ def init_parallel_state(layout: ParallelLayout, rank: int, store: dist.Store, de
         if device.type == "cuda":
             tp_group = dist.ProcessGroupNCCL(tp_store, tp_rank, layout.tp_size)
         else:
-            tp_group = dist.ProcessGroupGloo(tp_store, tp_rank, layout.tp_size, timeout)
+            tp_group = _gloo_group(tp_store, tp_rank, layout.tp_size, timeout, bind_host)
+    if bind_host is not None and device.type != "cuda":
+        world_group.barrier().wait()  # every rank has built all its groups: nobody needs the store any more
+        store = None
     return ParallelState(layout, rank, world_group, tp_group, store)

@@ -38,12 +38,12 @@ def run(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int = 6, m
     raise AssertionError("the engine did not drain")
 
 
-def recorded(engine: LLMEngine) -> list[dict]:
-    return [json.loads(line) for _, _, line in engine.events.ring.since(0)[0]]
+def recorded(engine: LLMEngine, private: bool = False) -> list[dict]:
+    return [json.loads(line) for _, _, line in engine.events.ring.since(0, private)[0]]
 
 
-def listen(engine: LLMEngine) -> None:
-    engine.events.subscribe()
+def listen(engine: LLMEngine, private: bool = False) -> None:
+    engine.events.subscribe(private)
 
 
 def apply_blocks(snapshot: dict, events: list[dict]) -> list[int]:
@@ -114,11 +114,14 @@ def test_chunked_prefill_and_lifecycle(make_engine):
 
 def test_prefix_cache_hit_and_vllm_kv_events(make_engine):
     engine = make_engine()
-    listen(engine)
+    listen(engine, private=True)  # the full view (the admin key's): kv_events carry token ids
     shared = prompt(16, 3)
     run(engine, {"first": shared + [5, 6]})
     run(engine, {"second": shared + [7, 8, 9]})
-    events = recorded(engine)
+    events = recorded(engine, private=True)
+    redacted = recorded(engine)  # every other reader's: the same steps without prompt-derived data
+    assert [e["seq"] for e in redacted] == [e["seq"] for e in events]
+    assert all("kv_events" not in e for e in redacted) and not any(str(shared)[1:-1] in json.dumps(e) for e in redacted)
     steps = check_steps(engine, events)
     admitted = {a[0]: a[1] for e in steps for a in e["admitted"]}
     assert admitted == {"first": 0, "second": 16}  # four cached blocks of 4 tokens
@@ -162,6 +165,24 @@ def test_abort_is_reported_at_once(make_engine):
     assert events[-1]["running"] == 0
     snapshot = next(e for e in events if e["type"] == "snapshot")
     assert apply_blocks(snapshot, events[1:]) == [int(block_state(b)) for b in engine.kv_cache_manager.block_pool.blocks]
+
+
+def test_new_readers_share_one_snapshot_and_force_none(make_engine):
+    """Readers arriving before the ring has a snapshot share one whole-pool snapshot (each used to build its own,
+    O(blocks), on the event loop) and subscribing asks the engine thread for none (each used to force one)."""
+    engine = make_engine()
+    run(engine, {"warm": prompt(9, 2)})
+    built = engine.events.num_snapshots_built
+    for _ in range(5):
+        listen(engine)
+    shared = {engine.events.shared_snapshot() for _ in range(5)}
+    assert len(shared) == 1 and engine.events.num_snapshots_built == built + 1
+    engine.step()  # recording starts: one exact snapshot for the ring, not one per reader
+    for _ in range(5):
+        listen(engine)
+    run(engine, {"more": prompt(9, 3)})
+    snapshots = [e for e in recorded(engine) if e["type"] == "snapshot"]
+    assert len(snapshots) == 1 and engine.events.num_snapshots_built == built + 2
 
 
 def test_ring_is_bounded_and_reports_a_gap():

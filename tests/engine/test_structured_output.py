@@ -197,7 +197,7 @@ def test_checked_first_sampling_draws_from_the_masked_distribution(llm):
     from pagedserve.core.request import Request
 
     runner, manager = llm.llm_engine.runner, llm.llm_engine.structured_output
-    manager.add("c", manager.grammar(SO(regex=r"[a-e]")))
+    manager.add("c", llm.llm_engine.input_processor.grammars.compile(SO(regex=r"[a-e]")))
     try:
         allowed = torch.nonzero(manager.masks_now(["c"])[0, :manager.vocab_size] == 0).flatten()
         assert 2 <= len(allowed) < 50
@@ -449,7 +449,7 @@ def test_mask_bias_allows_exactly_the_grammars_tokens(llm):
     from pagedserve.model_executor.sampler import apply_token_mask_bias
 
     manager = llm.llm_engine.structured_output
-    grammar = manager.grammar(SO(regex=r"[A-Z]{2}-\d{3}"))
+    grammar = llm.llm_engine.input_processor.grammars.compile(SO(regex=r"[A-Z]{2}-\d{3}"))
     manager.add("constrained", grammar)
     try:
         masks = manager.start_masks(["free", "constrained"], [False, True])
@@ -488,12 +488,14 @@ def test_mask_worker_opens_no_openmp_pool(tiny_tokenizer_dir):
     code = f"""
 import os, torch
 from transformers import AutoTokenizer
+from pagedserve.config import RequestLimits
+from pagedserve.engine.grammar_compiler import GrammarCompiler
 from pagedserve.engine.structured_output import StructuredOutputManager
 from pagedserve.sampling_params import StructuredOutputsParams
 torch.set_num_threads(2)
 torch.full((4096, 64), 1.0).sum()  # the main thread's pool exists
 manager = StructuredOutputManager(AutoTokenizer.from_pretrained({str(tiny_tokenizer_dir)!r}), 65536)
-grammar = manager.grammar(StructuredOutputsParams(json={{"type": "object"}}))
+grammar = GrammarCompiler(manager, RequestLimits()).compile(StructuredOutputsParams(json={{"type": "object"}}))
 for i in range(64):
     manager.add(str(i), grammar)
 manager.start_masks(["0"], [False]).bias.result()  # the grammar thread and llguidance's executor exist

@@ -72,7 +72,7 @@ def test_events_stream_needs_the_key_and_shows_a_real_request(server):
     reader = EventReader(server.url, auth_headers())
     reader.wait_for(lambda e: e["type"] == "snapshot")
     assert reader.status == 200 and reader.content_type.startswith("text/event-stream")
-    assert reader.events[0] == {"v": 1, "type": "hello", "mode": "live", "listeners": 1}
+    assert reader.events[0] == {"v": 1, "type": "hello", "mode": "live", "listeners": 1, "view": "redacted"}
     snapshot = next(e for e in reader.events if e["type"] == "snapshot")
     assert snapshot["config"]["cache"]["num_blocks"] == 256 and len(snapshot["blocks"]) == 256
 

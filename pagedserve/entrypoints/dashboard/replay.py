@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from pagedserve.engine.events import EVENTS_VERSION
-from pagedserve.entrypoints.dashboard.routes import add_dashboard_routes, event_stream_response, hello, sse
+from pagedserve.entrypoints.dashboard.routes import HostCheck, add_dashboard_routes, event_stream_response, hello, sse
 
 
 def load_trace(path: str | Path) -> list[dict[str, Any]]:
@@ -58,15 +58,19 @@ async def replay_events(events: list[dict[str, Any]], speed: float, max_gap: flo
         yield sse(event["type"], json.dumps(event, separators=(",", ":")), event.get("seq"))
 
 
-def build_replay_app(path: str | Path, speed: float = 1.0, max_gap: float = 2.0) -> FastAPI:
+def build_replay_app(path: str | Path, speed: float = 1.0, max_gap: float = 2.0,
+                     hosts: HostCheck | None = None) -> FastAPI:
+    """No API key here (the trace is the operator's own file): the Host check is what keeps other web pages
+    from reading it through the browser (DNS rebinding)."""
     events = load_trace(path)
+    hosts = hosts or HostCheck()
     app = FastAPI(title="pagedserve replay", openapi_url=None)
 
     @app.get("/v1/events", include_in_schema=False)
-    async def replay():
-        return event_stream_response(replay_events(events, speed, max_gap, Path(path).name))
+    async def replay(request: Request):
+        return hosts.refusal(request) or event_stream_response(replay_events(events, speed, max_gap, Path(path).name))
 
-    add_dashboard_routes(app)
+    add_dashboard_routes(app, hosts)
     return app
 
 
@@ -78,6 +82,9 @@ def add_replay_parser(subparsers) -> None:
     p.add_argument("--port", type=int, default=8001)
     p.add_argument("--speed", type=float, default=1.0, help="replay speed; 0 sends the whole trace at once")
     p.add_argument("--max-gap", type=float, default=2.0, help="longest pause (trace seconds) replayed as is")
+    p.add_argument("--allowed-hosts", default="",
+                   help="comma-separated host names the page may be opened under besides IP addresses, localhost "
+                        "and --host ('*': any; DNS-rebinding protection)")
     p.set_defaults(func=run_replay)
 
 
@@ -86,7 +93,8 @@ def run_replay(args: argparse.Namespace) -> int:
 
     if args.speed < 0 or args.max_gap <= 0:
         raise ValueError("--speed must be >= 0 and --max-gap > 0.")
-    app = build_replay_app(args.trace, args.speed, args.max_gap)
+    app = build_replay_app(args.trace, args.speed, args.max_gap,
+                           HostCheck(args.host, args.allowed_hosts.split(",")))
     print(f"Replaying {args.trace}: open http://{args.host}:{args.port}/dashboard", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

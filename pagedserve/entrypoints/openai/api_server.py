@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedserve import envs
 from pagedserve.engine.async_llm import DEFAULT_STEP_TIMEOUT_S, AsyncLLM
 from pagedserve.engine.protocol import EngineClient
-from pagedserve.entrypoints.dashboard.routes import add_live_event_routes
+from pagedserve.entrypoints.dashboard.routes import HostCheck, add_live_event_routes
 from pagedserve.entrypoints.openai.errors import (OpenAIError, error_response, exception_to_openai,
                                                   install_error_handlers)
 from pagedserve.errors import EngineRequestError, EngineShuttingDown
@@ -61,6 +61,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=envs.PAGEDSERVE_API_KEY,
                    help="require 'Authorization: Bearer <key>' on every endpoint except /health, /metrics and the "
                         "/dashboard page (default: $PAGEDSERVE_API_KEY)")
+    p.add_argument("--admin-api-key", default=envs.PAGEDSERVE_ADMIN_API_KEY,
+                   help="a second key, accepted everywhere the API key is, that alone gets the full view of "
+                        "/v1/events (the vLLM KV-cache events, with other clients' token ids); without it every "
+                        "reader gets the redacted view (default: $PAGEDSERVE_ADMIN_API_KEY)")
+    p.add_argument("--allowed-hosts", default="",
+                   help="comma-separated host names /dashboard and /v1/events answer under, besides IP addresses, "
+                        "localhost and --host ('*': any); other Host headers get 403 (DNS-rebinding protection)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -92,11 +99,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------------------------------ API key
 class APIKeyMiddleware:
-    """Pure ASGI (no BaseHTTPMiddleware: it would get in the way of streaming and disconnects)."""
+    """Pure ASGI (no BaseHTTPMiddleware: it would get in the way of streaming and disconnects). The outermost
+    layer: a request without the key is answered before any of its body is read."""
 
-    def __init__(self, app: Any, api_key: str) -> None:
+    def __init__(self, app: Any, api_key: str | None, admin_api_key: str | None = None) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.accepted = [f"Bearer {key}".encode() for key in (api_key, admin_api_key) if key]
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
@@ -109,7 +117,7 @@ class APIKeyMiddleware:
             if name == b"authorization":
                 got = value
                 break
-        if not secrets.compare_digest(got, self.expected):
+        if not any([secrets.compare_digest(got, key) for key in self.accepted]):  # a list: no short cut
             message = ("Missing API key: send 'Authorization: Bearer <key>'." if not got else
                        "Incorrect API key provided.")
             await error_response(OpenAIError(401, message, code="invalid_api_key"))(scope, receive, send)
@@ -118,8 +126,9 @@ class APIKeyMiddleware:
 
 
 class BodySizeLimitMiddleware:
-    """413 for bodies over the limit: by Content-Length before reading; a body without one (chunked) is read
-    up to the limit first and then handed on, so the app never sees more than the limit."""
+    """413 for bodies over the limit: by Content-Length before reading; a body without one (chunked) is counted
+    as the app reads it, and the moment it passes the limit the client gets the 413 and the app a disconnect, so
+    nothing past the limit is ever held (and nothing is buffered here)."""
 
     def __init__(self, app: Any, max_bytes: int) -> None:
         self.app = app
@@ -136,28 +145,35 @@ class BodySizeLimitMiddleware:
             else:  # the HTTP parser holds the client to its Content-Length
                 await self.app(scope, receive, send)
             return
-        body, first = b"", None
-        while True:
+        received = 0
+        rejected = response_started = False
+
+        async def counting_receive() -> dict:
+            nonlocal received, rejected
+            if rejected:
+                return {"type": "http.disconnect"}
             message = await receive()
-            if message["type"] != "http.request":
-                first = message  # the client went away: let the app see it
-                break
-            body += message.get("body", b"")
-            if len(body) > self.max_bytes:
-                await self._reject(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
-        replayed = False
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    rejected = True
+                    if not response_started:
+                        await self._reject(scope, receive, send)
+                    return {"type": "http.disconnect"}  # the app stops reading and answers nobody
+            return message
 
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return first or {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+        async def guarded_send(message: dict) -> None:
+            nonlocal response_started
+            if rejected:
+                return  # the 413 went out: whatever the app says after its disconnect is dropped
+            response_started = True
+            await send(message)
 
-        await self.app(scope, replay, send)
+        try:
+            await self.app(scope, counting_receive, guarded_send)
+        except Exception:
+            if not rejected:
+                raise  # the app's disconnect handling after a 413 is no error worth a traceback
 
     async def _reject(self, scope: dict, receive: Any, send: Any) -> None:
         err = OpenAIError(413, f"The request body exceeds {self.max_bytes} bytes (--max-request-body-bytes).",
@@ -275,8 +291,15 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
     async def detokenize(req: DetokenizeRequest):
         async def run():
             base.check_model(req.model)
-            engine_client.input_processor.check_token_ids(req.tokens, "tokens")
-            return JSONResponse(DetokenizeResponse(prompt=base.tokenizer.decode(req.tokens)).model_dump())
+            if len(req.tokens) > max_model_len:  # no sequence of this model is longer
+                raise OpenAIError(400, f"tokens: at most max_model_len={max_model_len} tokens can be detokenized, "
+                                       f"got {len(req.tokens)}.", param="tokens", code="too_many_tokens")
+
+            def decode() -> str:  # a thread: transformers' decode walks the list in Python first
+                engine_client.input_processor.check_token_ids(req.tokens, "tokens")
+                return base.tokenizer.decode(req.tokens)
+
+            return JSONResponse(DetokenizeResponse(prompt=await asyncio.to_thread(decode)).model_dump())
         return await guarded(run())
 
     @app.get("/health", response_model=api_docs.HealthResponse, responses=api_docs.ROUTE_RESPONSES["health"])
@@ -298,12 +321,15 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
     async def metrics():
         return Response(render(registry), media_type=CONTENT_TYPE_LATEST)
 
-    add_live_event_routes(app, engine_client.events, lambda: engine_client.accepting)
+    admin_api_key = arg("admin_api_key", None)
+    hosts = HostCheck(arg("host", None), (arg("allowed_hosts", "") or "").split(","))
+    add_live_event_routes(app, engine_client.events, lambda: engine_client.accepting, hosts, admin_api_key)
 
+    # added last = outermost: the key is checked before the body-size layer lets anything be read
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=arg("max_request_body_bytes", DEFAULT_MAX_BODY_BYTES))
     api_key = arg("api_key", None)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=arg("max_request_body_bytes", DEFAULT_MAX_BODY_BYTES))
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, admin_api_key=admin_api_key)
     return app
 
 

@@ -22,6 +22,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serial
 
 from pagedserve.sampling_params import MAX_LOGPROBS, MAX_N
 
+MAX_STOP_TOKEN_IDS = 1 << 16
+
 # Seeds are passed to torch generators: keep them in the signed 64-bit range.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
 
@@ -117,7 +119,8 @@ class _SamplingFields(_Request):
     repetition_penalty: float = Field(1.0, gt=0.0)
     priority: Int(description="non-zero only with --scheduling-policy priority (else 400)") = 0
     cache_salt: Optional[NonEmptyStr] = None
-    stop_token_ids: Optional[list[TokenId]] = None
+    # a ceiling for the parser; the server's --max-stop-token-ids (default 256) is the limit that applies
+    stop_token_ids: Optional[list[TokenId]] = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # ---- structured output: OpenAI's response_format, vLLM's structured_outputs and older guided_* names

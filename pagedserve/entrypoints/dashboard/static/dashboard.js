@@ -317,8 +317,15 @@ function setMode(text, cls) {
 }
 
 // ------------------------------------------------------------------------------------------ stream
+// The key lives in this tab only (sessionStorage: gone when the tab closes, never shared with other tabs or written
+// to disk as localStorage would be); a #key=... fragment is taken out of the address bar and its history entry.
+const KEY_ITEM = "pagedserve-api-key";
 const fragment = new URLSearchParams(location.hash.slice(1));
-let apiKey = fragment.get("key") || localStorage.getItem("pagedserve-api-key") || "";
+let apiKey = fragment.get("key") || sessionStorage.getItem(KEY_ITEM) || "";
+if (fragment.has("key")) {
+  sessionStorage.setItem(KEY_ITEM, apiKey);
+  history.replaceState(null, "", location.pathname + location.search);
+}
 
 async function connect() {
   const url = "/v1/events" + (S.lastSeq !== null ? `?since=${S.lastSeq}` : "");
@@ -361,7 +368,7 @@ function retry() {
 $("key-form").addEventListener("submit", (e) => {
   e.preventDefault();
   apiKey = $("key-input").value;
-  localStorage.setItem("pagedserve-api-key", apiKey);
+  sessionStorage.setItem(KEY_ITEM, apiKey);
   $("key-form").hidden = true;
   connect();
 });
