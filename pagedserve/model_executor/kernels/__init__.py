@@ -1,5 +1,6 @@
-"""Native CPU kernels (paged decode attention, KV writes, fused per-layer small ops, small-M GEMM), compiled
-with the local C++ compiler (torch.utils.cpp_extension) the first time they are needed on a CPU, then cached.
+"""Native CPU kernels (paged decode and prefill attention, KV writes, fused per-layer small ops, small-M GEMM),
+compiled with the local C++ compiler (torch.utils.cpp_extension) the first time they are needed on a CPU, then
+cached.
 
 Instruction sets. The sources are compiled for one instruction-set level, picked at run time from what this
 CPU has (`detect_isa`): "avx512bf16" (AVX-512 F/BW/VL/DQ + AVX512-BF16: Zen 4, Cooper Lake, Sapphire Rapids
@@ -24,7 +25,6 @@ callers fall back to the pure PyTorch path; PAGEDSERVE_CPU_KERNELS=0 forces that
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 import platform
@@ -34,24 +34,10 @@ import time
 from pathlib import Path
 
 from pagedserve import envs
+from pagedserve.model_executor.kernels.build_config import (HEADERS, ISA_LEVELS, KERNEL_DIR, SOURCES,  # noqa: F401
+                                                            build_flags, extension_name)
 
 logger = logging.getLogger("pagedserve")
-
-KERNEL_DIR = Path(__file__).resolve().parent
-SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "small_gemm.cpp", "decode_layers.cpp")
-HEADERS = ("vec.h",)
-
-# Instruction-set levels, best first: (name, /proc/cpuinfo flags it needs, compiler flags).
-_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c")
-ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "avx512bf16": (_AVX512 + ("avx512_bf16", "avx512_vnni"),
-                   ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                    "-mavx512bf16", "-mavx512vnni")),
-    "avx512": (_AVX512, ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")),
-    "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
-    "generic": ((), ()),
-}
-BASE_CFLAGS = ("-O3", "-fopenmp", "-ffast-math")
 LOCK_NAME = "pagedserve.lock"
 
 
@@ -93,22 +79,6 @@ def has_bf16_compute() -> bool:
     """True on CPUs with AMX-BF16 or AVX512-BF16 (where bfloat16 GEMMs and small ops beat float32)."""
     flags = cpu_flags()
     return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def build_flags(isa: str) -> list[str]:
-    return [*BASE_CFLAGS, *ISA_LEVELS[isa][1]]
-
-
-def extension_name(isa: str, sources: tuple[Path, ...] | None = None, cflags: list[str] | None = None) -> str:
-    """`pagedserve_cpu_<isa>_<hash>`: the hash covers the source and header bytes, the flags and the level."""
-    if sources is None:
-        sources = tuple(KERNEL_DIR / n for n in SOURCES + HEADERS)
-    cflags = build_flags(isa) if cflags is None else cflags
-    h = hashlib.sha256()
-    for path in sources:
-        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    h.update(" ".join(cflags).encode() + b"\0" + isa.encode())
-    return f"pagedserve_cpu_{isa}_{h.hexdigest()[:16]}"
 
 
 # ---------------------------------------------------------------------------------------------- build lock

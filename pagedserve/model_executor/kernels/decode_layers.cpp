@@ -1,26 +1,12 @@
 // A decode step's decoder layers in one native call: the same ops, in the same order, as the Python layers
 // (models/llama.py), without the Python between them. At batch 1 that Python cost ~35 us per layer, about 1 ms of
-// a 9-15 ms SmolLM2 step (BENCHMARKS.md section 6, "Twelfth pass"). Only for steps whose every row is a decode
-// and whose every product runs on the native small GEMM (float32, bfloat16 or int8 weights, no tensor
-// parallelism); the caller checks that and otherwise runs the Python layers.
-#include <torch/extension.h>
+// a 9-15 ms SmolLM2 step. Only for steps whose every row is a decode and whose every product runs on the native
+// small GEMM (float32, bfloat16 or int8 weights, no tensor parallelism); the caller checks that and otherwise runs
+// the Python layers.
+#include "ops.h"
 
 #include <tuple>
 #include <vector>
-
-// layer_ops.cpp, small_gemm.cpp, paged_attention.cpp
-torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps,
-                       c10::optional<torch::Tensor> out);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
-torch::Tensor small_gemm_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor col_scale, torch::Tensor col_shift,
-                              int64_t n, c10::optional<torch::Tensor> bias);
-void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-              torch::Tensor slot_mapping);
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     c10::optional<torch::Tensor> out);
 
 namespace {
 

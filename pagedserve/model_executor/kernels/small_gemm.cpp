@@ -1,8 +1,8 @@
 // y = x W^T (+ b) for the few rows of a decode step (M up to ~128), on a weight packed once at load time.
 //
 // Why not oneDNN here: its bfloat16 brgemm is built for many rows; on the decoder's matrices at 8 rows it ran at
-// ~1/3 of what the weights' streaming allows (BENCHMARKS.md section 6, "small-M GEMM"). This kernel reads every
-// weight byte once per call and keeps all the step's rows in registers against it:
+// ~1/3 of what the weights' streaming allows. This kernel reads every weight byte once per call and keeps all the
+// step's rows in registers against it:
 //   * packed layout: 16 output columns per block, K in order inside a block, so one 64-byte load is one k step:
 //     float32 [N/16][K][16]; bfloat16 [N/16][K/2][16][2] (VDPBF16PS's pairs); int8 [N/16][K/4][16][4]
 //     (VPDPBUSD's quads);
@@ -75,7 +75,7 @@ struct Packed<int8_t> {
   static Acc zero() { return _mm512_setzero_si512(); }
   // Inline asm, not _mm512_dpbusd_epi32: GCC 12 copies each accumulator through another register and spills it to
   // the stack around every intrinsic call, ~3 extra instructions per multiply-add (the kernel ran at a third of
-  // VPDPBUSD's rate: BENCHMARKS.md section 6, "Tenth pass").
+  // VPDPBUSD's rate).
   static Acc madd(Acc acc, __m512i w, const X* x) {
     asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(broadcast32(x)), "v"(w));
     return acc;
@@ -137,9 +137,8 @@ unsigned amd_family() {
 // (9+ rows) 16 steps (1 KiB): on Zen 4 +5-9% over none at 8-32 rows with 8 steps, and 16 a further ~10% at 1-32
 // rows. One tile (up to 8 rows, every batch-1 decode step) takes the distance measured best on the CPU:
 // AMD Zen 4 (family 0x19) 4 steps, the engine's decode steps of 1-8 sequences 1.05-1.17x faster than with 16 in 11
-// of 12 cells (Qwen3 and SmolLM2 shapes, float32 and bfloat16; BENCHMARKS.md section 6, "Nineteenth pass"); 16
-// elsewhere (Zen 5, Intel:
-// unmeasured since 16 was chosen). set_small_gemm_prefetch overrides it (benchmarks, tests).
+// of 12 cells (Qwen3 and SmolLM2 shapes, float32 and bfloat16); 16 elsewhere (Zen 5, Intel: unmeasured since 16
+// was chosen). set_small_gemm_prefetch overrides it (benchmarks, tests).
 constexpr int64_t kPrefetchSteps = 16;
 int64_t one_tile_prefetch_measured_best() { return amd_family() == 0x19 ? 4 : kPrefetchSteps; }
 std::atomic<int64_t> one_tile_prefetch{one_tile_prefetch_measured_best()};
@@ -147,7 +146,7 @@ std::atomic<int64_t> one_tile_prefetch{one_tile_prefetch_measured_best()};
 // What a row tile prefetches besides the lines it reads, in one of two ways (`issue` at every k step):
 //   * WholeK (the tile runs all of K): each block's own lines `distance` k steps ahead; the tiles after a group's
 //     first, which compute from L2, also bring `per_step` lines of the thread's next group into L2, each tile its
-//     own part (BENCHMARKS.md section 6, "Tenth pass").
+//     own part.
 //   * Chunked (the tiles take turns over chunks of K): the chunk after this one into L1, shared by all the chunk's
 //     tiles through one cursor, `per_step` lines at a time, step by step across the group's blocks (the order its
 //     first tile reads them).
@@ -245,8 +244,8 @@ constexpr int64_t kChunkSteps = 64;  // k steps per chunk (12 KiB of a group's w
 
 // Whether the chunks run on this CPU: where they were measured faster. On AMD Zen 5 (family 0x1A) chunks took 9-20
 // rows 1.07-1.28x faster; on AMD Zen 4 (0x19: 512-bit FMAs in two 256-bit halves, a 32 KiB L1) they were
-// 0.78-1.00x the whole-K tiles at 12-20 rows, with 32 k steps per chunk no better (BENCHMARKS.md section 6,
-// "Eighteenth pass"). Other CPUs, unmeasured, keep the whole-K tiles. set_small_gemm_chunks overrides (tests).
+// 0.78-1.00x the whole-K tiles at 12-20 rows, with 32 k steps per chunk no better. Other CPUs, unmeasured, keep the
+// whole-K tiles. set_small_gemm_chunks overrides (tests).
 bool chunks_measured_faster() { return amd_family() >= 0x1a; }
 std::atomic<bool> chunks_on{chunks_measured_faster()};
 
@@ -256,7 +255,7 @@ std::atomic<bool> chunks_on{chunks_measured_faster()};
 //     miss, the others read L1, and all of them prefetch the chunk after it (after a group's last, the next group's
 //     first), so the stream runs under all their arithmetic. With the whole K per tile, the first tile streamed the
 //     group and the others computed from L2 with nothing streaming under them: on Zen 5, 16 rows took about the
-//     stream's time plus half the arithmetic's (BENCHMARKS.md section 6, "Seventeenth pass").
+//     stream's time plus half the arithmetic's.
 //   * More rows, or no chunks_on: the whole K per tile (the arithmetic is the larger part there; chunks measured
 //     0.93-0.97x at 32-64 rows). The first tile streams its group, the later ones bring the next group into L2.
 template <typename W, typename Out>
@@ -319,9 +318,9 @@ void small_gemm_kernel(const typename Packed<W>::X* x, int64_t rows, const W* w,
 // is 1 KiB at stride 64 bytes. Per pair of blocks (32 columns) a thread keeps 2 x 2 accumulator tiles (up to 32
 // rows), loads each weight tile once for all rows and each x tile (16 rows x 32 k) once for both blocks. On an
 // Intel Xeon this streamed the decoder's weights 1.3-1.5x faster than oneDNN's AMX kernels at 2-32 rows (one
-// row keeps the VDPBF16PS path, as fast there; BENCHMARKS.md section 6, "Eighth pass"). int8 weights the same way
-// on AMX-INT8 (TDPBUSD): the packed [N/16][K/4][16][4] layout is its B tile, the activations the quantized bytes
-// VPDPBUSD takes; 2.3-4.4x fbgemm from 16 to 2048 rows ("Ninth pass").
+// row keeps the VDPBF16PS path, as fast there). int8 weights the same way on AMX-INT8 (TDPBUSD): the packed
+// [N/16][K/4][16][4] layout is its B tile, the activations the quantized bytes VPDPBUSD takes; 2.3-4.4x fbgemm from
+// 16 to 2048 rows.
 namespace amx {
 constexpr int64_t kRows = 32;  // rows per pass: two 16-row tiles
 constexpr int64_t kPrefetchSteps = 4;  // weight tiles prefetched ahead

@@ -1,0 +1,47 @@
+// The Python module of one instruction-set build: every kernel file's entry points (ops.h). The only file that
+// includes torch/extension.h (pybind11 and torch's Python bindings): the kernel files include the lighter
+// torch/types.h, which halves their compile time.
+#include "ops.h"
+#include "vec.h"
+
+#include <torch/extension.h>
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("scale"), py::arg("out") = py::none());
+  m.def("paged_prefill_attention", &paged_prefill_attention, "causal attention of one prefill chunk over its "
+        "sequence's paged KV cache (CPU, AVX-512)", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_ids"), py::arg("first"), py::arg("scale"), py::arg("out"));
+  m.def("native_prefill", &native_prefill, "whether paged_prefill_attention handles this head_dim in this build");
+  m.def("write_kv", &write_kv, "write new K/V rows (float32 or bfloat16) into the paged cache at their slots");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row ([rows, n] or [T, heads, n]); with residual: residual += x in "
+        "place, then its RMSNorm; with out (may be x): written there (float32 or bfloat16)", py::arg("x"),
+        py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("out") = py::none());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] projection (float32 or bfloat16)");
+  m.def("rotary_inplace", &rotary_inplace, "Neox-style rotary embedding in place (float32 or bfloat16)");
+  m.def("argmax_rows", &argmax_rows,
+        "each row's argmax, the first index on ties (float32 or bfloat16 [rows, n], contiguous rows)");
+  m.def("native_small_gemm", &native_small_gemm, "whether small_gemm runs this dtype (and K; 0: any) natively in "
+        "this build", py::arg("dtype"), py::arg("k") = 0);
+  m.def("pack_small_gemm_weight", &pack_small_gemm_weight, "a [N, K] weight packed for small_gemm");
+  m.def("small_gemm", &small_gemm, "x W^T (+ b) for a few rows x on a weight packed by pack_small_gemm_weight",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("small_gemm_int8", &small_gemm_int8, "x W^T (+ b) on an int8 weight packed by pack_small_gemm_weight, x "
+        "quantized per row on the fly", py::arg("x"), py::arg("packed"), py::arg("col_scale"), py::arg("col_shift"),
+        py::arg("n"), py::arg("bias") = py::none());
+  m.def("decode_layers", &decode_layers, "a decode step's decoder layers in one call (the Python layers' ops, in "
+        "their order); returns (hidden, residual)");
+  m.def("amx_tiles", &ps::amx_tiles,
+        "whether small_gemm calls of 2+ rows (bfloat16, K % 32 == 0; int8 weights, K % 64 == 0, with AMX-INT8) and "
+        "bfloat16 prefill and decode attention run on AMX tiles");
+  m.def("set_amx_tiles", &set_amx_tiles, "turn the AMX path on or off where available; returns amx_tiles()");
+  m.def("small_gemm_chunks", &small_gemm_chunks,
+        "whether small_gemm calls of 9-20 rows take K in chunks (on CPUs where that was measured faster)");
+  m.def("set_small_gemm_chunks", &set_small_gemm_chunks, "turn those chunks on or off; returns small_gemm_chunks()");
+  m.def("small_gemm_prefetch", &small_gemm_prefetch,
+        "how many k steps ahead small_gemm calls of up to 8 rows prefetch their weights (a per-CPU default)");
+  m.def("set_small_gemm_prefetch", &set_small_gemm_prefetch,
+        "set that distance (0-64 k steps); returns small_gemm_prefetch()");
+  m.def("isa", &kernel_isa, "the instruction-set level this build targets");
+}

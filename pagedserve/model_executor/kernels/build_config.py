@@ -1,0 +1,41 @@
+"""What one build of the native CPU kernels is: its sources, its instruction-set level and compiler flags, and the
+names its module gets. Standard library only: kernels/__init__.py builds from it, and so can a build of the package.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+KERNEL_DIR = Path(__file__).resolve().parent
+SOURCES = ("decode_attention.cpp", "prefill_attention.cpp", "kv_write.cpp", "layer_ops.cpp", "small_gemm.cpp",
+           "decode_layers.cpp", "bindings.cpp")
+HEADERS = ("vec.h", "paged_cache.h", "attention_math.h", "ops.h")
+
+# Instruction-set levels, best first: (name, /proc/cpuinfo flags it needs, compiler flags). Explicit -m flags, never
+# -march=native: a build runs on every CPU that has its level's flags, whichever machine compiled it.
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c")
+ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx512bf16": (_AVX512 + ("avx512_bf16", "avx512_vnni"),
+                   ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                    "-mavx512bf16", "-mavx512vnni")),
+    "avx512": (_AVX512, ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")),
+    "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
+    "generic": ((), ()),
+}
+BASE_CFLAGS = ("-O3", "-fopenmp", "-ffast-math")
+
+
+def build_flags(isa: str) -> list[str]:
+    return [*BASE_CFLAGS, *ISA_LEVELS[isa][1]]
+
+
+def extension_name(isa: str, sources: tuple[Path, ...] | None = None, cflags: list[str] | None = None) -> str:
+    """`pagedserve_cpu_<isa>_<hash>`: the hash covers the source and header bytes, the flags and the level."""
+    if sources is None:
+        sources = tuple(KERNEL_DIR / n for n in SOURCES + HEADERS)
+    cflags = build_flags(isa) if cflags is None else cflags
+    h = hashlib.sha256()
+    for path in sources:
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    h.update(" ".join(cflags).encode() + b"\0" + isa.encode())
+    return f"pagedserve_cpu_{isa}_{h.hexdigest()[:16]}"

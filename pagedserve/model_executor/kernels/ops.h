@@ -1,0 +1,46 @@
+// The entry points of the kernel files, as bindings.cpp exposes them to Python (and decode_layers.cpp calls them).
+#pragma once
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+// decode_attention.cpp
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                                     c10::optional<torch::Tensor> out);
+// prefill_attention.cpp
+bool native_prefill(int64_t head_dim);
+void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_ids,
+                             int64_t first, double scale, torch::Tensor out);
+// kv_write.cpp
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_mapping);
+// layer_ops.cpp
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps,
+                       c10::optional<torch::Tensor> out);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor argmax_rows(torch::Tensor logits);
+const char* kernel_isa();
+// small_gemm.cpp
+bool native_small_gemm(at::ScalarType dtype, int64_t k);
+torch::Tensor pack_small_gemm_weight(torch::Tensor weight);
+bool set_amx_tiles(bool enable);
+bool set_small_gemm_chunks(bool enable);
+bool small_gemm_chunks();
+int64_t set_small_gemm_prefetch(int64_t steps);
+int64_t small_gemm_prefetch();
+torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
+torch::Tensor small_gemm_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor col_scale, torch::Tensor col_shift,
+                              int64_t n, c10::optional<torch::Tensor> bias);
+// decode_layers.cpp
+std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                                       std::vector<torch::Tensor> weights, std::vector<int64_t> widths,
+                                                       std::vector<torch::Tensor> caches, torch::Tensor cos,
+                                                       torch::Tensor sin, torch::Tensor slot_mapping,
+                                                       torch::Tensor block_tables, torch::Tensor context_lens,
+                                                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                                       double eps, double scale);
