@@ -1,5 +1,7 @@
-"""The native-kernel build cache: keyed by instruction set, sources and flags; a lock left by a killed build never
-hangs a later start; a lock held by a live process is waited for a bounded time, then the PyTorch path is used.
+"""How the engine gets its native kernels: the package's prebuilt module for this CPU when it matches the running
+torch and the sources, else the just-in-time build. That build's cache is keyed by instruction set, sources and
+flags; a lock left by a killed build never hangs a later start; a lock held by a live process is waited for a
+bounded time, then the PyTorch path is used.
 
 The lock cases run in a subprocess with a timeout and a temporary TORCH_EXTENSIONS_DIR (the shared cache is not
 touched), and build a tiny extension rather than the real kernels so they take seconds."""
@@ -15,10 +17,10 @@ import pytest
 
 from pagedserve.model_executor import kernels as K
 
-TINY_SOURCE = textwrap.dedent("""
-    #include <Python.h>
 pytestmark = pytest.mark.kernels_build
 
+TINY_SOURCE = textwrap.dedent("""
+    #include <Python.h>
     #define PS_CAT2(a, b) a##b
     #define PS_CAT(a, b) PS_CAT2(a, b)
     static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "tiny", nullptr, -1, nullptr};
@@ -125,7 +127,8 @@ def test_a_live_lock_holder_is_waited_for_a_bounded_time(tmp_path):
             from pagedserve.model_executor.kernels import cpu_kernels, load_cpu_kernels
             print("RESULT", load_cpu_kernels(), cpu_kernels())
         """
-        r = _run(code, tmp_path / "ext", timeout=120, PAGEDSERVE_KERNEL_BUILD_TIMEOUT="1")
+        r = _run(code, tmp_path / "ext", timeout=120, PAGEDSERVE_KERNEL_BUILD_TIMEOUT="1",
+                 PAGEDSERVE_PREBUILT_KERNELS="0")
     finally:
         holder.kill()
         holder.wait()
@@ -162,3 +165,76 @@ def test_an_installed_package_carries_the_kernel_sources():
     for name in K.SOURCES + K.HEADERS:
         relative = (K.KERNEL_DIR / name).relative_to(package)
         assert any(relative.match(p) for p in patterns), f"{relative} is not in the package data"
+
+
+def test_prebuilt_module_is_refused_on_another_torch_or_other_sources():
+    """A module compiled against another torch could crash inside libtorch, one compiled from other sources is not
+    the code in the tree: both are refused with a reason (the loader then takes the just-in-time build)."""
+    isa = K.supported_isas()[0]
+    entry = {"module": K.prebuilt_module(isa), "key": K.extension_name(isa)}
+    manifest = {"torch": "2.13.0+cpu", "modules": {isa: entry}}
+    assert K.prebuilt_unusable(isa, manifest, "2.13.0+cpu") is None
+    assert "torch 2.12.1" in K.prebuilt_unusable(isa, {**manifest, "torch": "2.12.1+cpu"}, "2.13.0+cpu")
+    stale = {**manifest, "modules": {isa: {**entry, "key": K.extension_name(isa) + "0"}}}
+    assert "sources changed" in K.prebuilt_unusable(isa, stale, "2.13.0+cpu")
+    assert "none was built" in K.prebuilt_unusable(isa, None, "2.13.0+cpu")
+    assert "none was built" in K.prebuilt_unusable("avx9000", manifest, "2.13.0+cpu")
+
+
+def test_the_prebuilt_module_is_used_when_present(tmp_path):
+    """After `pip install` (setup.py), the engine imports the package's module for this CPU's level: nothing is
+    compiled (an empty TORCH_EXTENSIONS_DIR stays empty), and the log says which path it took."""
+    manifest = K.read_manifest()
+    if manifest is None and os.environ.get("PAGEDSERVE_BUILD_KERNELS") == "0":
+        pytest.skip("the package was installed with PAGEDSERVE_BUILD_KERNELS=0")
+    assert manifest is not None, f"no {K.MANIFEST} beside the kernels: the package build (setup.py) did not run"
+    import torch
+
+    isa = K.detect_isa()
+    reason = K.prebuilt_unusable(isa, manifest, torch.__version__)
+    if reason is not None and "sources changed" in reason:
+        pytest.skip(reason)
+    assert reason is None, reason
+    code = """
+        import logging; logging.basicConfig(level=logging.INFO)
+        from pagedserve.model_executor.kernels import cpu_kernels
+        m = cpu_kernels()
+        print("MODULE", m.__name__, m.isa())
+    """
+    r = _run(code, tmp_path / "ext", timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"MODULE {K.PREBUILT_PACKAGE}.{K.prebuilt_module(isa)} {isa}" in r.stdout
+    assert f"the prebuilt {isa} module loaded" in r.stderr and "Building" not in r.stderr
+    assert not (tmp_path / "ext").exists() or not any((tmp_path / "ext").iterdir())
+
+
+@pytest.mark.kernels_build
+def test_the_just_in_time_build_is_the_fallback(tmp_path):
+    """Without a usable prebuilt module (here: PAGEDSERVE_PREBUILT_KERNELS=0) the kernels are compiled on first use
+    (in the shared cache: a ~75 s build once per source change), and compute what the prebuilt module computes."""
+    saved = tmp_path / "jit.pt"
+    code = f"""
+        import logging; logging.basicConfig(level=logging.INFO)
+        import torch
+        from pagedserve.model_executor.kernels import cpu_kernels
+        m = cpu_kernels()
+        print("MODULE", m.__name__, m.isa())
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(3, 4, 64, generator=g)
+        cache = torch.randn(2, 2, 16, 2, 64, generator=g)  # [blocks, K/V, block_size, KVH, D]
+        tables, lens = torch.tensor([[0, 1], [1, 0], [0, 1]]), torch.tensor([20, 32, 1])
+        out = m.paged_decode_attention(q, cache[:, 0], cache[:, 1], tables, lens, 0.125)
+        torch.save((q, cache, tables, lens, out), {str(saved)!r})
+    """
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "PAGEDSERVE_PREBUILT_KERNELS": "0"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    isa = K.detect_isa()
+    assert f"MODULE {K.extension_name(isa)} {isa}" in r.stdout
+    assert "PAGEDSERVE_PREBUILT_KERNELS=0" in r.stderr and "using the just-in-time build" in r.stderr
+    import torch
+
+    q, cache, tables, lens, jit_out = torch.load(saved)
+    module = K.load_cpu_kernels(isa)  # the prebuilt module where this install has one
+    torch.testing.assert_close(module.paged_decode_attention(q, cache[:, 0], cache[:, 1], tables, lens, 0.125),
+                               jit_out, atol=0, rtol=0)

@@ -1,30 +1,37 @@
-"""Native CPU kernels (paged decode and prefill attention, KV writes, fused per-layer small ops, small-M GEMM),
-compiled with the local C++ compiler (torch.utils.cpp_extension) the first time they are needed on a CPU, then
-cached.
+"""Native CPU kernels (paged decode and prefill attention, KV writes, fused per-layer small ops, small-M GEMM).
 
-Instruction sets. The sources are compiled for one instruction-set level, picked at run time from what this
-CPU has (`detect_isa`): "avx512bf16" (AVX-512 F/BW/VL/DQ + AVX512-BF16: Zen 4, Cooper Lake, Sapphire Rapids
+Prebuilt or just in time. The package build (setup.py) compiles one module per instruction-set level,
+`_cpu_<isa>`, and writes a manifest beside them (prebuilt.json: the torch version they were compiled against and
+the build key of their sources). The loader imports the module for this CPU's level when the manifest matches the
+running torch and the sources in the tree. Otherwise (an unusual platform, a package built without kernels,
+another torch, kernel sources edited since an editable install, PAGEDSERVE_PREBUILT_KERNELS=0) it compiles them
+with the local C++ compiler (torch.utils.cpp_extension) the first time they are needed on a CPU and caches that
+build. The log says which path it took.
+
+Instruction sets. Each build is of one instruction-set level, picked at run time from what this CPU has
+(`detect_isa`): "avx512bf16" (AVX-512 F/BW/VL/DQ + AVX512-BF16: Zen 4, Cooper Lake, Sapphire Rapids
 and later), "avx512", "avx2" (AVX2 + FMA + F16C) or "generic" (the compiler's baseline). Each level is its
 own extension with explicit `-m` flags (never `-march=native`), and its name carries the level and a hash of
 the sources and flags, so a build made on one CPU is never loaded on a CPU that lacks its instructions, and a
 changed source or flag never loads a stale build. PAGEDSERVE_CPU_ISA=avx2 (or any level the CPU has) forces a
 lower level, e.g. to test the AVX2 code on an AVX-512 machine.
 
-Build cache and locks. Builds live in torch's extension directory (TORCH_EXTENSIONS_DIR, default
-~/.cache/torch_extensions/...), one folder per extension name. A process that builds or loads holds an flock
-on `pagedserve.lock` in that folder (its pid and host written inside, for messages): the kernel releases it when
-the process dies, so a killed build never leaves it held; torch's own `lock` file found there while we hold ours
-is stale (left by a killed build: torch would wait on it forever) and is removed. A lock held by a live process
-is waited for at most PAGEDSERVE_KERNEL_BUILD_TIMEOUT seconds (default 300); after that the engine runs on the
-PyTorch path with a warning instead of hanging.
+Build cache and locks (the just-in-time build). Builds live in torch's extension directory (TORCH_EXTENSIONS_DIR,
+default ~/.cache/torch_extensions/...), one folder per extension name. A process that builds or loads holds an
+flock on `pagedserve.lock` in that folder (its pid and host written inside, for messages): the kernel releases it
+when the process dies, so a killed build never leaves it held; torch's own `lock` file found there while we hold
+ours is stale (left by a killed build: torch would wait on it forever) and is removed. A lock held by a live
+process is waited for at most PAGEDSERVE_KERNEL_BUILD_TIMEOUT seconds (default 300); after that the engine runs on
+the PyTorch path with a warning instead of hanging.
 
-`load_cpu_kernels()` builds or loads the kernels (call it at engine start-up, before serving); `cpu_kernels()`
+`load_cpu_kernels()` loads (or builds) the kernels (call it at engine start-up, before serving); `cpu_kernels()`
 is the cached accessor the layers use. If compiling fails (no compiler, no ninja), both return None and
 callers fall back to the pure PyTorch path; PAGEDSERVE_CPU_KERNELS=0 forces that path.
 """
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import platform
@@ -34,8 +41,9 @@ import time
 from pathlib import Path
 
 from pagedserve import envs
-from pagedserve.model_executor.kernels.build_config import (HEADERS, ISA_LEVELS, KERNEL_DIR, SOURCES,  # noqa: F401
-                                                            build_flags, extension_name)
+from pagedserve.model_executor.kernels.build_config import (HEADERS, ISA_LEVELS, KERNEL_DIR, LDFLAGS,  # noqa: F401
+                                                            MANIFEST, PREBUILT_PACKAGE, SOURCES, build_flags,
+                                                            extension_name, prebuilt_module)
 
 logger = logging.getLogger("pagedserve")
 LOCK_NAME = "pagedserve.lock"
@@ -158,7 +166,7 @@ def build_extension(name: str, sources: list[Path], cflags: list[str], timeout_s
         else:
             logger.warning("Building native kernels %s (first start on this CPU, ~40 s)...", name)
             module = load(name=name, sources=[str(s) for s in sources], extra_cflags=list(cflags),
-                          extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+                          extra_ldflags=list(LDFLAGS), build_directory=str(build_dir), verbose=False)
         logger.info("Native CPU kernels %s %s in %.1f s.", name, "loaded" if library else "built",
                     time.perf_counter() - t0)
         return module
@@ -177,6 +185,61 @@ def _import_library(name: str, library: Path):
     return module
 
 
+# ---------------------------------------------------------------------------------------------- prebuilt modules
+def read_manifest() -> dict | None:
+    """What the package build wrote beside its modules (setup.py): {"torch": version, "modules": {isa: {"module":
+    name, "key": extension_name}}}; None when the package was built without them (or not built: a bare checkout)."""
+    try:
+        return json.loads((KERNEL_DIR / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def prebuilt_unusable(isa: str, manifest: dict | None, torch_version: str) -> str | None:
+    """Why the package's prebuilt module for `isa` must not be loaded, or None when it may: one compiled against
+    another torch could crash inside libtorch (its C++ ABI is only stable within a release), and one compiled from
+    other sources (an editable install whose kernels were edited since) is not the code in the tree."""
+    entry = (manifest or {}).get("modules", {}).get(isa)
+    if entry is None:
+        return "none was built with the package"
+    if manifest.get("torch") != torch_version:
+        return f"it was built against torch {manifest.get('torch')}, this is torch {torch_version}"
+    if entry.get("key") != extension_name(isa):
+        return "the kernel sources changed since the package was built (rerun `pip install -e .`)"
+    return None
+
+
+def load_prebuilt(isa: str):
+    """The package's prebuilt module for `isa`, or None (with the reason logged) when there is none it may use."""
+    import importlib
+
+    import torch
+
+    manifest = read_manifest()
+    if not envs.PAGEDSERVE_PREBUILT_KERNELS:
+        reason = "PAGEDSERVE_PREBUILT_KERNELS=0"
+    else:
+        reason = prebuilt_unusable(isa, manifest, torch.__version__)
+    if reason is None:
+        t0 = time.perf_counter()
+        try:
+            module = importlib.import_module(f"{PREBUILT_PACKAGE}.{prebuilt_module(isa)}")
+        except ImportError as exc:  # a damaged install, a missing system library
+            reason = f"{type(exc).__name__}: {exc}"
+            unexpected = True
+        else:
+            logger.info("Native CPU kernels: the prebuilt %s module loaded in %.2f s (%s).", isa,
+                        time.perf_counter() - t0, module.__file__)
+            return module
+    else:
+        # a package built against another torch deserves a warning; a checkout without prebuilt modules, or whose
+        # kernels are being edited, does not
+        unexpected = manifest is not None and manifest.get("torch") != torch.__version__
+    logger.log(logging.WARNING if unexpected else logging.INFO,
+               "Native CPU kernels: no prebuilt %s module used (%s); using the just-in-time build.", isa, reason)
+    return None
+
+
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 _UNSET = object()
@@ -184,9 +247,10 @@ _default = _UNSET  # what cpu_kernels() returns, once known
 
 
 def load_cpu_kernels(isa: str | None = None):
-    """Build or load the native kernels for `isa` (default: `detect_isa()`); the module, or None when they are
-    disabled (PAGEDSERVE_CPU_KERNELS=0) or cannot be built. Cached per level; call it at engine start-up so the
-    first request does not wait for a compiler."""
+    """The native kernels for `isa` (default: `detect_isa()`): the package's prebuilt module where it may be used,
+    else the just-in-time build (built or loaded from the cache); None when they are disabled
+    (PAGEDSERVE_CPU_KERNELS=0) or cannot be had. Cached per level; call it at engine start-up so the first request
+    does not wait for a compiler."""
     global _default
     if not envs.PAGEDSERVE_CPU_KERNELS:
         return None
@@ -202,13 +266,14 @@ def load_cpu_kernels(isa: str | None = None):
                 _default = None
             return None
         if isa not in _loaded:
-            module = None
-            try:
-                sources = [KERNEL_DIR / n for n in SOURCES]
-                module = build_extension(extension_name(isa), sources, build_flags(isa))
-            except Exception as exc:  # no compiler / ninja: the torch path still works
-                logger.warning("Native CPU kernels unavailable (%s: %s); using the PyTorch path.",
-                               type(exc).__name__, exc)
+            module = load_prebuilt(isa)
+            if module is None:
+                try:
+                    sources = [KERNEL_DIR / n for n in SOURCES]
+                    module = build_extension(extension_name(isa), sources, build_flags(isa))
+                except Exception as exc:  # no compiler / ninja: the torch path still works
+                    logger.warning("Native CPU kernels unavailable (%s: %s); using the PyTorch path.",
+                                   type(exc).__name__, exc)
             _loaded[isa] = module
         if default:
             _default = _loaded[isa]

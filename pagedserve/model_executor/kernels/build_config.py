@@ -1,5 +1,7 @@
 """What one build of the native CPU kernels is: its sources, its instruction-set level and compiler flags, and the
-names its module gets. Standard library only: kernels/__init__.py builds from it, and so can a build of the package.
+names its module gets. Shared by the package build (setup.py, which compiles one prebuilt module per level) and the
+just-in-time fallback (kernels/__init__.py). Standard library only: setup.py loads this file by path, before
+pagedserve or its dependencies are importable.
 """
 from __future__ import annotations
 
@@ -22,7 +24,19 @@ ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
     "generic": ((), ()),
 }
+X86_ISAS = tuple(ISA_LEVELS)  # every level compiles on x86-64; elsewhere only "generic"
 BASE_CFLAGS = ("-O3", "-fopenmp", "-ffast-math")
+LDFLAGS = ("-fopenmp",)
+
+# The package build's modules, pagedserve/model_executor/kernels/_cpu_<isa>*.so, and the manifest written beside
+# them: the torch version they were compiled against and, per level, the build key (`extension_name`) of the
+# sources they were compiled from.
+PREBUILT_PACKAGE = "pagedserve.model_executor.kernels"
+MANIFEST = "prebuilt.json"
+
+
+def prebuilt_module(isa: str) -> str:
+    return f"_cpu_{isa}"
 
 
 def build_flags(isa: str) -> list[str]:
