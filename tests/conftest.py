@@ -56,10 +56,15 @@ def pytest_collection_finish(session):
             load_cpu_kernels(isa)
 
 
+SERVER_STARTERS = ("ServerProcess", "get_server", "start_cli_process")  # server_helpers' ways to start one
+
+
 def pytest_collection_modifyitems(config, items):
-    """A test that takes the shared `server` fixture is a server test (the tiers: pyproject's markers)."""
+    """Server tests (the tiers: pyproject's markers) found without a mark too: a test that takes the shared `server`
+    fixture, or any test of a module that imports a way to start a server process from server_helpers."""
     for item in items:
-        if "server" in getattr(item, "fixturenames", ()):
+        module = getattr(item, "module", None)
+        if "server" in getattr(item, "fixturenames", ()) or any(hasattr(module, n) for n in SERVER_STARTERS):
             item.add_marker(pytest.mark.server)
 
 
