@@ -206,9 +206,14 @@ def test_chunked_body_over_the_limit_is_413_with_the_key(private_server):
     assert httpx.get(private_server.url + "/health", timeout=10).status_code == 200
 
 
-def test_detokenize_is_bounded_by_max_model_len(private_server):
-    r = httpx.post(private_server.url + "/detokenize", json={"tokens": [5] * 513}, headers=auth_headers(), timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+def test_detokenize_is_bounded(private_server):
+    """At most max(max_model_len, vocabulary, 65536) tokens: 4M used to hold the event loop (and /health) 1.5 s."""
+    r = httpx.post(private_server.url + "/detokenize", json={"tokens": [5] * 65537}, headers=auth_headers(),
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_tokens"
+    r = httpx.post(private_server.url + "/detokenize", json={"tokens": list(range(768))}, headers=auth_headers(),
+                   timeout=30)  # the whole vocabulary is fine
+    assert r.status_code == 200
     r = httpx.post(private_server.url + "/detokenize", json={"tokens": SECRET_PROMPT}, headers=auth_headers(),
                    timeout=30)
     assert r.status_code == 200 and r.json()["prompt"]

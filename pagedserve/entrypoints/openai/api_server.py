@@ -46,6 +46,7 @@ logger = logging.getLogger("pagedserve.api")
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 OPEN_PREFIXES = ("/dashboard",)  # the page's static files; the events it reads need the key
 DEFAULT_MAX_BODY_BYTES = 16 << 20
+DETOKENIZE_MIN_LIMIT = 1 << 16  # tokens one /detokenize may ask for, whatever max_model_len (~20 ms of GIL)
 
 
 # ------------------------------------------------------------------------------------------------ CLI
@@ -287,12 +288,15 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
                                                  max_model_len=max_model_len).model_dump())
         return await guarded(run())
 
+    # a whole sequence or the whole vocabulary, at least: transformers walks the list in Python, holding the GIL
+    max_detokenize_tokens = max(max_model_len, config.model.vocab_size, DETOKENIZE_MIN_LIMIT)
+
     @app.post("/detokenize", response_model=api_docs.DetokenizeResponse, responses=api_docs.ROUTE_RESPONSES["detokenize"])
     async def detokenize(req: DetokenizeRequest):
         async def run():
             base.check_model(req.model)
-            if len(req.tokens) > max_model_len:  # no sequence of this model is longer
-                raise OpenAIError(400, f"tokens: at most max_model_len={max_model_len} tokens can be detokenized, "
+            if len(req.tokens) > max_detokenize_tokens:
+                raise OpenAIError(400, f"tokens: at most {max_detokenize_tokens} tokens can be detokenized at once, "
                                        f"got {len(req.tokens)}.", param="tokens", code="too_many_tokens")
 
             def decode() -> str:  # a thread: transformers' decode walks the list in Python first
