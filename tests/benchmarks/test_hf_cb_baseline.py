@@ -46,8 +46,10 @@ def _eos_first_prompt(model, eos_id: int = 1, seed: int = 11) -> list[int]:
 def model(tiny_model_dir):
     from pagedserve.benchmarks.hf_baseline import load_hf_model
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    return load_hf_model(str(tiny_model_dir("llama")))
+    yield load_hf_model(str(tiny_model_dir("llama")))
+    torch.set_num_threads(threads)
 
 
 def test_hf_cb_closed_loop_exact_lengths_clocks_and_greedy_tokens(model):

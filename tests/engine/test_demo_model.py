@@ -39,8 +39,10 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def hf_model():
-    torch.set_num_threads(min(torch.get_num_threads(), 2))
-    return ev.load_model_float32(MODEL_DIR)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(threads, 2))
+    yield ev.load_model_float32(MODEL_DIR)
+    torch.set_num_threads(threads)
 
 
 def hf_greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:

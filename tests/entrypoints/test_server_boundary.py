@@ -173,10 +173,11 @@ def test_disconnect_storm_frees_everything(server):
 @pytest.mark.timeout(900)
 def test_ready_means_ready_with_an_empty_kernel_cache(tiny_model_dir, tmp_path):
     """A fresh kernel cache: the build happens before the server binds, so the first /health 200 comes after
-    it, and the first request compiles nothing. The generic level: the cheapest build (this one runs every time)."""
+    it, and the first request compiles nothing. The generic level, the cheapest build (this one runs every time),
+    and not the package's prebuilt modules (which need no build)."""
     srv = ServerProcess(tiny_model_dir("llama"), ("--num-kv-blocks", "64", "--max-model-len", "256"),
                         startup_timeout=900, env={"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
-                                                  "PAGEDSERVE_CPU_ISA": "generic"})
+                                                  "PAGEDSERVE_CPU_ISA": "generic", "PAGEDSERVE_PREBUILT_KERNELS": "0"})
     try:
         log_at_ready = srv.log()
         r = httpx.post(srv.url + C, json={"prompt": "hello", "max_tokens": 4})

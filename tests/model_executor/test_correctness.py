@@ -16,8 +16,6 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.core.kv_cache_manager import cdiv
 from pagedserve.model_executor import kernels
 
-pytestmark = pytest.mark.slow
-
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
 # float32 against HF's float32: every returned logprob (top-2 and the sampled token) within this of HF's log-softmax
@@ -114,6 +112,7 @@ CONFIGS = ["prefix-caching-off", "budget-32-chunked", "pool-fits-longest-only", 
            pytest.param("avx2-kernels", marks=pytest.mark.kernels_build("avx2"))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("config", CONFIGS)
 def test_greedy_same_in_every_config(arch, config, tiny_model_dir, tiny_tokenizer, monkeypatch):
@@ -146,6 +145,7 @@ def test_greedy_same_in_every_config(arch, config, tiny_model_dir, tiny_tokenize
     check_engine_drained(llm)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_bfloat16_kv_cache_matches_transformers(arch, tiny_model_dir, tiny_tokenizer):
     """A float32 model over a bfloat16 KV cache: half the cache bytes, greedy still HF's up to near-ties."""
