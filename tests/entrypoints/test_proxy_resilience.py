@@ -13,6 +13,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -70,7 +71,7 @@ def wait_for(condition: Callable[[], bool], timeout: float = 15.0) -> bool:
 
 
 def peak_rss_mib(pid: int) -> float:
-    status = open(f"/proc/{pid}/status").read()
+    status = Path(f"/proc/{pid}/status").read_text()
     return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 1024
 
 
@@ -331,13 +332,13 @@ def test_a_prefill_4xx_is_not_ignored(tiny_model_dir):
 
 
 def replica_pids(launcher_pid: int) -> set[int]:
-    out = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True).stdout
+    out = subprocess.run(["pgrep", "-P", str(launcher_pid)], check=False, capture_output=True, text=True).stdout
     return {int(p) for p in out.split()}
 
 
 def running(pid: int) -> bool:
     try:
-        state = re.search(r"State:\s+(\w)", open(f"/proc/{pid}/status").read()).group(1)
+        state = re.search(r"State:\s+(\w)", Path(f"/proc/{pid}/status").read_text()).group(1)
     except (FileNotFoundError, AttributeError):
         return False
     return state != "Z"
