@@ -7,7 +7,6 @@ import sys
 from pagedserve import envs
 
 
-
 def _add_generate_parser(subparsers) -> None:
     from pagedserve.config import EngineArgs
 
@@ -40,8 +39,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    envs.set_openmp_defaults()  # before any command imports torch
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(subparsers)
@@ -59,7 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_parser(subparsers)
     add_replay_parser(subparsers)
     add_diagnose_parser(subparsers)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    envs.set_openmp_defaults()  # before any command imports torch
+    args = build_parser().parse_args(argv)
     try:
         if getattr(args, "data_parallel_size", 1) != 1:  # serve -dp N: N replicas of this command behind a router
             return run_data_parallel(args, sys.argv[1:] if argv is None else argv)

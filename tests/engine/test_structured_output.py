@@ -364,8 +364,13 @@ def test_tool_calls_named_and_required_streamed_equal_full(server):
 
 
 def test_server_builds_the_grammar_tokenizer_at_start_up(server):
-    """Built before the server is ready, so the first constrained request's step does not pay for it."""
-    assert "Structured output (llguidance) ready in" in server.log()
+    """Built before the server is ready, so the first constrained request's step does not pay for it; it is one of
+    the start-up stages the server logs, each with its duration."""
+    line = next(line for line in server.log().splitlines() if "Start-up stages:" in line)
+    for stage in ("process start and imports", "config", "tokenizer", "model load", "KV cache allocation",
+                  "native kernels", "warm-up", "structured output (llguidance)", "HTTP app", "total"):
+        assert re.search(re.escape(stage) + r" \d+\.\d\d s", line), (stage, line)
+    assert re.search(r"Port open: accepting requests \d+\.\d\d s after the process started", server.log())
 
 
 @pytest.mark.server

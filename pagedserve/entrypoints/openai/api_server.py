@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedserve import envs
 from pagedserve.engine.async_llm import DEFAULT_STEP_TIMEOUT_S, AsyncLLM
 from pagedserve.engine.protocol import EngineClient
+from pagedserve.engine.startup import process_age_s
 from pagedserve.entrypoints.dashboard.routes import HostCheck, add_live_event_routes
 from pagedserve.entrypoints.openai.errors import (OpenAIError, error_response, exception_to_openai,
                                                   install_error_handlers)
@@ -360,6 +361,12 @@ class GracefulServer(uvicorn.Server):
         else:  # second signal: end everything now
             self.engine_client.fail_all(EngineShuttingDown("The server is shutting down."))
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            age = process_age_s()
+            logger.info("Port open: accepting requests %s", "" if age is None else f"{age:.2f} s after the process started")
+
     @contextlib.contextmanager
     def capture_signals(self):
         # Like uvicorn's, minus re-raising the signal afterwards (which prints a KeyboardInterrupt
@@ -381,6 +388,7 @@ def run_server(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (one of: "
                          f"{', '.join(TOOL_CALL_PARSERS)}).")
+    imports_s = process_age_s()  # the interpreter, the CLI and the server's imports, before any work
     engine_args = EngineArgs.from_cli_args(args)
     t0 = time.perf_counter()
     logger.info("Starting: loading the model, building/loading native kernels and warming up before binding "
@@ -390,13 +398,16 @@ def run_server(args: argparse.Namespace) -> int:
                                           max_queued_requests=args.max_queued_requests,
                                           max_consecutive_step_failures=args.max_consecutive_step_failures,
                                           step_timeout_s=args.step_timeout_s)
+    stages = async_llm.engine.startup
     # The grammar engine's view of the vocabulary (0.1-0.2 s for 8k-49k tokens) is built now, not inside the first
     # constrained request's step, where it stalled every request of the batch.
-    t_grammar = time.perf_counter()
-    async_llm.engine.structured_output.ll_tokenizer
-    logger.info("Structured output (llguidance) ready in %.2f s", time.perf_counter() - t_grammar)
-    app = build_app(async_llm, args)
-    logger.info("Ready in %.1f s since start-up began", time.perf_counter() - t0)
+    with stages.stage("structured output (llguidance)"):
+        async_llm.engine.structured_output.ll_tokenizer
+    with stages.stage("HTTP app"):
+        app = build_app(async_llm, args)
+    imports = "" if imports_s is None else f"process start and imports {imports_s:.2f} s, "
+    logger.info("Start-up stages: %s%s; total %.2f s", imports, stages.summary(),
+                (imports_s or 0.0) + time.perf_counter() - t0)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=max(1.0, args.shutdown_timeout + 5.0),
