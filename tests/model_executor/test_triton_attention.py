@@ -171,8 +171,9 @@ def test_mixed_step_through_paged_attention():
     backend, reference = get_attention_backend("triton", DEVICE), get_attention_backend("torch", DEVICE)
     assert isinstance(backend, ta.TritonAttentionBackend)
     ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
-    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.25)
-    torch.testing.assert_close(out, reference.forward(q, k, v, ref_k_cache, ref_v_cache, meta, 0.25),
+    out = backend.forward(q, k, v, k_cache, v_cache, backend.build_metadata(meta), 0.25)
+    torch.testing.assert_close(out, reference.forward(q, k, v, ref_k_cache, ref_v_cache,
+                                                      reference.build_metadata(meta), 0.25),
                                atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(k_cache, ref_k_cache, atol=0, rtol=0)
     start = 0

@@ -11,6 +11,9 @@ The CPU backend (cpu.py) runs these same paths wherever its kernels do not apply
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+from functools import cached_property
+
 import torch
 import torch.nn.functional as F
 
@@ -18,8 +21,22 @@ from pagedserve.model_executor.attention.backend import AttentionBackend
 from pagedserve.model_executor.attention.metadata import AttentionMetadata, PrefillSpan
 
 
+@dataclass
+class TorchSDPAMetadata(AttentionMetadata):
+    @cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """[num_decodes, 1, 1, max_blocks * block_size] bool, True = attend: built on the first layer's decode, read
+        by every other layer's."""
+        width = self.decode_block_tables.shape[1] * self.block_size
+        positions = torch.arange(width, device=self.decode_context_lens.device)
+        return (positions[None, :] < self.decode_context_lens[:, None])[:, None, None, :]
+
+
 class TorchSDPABackend(AttentionBackend):
     name = "torch"
+
+    def build_metadata(self, common: AttentionMetadata) -> TorchSDPAMetadata:
+        return TorchSDPAMetadata(**{f.name: getattr(common, f.name) for f in fields(AttentionMetadata)})
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -40,7 +57,7 @@ class TorchSDPABackend(AttentionBackend):
         return out
 
     @staticmethod
-    def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TorchSDPAMetadata, scale: float,
                out: torch.Tensor) -> None:
         """The decode rows (the first meta.num_decodes of q) into out."""
         d = meta.num_decodes

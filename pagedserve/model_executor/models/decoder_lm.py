@@ -66,6 +66,7 @@ class DecoderForCausalLM(nn.Module):
         """Returns float32 logits over the whole vocabulary for the rows in `logits_indices` only, on the rank that
         holds them (the last stage's tp rank 0; None on the other ranks)."""
         ps = self.parallel
+        meta = self.attn_backend.build_metadata(meta)
         if self.embed_tokens is not None:
             x, residual = self.embed_tokens(input_ids), None
         else:
