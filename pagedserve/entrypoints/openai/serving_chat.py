@@ -54,7 +54,7 @@ class OpenAIServingChat(OpenAIServing):
             raise BadRequest("The messages render to zero tokens.", param="messages")
         request_id = new_request_id("chatcmpl")
         created = int(time.time())
-        model = self.served_model_name
+        model = self.response_model_name(req.model)
         streams = await self.submit(request_id, [prompt], params, req, prompt_param="messages")
         if req.stream:
             return SSEResponse(self._stream(req, plan, request_id, created, model, prompt, streams[0]),

@@ -61,7 +61,7 @@ class OpenAIServingCompletion(OpenAIServing):
         texts, prompts = await self.prepare(req)
         request_id = new_request_id("cmpl")
         created = int(time.time())
-        model = self.served_model_name
+        model = self.response_model_name(req.model)
         streams = await self.submit(request_id, prompts, params, req)
         if req.stream:
             gen = self._stream(req, request_id, created, model, texts, prompts, streams)

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import math
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -91,9 +92,14 @@ class ChoiceState:
 
 
 class OpenAIServing:
-    def __init__(self, engine_client: EngineClient, served_model_name: str, log_requests: bool = False) -> None:
+    def __init__(self, engine_client: EngineClient, served_model_name: str | Sequence[str],
+                 log_requests: bool = False, chat_template: str | None = None) -> None:
+        """served_model_name: the name the API answers to, or several (aliases; the first is the one listed).
+        chat_template: a Jinja template used instead of the tokenizer's (`--chat-template`)."""
         self.engine_client = engine_client
-        self.served_model_name = served_model_name
+        self.chat_template = chat_template
+        self.served_model_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+        self.served_model_name = self.served_model_names[0]
         self.log_requests = log_requests
 
     @property
@@ -106,9 +112,14 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------------------------ checks
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
+        if model is not None and model not in self.served_model_names:
             raise OpenAIError(404, f"The model `{model}` does not exist. This server serves "
-                                   f"`{self.served_model_name}`.", param="model", code="model_not_found")
+                                   f"`{'`, `'.join(self.served_model_names)}`.", param="model",
+                              code="model_not_found")
+
+    def response_model_name(self, model: str | None) -> str:
+        """The name a response reports: the one the request used (an alias included), else the first."""
+        return model if model in self.served_model_names else self.served_model_name
 
     # ------------------------------------------------------------------------------ tokenizing
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -124,7 +135,7 @@ class OpenAIServing:
                           tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
         text = render_chat(self.tokenizer, [template_message(m) for m in messages],
                            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                           chat_template_kwargs=chat_template_kwargs, tools=tools)
+                           chat_template=self.chat_template, chat_template_kwargs=chat_template_kwargs, tools=tools)
         # The template already has BOS & co: like vLLM, do not add special tokens again.
         return text, await self.encode(text, add_special_tokens=add_special_tokens)
 
