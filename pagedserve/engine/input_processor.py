@@ -132,7 +132,25 @@ class InputProcessor:
                                       f"(--max-stop-token-ids), got {len(params.stop_token_ids)}.",
                                       param="stop_token_ids", code="too_many_stop_token_ids")
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        if params.logit_bias:
+            self.check_token_ids(list(params.logit_bias), "logit_bias")
+        if params.allowed_token_ids:
+            self.check_token_ids(params.allowed_token_ids, "allowed_token_ids")
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         self.check_num_sequences(1, params.n)
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens as it would appear at a word start and after a space (vLLM's two spellings)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("bad_words needs a tokenizer (this engine has none).", param="bad_words")
+        seqs: list[list[int]] = []
+        for word in words:
+            for spelling in (word.lstrip(), " " + word.lstrip()):
+                ids = list(self.tokenizer.encode(spelling, add_special_tokens=False))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
 
     def _check_logprob_entries(self, params: SamplingParams, max_tokens: int) -> None:
         """Every sampled token of every sequence keeps its top-`logprobs` (and its own) until the response is

@@ -26,6 +26,7 @@ from pagedserve.model_executor.platform import available_memory, torch_dtype
 from pagedserve.model_executor.quantization.registry import get_quantization_config
 from pagedserve.model_executor.rejection_sampler import DraftBatch, rejection_sample
 from pagedserve.model_executor.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata
+from pagedserve.model_executor.token_controls import bad_word_bans
 from pagedserve.outputs import Logprob
 from pagedserve.spec_decode.drafter import DrafterContext
 from pagedserve.spec_decode.selector import make_drafter
@@ -184,7 +185,9 @@ class ModelRunner:
         speculative = any(drafts)
         rows = [len(d) + 1 for d in drafts]
         row_requests = [r for r, n in zip(requests, rows) for _ in range(n)] if speculative else requests
-        meta = self._sampling_metadata(row_requests)
+        # a verification row after draft tokens sees them as output (bad_words match across them)
+        row_drafts = [d[:i] for d, n in zip(drafts, rows) for i in range(n)] if speculative else None
+        meta = self._sampling_metadata(row_requests, row_drafts)
         token_mask_bias = masks.bias.result() if masks is not None and masks.bias is not None else None
         if token_mask_bias is not None:  # one mask row per request (constrained requests never draft)
             meta.token_mask_bias = token_mask_bias.repeat_interleave(
@@ -226,7 +229,7 @@ class ModelRunner:
             out.logprobs.sampled_logprobs[index] = again.logprobs.sampled_logprobs
             out.logprobs.sampled_ranks[index] = again.logprobs.sampled_ranks
 
-    def _sampling_metadata(self, row_requests: list) -> SamplingMetadata:
+    def _sampling_metadata(self, row_requests: list, row_drafts: list[list[int]] | None = None) -> SamplingMetadata:
         params = [r.sampling_params for r in row_requests]
         generators = {}
         banned = {}
@@ -240,6 +243,9 @@ class ModelRunner:
                 generators[row] = g
             if r.num_output_tokens < p.min_tokens:
                 banned[row] = sorted(r.eos_token_ids | set(p.stop_token_ids))
+            if p.bad_words_token_ids:
+                output = list(r.output_token_ids) + row_drafts[row] if row_drafts else r.output_token_ids
+                banned[row] = banned.get(row, []) + bad_word_bans(p.bad_words_token_ids, output)
         any_penalty = any(p.needs_penalties for p in params)
         return SamplingMetadata.build(
             params, generators,

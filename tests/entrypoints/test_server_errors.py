@@ -112,7 +112,12 @@ CASES = [
     (CH, {"messages": MSG, "max_tokens": 600}, 400, "max_tokens", "512"),
     # unknown / unimplemented fields are rejected by name, never ignored
     (C, {"prompt": "x", "suffix": "y"}, 400, "suffix", "suffix"),
-    (C, {"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias", "logit_bias"),
+    (C, {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias", "[-100, 100]"),
+    (C, {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias", "token ids"),
+    (C, {"prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias", "must be in [0,"),
+    (C, {"prompt": "x", "allowed_token_ids": [99999999]}, 400, "allowed_token_ids", None),
+    (C, {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids", None),
+    (C, {"prompt": "x", "bad_words": [""]}, 400, "bad_words", None),
     (C, {"prompt": "x", "best_of": 2}, 400, "best_of", "best_of"),
     (C, {"prompt": "x", "foo": 1}, 400, "foo", "foo"),
     (CH, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice",
@@ -124,7 +129,7 @@ CASES = [
     (CH, {"messages": MSG, "guided_regex": "a(b"}, 400, "guided_regex", "regex"),
     (CH, {"messages": MSG, "guided_regex": "a", "guided_choice": ["a"]}, 400, "guided_choice", "one output constraint"),
     (CH, {"messages": MSG, "functions": []}, 400, "functions", "functions"),
-    (CH, {"messages": MSG, "logit_bias": {}}, 400, "logit_bias", None),
+    (CH, {"messages": MSG, "logit_bias": {"-1": 5}}, 400, "logit_bias", None),
     (CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
      400, "<any>", None),
     # unknown model

@@ -123,6 +123,11 @@ class _SamplingFields(_Request):
     stop_token_ids: Optional[list[TokenId]] = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # ---- token controls: OpenAI's logit_bias (token id as a string -> [-100, 100]), vLLM's allowed_token_ids and
+    # bad_words; ranges and the vocabulary are checked by SamplingParams and the engine (400 naming the field)
+    logit_bias: Optional[dict[str, float]] = None
+    allowed_token_ids: Optional[list[TokenId]] = None
+    bad_words: Optional[list[str]] = None
     # ---- structured output: OpenAI's response_format, vLLM's structured_outputs and older guided_* names
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputsRequest] = None

@@ -143,7 +143,8 @@ class OpenAIServing:
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, output_kind=RequestOutputKind.DELTA,
-            structured_outputs=structured_outputs(req))
+            structured_outputs=structured_outputs(req), logit_bias=req.logit_bias,
+            allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words)
 
     # ------------------------------------------------------------------------------ submitting
     async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
