@@ -101,6 +101,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # sample only among these
     bad_words: list[str] | None = None  # never generate these words (tokenized by the InputProcessor)
     bad_words_token_ids: list[list[int]] | None = None  # set by the InputProcessor from bad_words
+    # Per prompt token (after the first): its logprob and the top-N, computed in the prefill's forward. A request
+    # asking for them bypasses prefix-cache hits (a cached prefix has no logits), as in vLLM.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.logit_bias is not None:
@@ -145,6 +148,9 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", self.logprobs, "a non-negative integer")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or isinstance(self.prompt_logprobs, bool) or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", self.prompt_logprobs, "a non-negative integer")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):

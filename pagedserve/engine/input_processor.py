@@ -118,6 +118,9 @@ class InputProcessor:
         if params.logprobs is not None and params.logprobs > limits.max_logprobs:
             raise InvalidRequestError(f"logprobs must be <= {limits.max_logprobs} (--max-logprobs), got "
                                       f"{params.logprobs}.", param="logprobs")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > limits.max_logprobs:
+            raise InvalidRequestError(f"prompt_logprobs must be <= {limits.max_logprobs} (--max-logprobs), got "
+                                      f"{params.prompt_logprobs}.", param="prompt_logprobs")
         if len(params.stop) > limits.max_stop_strings:
             raise InvalidRequestError(f"At most {limits.max_stop_strings} stop strings are allowed "
                                       f"(--max-stop-strings), got {len(params.stop)}.", param="stop",
