@@ -128,6 +128,7 @@ class _SamplingFields(_Request):
     logit_bias: Optional[dict[str, float]] = None
     allowed_token_ids: Optional[list[TokenId]] = None
     bad_words: Optional[list[str]] = None
+    prompt_logprobs: Optional[Int(ge=0, le=MAX_LOGPROBS)] = None  # vLLM's: returned as `prompt_logprobs`
     # ---- structured output: OpenAI's response_format, vLLM's structured_outputs and older guided_* names
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputsRequest] = None
@@ -142,7 +143,7 @@ class CompletionRequest(_SamplingFields):
     # A text, a batch of texts, a token-id list, or a batch of token-id lists; nothing empty.
     prompt: Union[NonEmptyStr, Annotated[list[NonEmptyStr], Field(min_length=1)], TokenIds,
                   Annotated[list[TokenIds], Field(min_length=1)]]
-    max_tokens: Optional[Int(ge=1)] = 16
+    max_tokens: Optional[Int(ge=0, description="0 only with echo (scores the prompt)")] = 16
     logprobs: Optional[Int(ge=0, le=MAX_LOGPROBS)] = None
     echo: bool = False
     # Accepted only when it equals n (returning the best n of best_of samples is not implemented).
@@ -173,6 +174,8 @@ class CompletionResponseChoice(_Response):
     logprobs: Optional[CompletionLogProbs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    # vLLM's shape: None for the first prompt token, then token id -> {logprob, rank, decoded_token}
+    prompt_logprobs: Optional[list[Optional[dict[str, dict[str, Any]]]]] = None
 
 
 class CompletionResponse(_Response):
@@ -319,6 +322,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: Optional[list[Optional[dict[str, dict[str, Any]]]]] = None  # vLLM's extra
 
 
 class DeltaFunctionCall(_Response):
@@ -460,8 +464,9 @@ BUSINESS_RULES: dict[str, str] = {
     "n": "400 if prompts x n > --max-sequences-per-request",
     "stop": "400 if more than --max-stop-strings strings or --max-stop-chars characters",
     "stop_token_ids / tokens": "400 if an id is outside the vocabulary",
-    "logprobs / top_logprobs": "400 if above --max-logprobs; top_logprobs needs logprobs=true; echo with logprobs "
-                               "is not supported",
+    "logprobs / top_logprobs / prompt_logprobs": "400 if above --max-logprobs; top_logprobs needs logprobs=true",
+    "max_tokens (completions)": "400 if 0 without echo",
+    "logit_bias / allowed_token_ids": "400 if a token id is outside the vocabulary or a bias outside [-100, 100]",
     "best_of": "400 unless equal to n",
     "priority": "400 if non-zero without --scheduling-policy priority",
     "stream_options": "400 without stream=true",
