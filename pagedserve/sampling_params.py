@@ -104,6 +104,7 @@ class SamplingParams:
     # Per prompt token (after the first): its logprob and the top-N, computed in the prefill's forward. A request
     # asking for them bypasses prefix-cache hits (a cached prefix has no logits), as in vLLM.
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: max_model_len - 1)
 
     def __post_init__(self) -> None:
         if self.logit_bias is not None:
@@ -151,6 +152,10 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
                                                  or isinstance(self.prompt_logprobs, bool) or self.prompt_logprobs < 0):
             raise bad("prompt_logprobs", self.prompt_logprobs, "a non-negative integer")
+        if self.truncate_prompt_tokens is not None and (
+                not isinstance(self.truncate_prompt_tokens, int) or isinstance(self.truncate_prompt_tokens, bool)
+                or not (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)):
+            raise bad("truncate_prompt_tokens", self.truncate_prompt_tokens, "-1 or an integer >= 1")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -143,6 +143,16 @@ class InputProcessor:
             params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         self.check_num_sequences(1, params.n)
 
+    def truncate_prompt(self, token_ids: list[int], keep: int) -> list[int]:
+        """truncate_prompt_tokens (vLLM): the last `keep` tokens; -1 keeps as many as the context allows."""
+        limit = self.config.model.max_model_len - 1
+        if keep == -1:
+            keep = limit
+        if keep > limit:
+            raise InvalidRequestError(f"truncate_prompt_tokens must be <= max_model_len - 1 ({limit}), got {keep}.",
+                                      param="truncate_prompt_tokens")
+        return token_ids[-keep:]
+
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's tokens as it would appear at a word start and after a space (vLLM's two spellings)."""
         if self.tokenizer is None:
@@ -214,6 +224,9 @@ class InputProcessor:
         token_ids = self.tokenize(prompt, prompt_param)
         if not token_ids:
             raise InvalidRequestError(f"{prompt_param} must not be empty.", param=prompt_param)
+        if params.truncate_prompt_tokens is not None:
+            token_ids = self.truncate_prompt(token_ids, params.truncate_prompt_tokens)
+            prompt = token_ids  # the text no longer matches the tokens
         max_tokens = self._check_length(len(token_ids), params.max_tokens, prompt_param)
         self._check_logprob_entries(params, max_tokens)
         return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,

@@ -136,3 +136,16 @@ def test_out_of_vocabulary_ids(llm, kwargs, field):
     with pytest.raises(ValueError, match=field):
         llm.generate(prompt_token_ids=[[5, 6]], sampling_params=SamplingParams(max_tokens=2, **kwargs),
                      use_tqdm=False)
+
+
+def test_truncate_prompt_tokens(llm, prompts):
+    long = prompts[1]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    cut = llm.generate(prompt_token_ids=[long], use_tqdm=False, sampling_params=SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=5))[0]
+    tail = llm.generate(prompt_token_ids=[long[-5:]], sampling_params=params, use_tqdm=False)[0]
+    assert cut.prompt_token_ids == long[-5:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        llm.generate(prompt_token_ids=[long], use_tqdm=False, sampling_params=SamplingParams(truncate_prompt_tokens=512))

@@ -146,3 +146,36 @@ def test_chat_prompt_logprobs(server, client):
     assert pl[0] is None and len(pl) == r["usage"]["prompt_tokens"] and all(len(e) in (1, 2) for e in pl[1:])
     r = httpx.post(server.url + "/v1/chat/completions", headers=auth_headers(), json={**body, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_best_of_returns_the_highest_cumulative_logprobs(client):
+    """best_of=4, n=2 with a seed draws the same 4 samples as n=4 (sample i uses seed + i); the 2 returned are the
+    4's best by cumulative logprob, best first."""
+    model = model_name(client)
+    kwargs = dict(model=model, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=11, logprobs=0)
+    all4 = client.completions.create(n=4, **kwargs).choices
+    ranked = sorted(all4, key=lambda c: -sum(c.logprobs.token_logprobs))
+    best = client.completions.create(n=2, best_of=4, **kwargs)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1]
+    assert best.usage.completion_tokens == 12
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"n": 2, "best_of": 1}, "best_of"),
+    ({"n": 1, "best_of": 2, "stream": True}, "best_of"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 600}, "truncate_prompt_tokens"),
+])
+def test_best_of_and_truncation_400(server, body, param):
+    r = httpx.post(server.url + "/v1/completions", headers=auth_headers(), json={"prompt": PROMPT, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_truncate_prompt_tokens(client):
+    model = model_name(client)
+    cut = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 7})
+    tail = client.completions.create(model=model, prompt=PROMPT[-7:], max_tokens=4, temperature=0)
+    assert cut.choices[0].text == tail.choices[0].text and cut.usage.prompt_tokens == 7

@@ -129,6 +129,7 @@ class _SamplingFields(_Request):
     allowed_token_ids: Optional[list[TokenId]] = None
     bad_words: Optional[list[str]] = None
     prompt_logprobs: Optional[Int(ge=0, le=MAX_LOGPROBS)] = None  # vLLM's: returned as `prompt_logprobs`
+    truncate_prompt_tokens: Optional[Int(ge=-1, description="-1 or >= 1: keep the prompt's last k tokens")] = None
     # ---- structured output: OpenAI's response_format, vLLM's structured_outputs and older guided_* names
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputsRequest] = None
@@ -146,7 +147,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Optional[Int(ge=0, description="0 only with echo (scores the prompt)")] = 16
     logprobs: Optional[Int(ge=0, le=MAX_LOGPROBS)] = None
     echo: bool = False
-    # Accepted only when it equals n (returning the best n of best_of samples is not implemented).
+    # best_of > n: best_of samples, the n with the highest cumulative logprob returned (not with stream)
     best_of: Optional[Int(ge=1, le=MAX_N)] = None
 
 
@@ -467,7 +468,8 @@ BUSINESS_RULES: dict[str, str] = {
     "logprobs / top_logprobs / prompt_logprobs": "400 if above --max-logprobs; top_logprobs needs logprobs=true",
     "max_tokens (completions)": "400 if 0 without echo",
     "logit_bias / allowed_token_ids": "400 if a token id is outside the vocabulary or a bias outside [-100, 100]",
-    "best_of": "400 unless equal to n",
+    "best_of": "400 if below n, or above n with stream",
+    "truncate_prompt_tokens": "400 if 0 or above max_model_len - 1",
     "priority": "400 if non-zero without --scheduling-policy priority",
     "stream_options": "400 without stream=true",
     "max_completion_tokens": "400 if both it and max_tokens are given and they differ",

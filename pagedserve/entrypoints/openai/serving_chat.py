@@ -55,6 +55,8 @@ class OpenAIServingChat(OpenAIServing):
                                            tools=template_tools(req) if plan.mode != "none" or req.tools else None)
         if not prompt:
             raise BadRequest("The messages render to zero tokens.", param="messages")
+        if params.truncate_prompt_tokens is not None:  # here too, so that usage counts what runs
+            prompt = self.input_processor.truncate_prompt(prompt, params.truncate_prompt_tokens)
         request_id = new_request_id("chatcmpl")
         created = int(time.time())
         model = self.served_model_name

@@ -28,7 +28,7 @@ class OpenAIServingCompletion(OpenAIServing):
         else:
             prompts = list(p)
         # Before any tokenizing: refuse 1,000 prompts x n=128 at once.
-        self.input_processor.check_num_sequences(len(prompts), req.n)
+        self.input_processor.check_num_sequences(len(prompts), max(req.n, req.best_of or 0))
         if not prompts:
             raise InvalidRequestError("prompt must not be empty.", param="prompt")
         texts, token_ids = [], []
@@ -50,9 +50,12 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, req: CompletionRequest, raw_request: Request | None = None):
         self.check_model(req.model)
-        if req.best_of is not None and req.best_of != req.n:
-            raise BadRequest(f"best_of ({req.best_of}) != n ({req.n}) is not supported: this server returns "
-                             f"every sample it generates.", param="best_of", code="unsupported_parameter")
+        best_of = req.best_of or req.n
+        if best_of < req.n:
+            raise BadRequest(f"best_of ({best_of}) must be >= n ({req.n}).", param="best_of")
+        if best_of > req.n and req.stream:
+            raise BadRequest("best_of > n cannot be streamed (the best are known only at the end).",
+                             param="best_of")
         if req.max_tokens == 0 and not req.echo:
             raise BadRequest("max_tokens must be >= 1 (0 only with echo).", param="max_tokens")
         if req.stream_options is not None and not req.stream:
@@ -62,7 +65,12 @@ class OpenAIServingCompletion(OpenAIServing):
         params = self.sampling_params(req, req.max_tokens or (1 if req.max_tokens == 0 else None), req.logprobs)
         if req.echo and req.logprobs is not None:  # the echoed prompt tokens carry their logprobs too
             params.prompt_logprobs = max(params.prompt_logprobs or 0, req.logprobs)
+        if best_of > req.n:  # ranked by cumulative logprob: every sample needs its tokens' logprobs
+            params = dataclasses.replace(params, n=best_of, logprobs=params.logprobs or 0)
         texts, prompts = await self.prepare(req)
+        if params.truncate_prompt_tokens is not None:  # here too, so that usage and echo count what runs
+            prompts = [self.input_processor.truncate_prompt(p, params.truncate_prompt_tokens) for p in prompts]
+            texts = [self.tokenizer.decode(p) for p in prompts] if req.echo else texts
         request_id = new_request_id("cmpl")
         created = int(time.time())
         model = self.served_model_name
@@ -77,7 +85,7 @@ class OpenAIServingCompletion(OpenAIServing):
     # -------------------------------------------------------------------------------- non-streaming
     async def _full(self, req: CompletionRequest, request_id: str, created: int, model: str, texts: list[str],
                     prompts: list[list[int]], streams: list[RequestStream]) -> JSONResponse:
-        n = req.n
+        n = req.best_of or req.n
         states = [ChoiceState(index=i) for i in range(len(prompts) * n)]
         prompt_lps: list = [None] * len(prompts)
         cached = 0
@@ -93,6 +101,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     cached += out.num_cached_tokens or 0
         finally:
             self.abort_streams(streams)
+        if n > req.n:
+            states = best_states(states, n, req.n)
+            n = req.n
         choices = []
         for st in states:
             prompt_idx = st.index // n
@@ -107,7 +118,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt_logprobs=vllm_prompt_logprobs(self.tokenizer, prompt_lps[prompt_idx])
                 if req.prompt_logprobs is not None else None))
         prompt_tokens = sum(len(p) for p in prompts)
-        completion_tokens = sum(len(st.token_ids) for st in states)
+        completion_tokens = sum(len(st.token_ids) for st in states)  # the returned ones, as vLLM counts
         usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                           total_tokens=prompt_tokens + completion_tokens,
                           prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
@@ -181,3 +192,15 @@ class OpenAIServingCompletion(OpenAIServing):
             yield SSE_DONE
         finally:
             self.abort_streams(streams)  # no-op when all finished; frees KV at once on disconnect
+
+
+def best_states(states: list[ChoiceState], best_of: int, n: int) -> list[ChoiceState]:
+    """best_of: per prompt, the n of its best_of samples with the highest cumulative logprob, best first, indexed
+    prompt_idx * n + rank."""
+    best = []
+    for start in range(0, len(states), best_of):
+        group = sorted(states[start:start + best_of], key=lambda st: -sum(
+            step[t].logprob for t, step in zip(st.token_ids, st.logprobs)))[:n]
+        for rank, st in enumerate(group):
+            best.append(dataclasses.replace(st, index=start // best_of * n + rank))
+    return best

@@ -145,7 +145,8 @@ class OpenAIServing:
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, output_kind=RequestOutputKind.DELTA,
             structured_outputs=structured_outputs(req), logit_bias=req.logit_bias,
-            allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words, prompt_logprobs=req.prompt_logprobs)
+            allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words, prompt_logprobs=req.prompt_logprobs,
+            truncate_prompt_tokens=req.truncate_prompt_tokens)
 
     # ------------------------------------------------------------------------------ submitting
     async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
