@@ -1,6 +1,7 @@
 """Turns one step's logits into next tokens for a batch of sequences (semantics follow vLLM V1).
 
-Order: logprobs from the raw logits -> penalties -> logit_bias, allowed_token_ids -> banned tokens (min_tokens, bad_words) -> greedy argmax | temperature, top-k, top-p,
+Order: logprobs from the raw logits -> penalties -> logit_bias, allowed_token_ids -> banned tokens (min_tokens,
+bad_words) -> greedy argmax | temperature, top-k, top-p,
 min-p, inverse-CDF draw. Penalties and bans apply to greedy rows too.
 
 Random rows sample by inverse CDF: one uniform u per row, the token is the first whose cumulative probability

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.model_executor.token_controls import bad_word_bans
 from tests.hf_reference import load_hf_model, mixed_prompts
 
@@ -60,8 +61,8 @@ def test_logit_bias_matches_hf(model_dir, llm, prompts, spec):
     first = hf_next_logits(model_dir, prompts[0])
     unlikely, top = int(first.argmin()), int(first.argmax())
     cases = [{unlikely: 100.0}, {top: -100.0, 7: 3.5}]
-    params = [SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logit_bias={str(k): v for k, v in c.items()})
-              for c in cases] + [SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)]
+    params = [SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True,
+                             logit_bias={str(k): v for k, v in c.items()}) for c in cases] + [SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)]
     outs = generate(engine, [prompts[0], prompts[0], prompts[1]], params)
     for case, out in zip(cases, outs):
         bias = torch.zeros(vocab)
@@ -148,4 +149,24 @@ def test_truncate_prompt_tokens(llm, prompts):
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         SamplingParams(truncate_prompt_tokens=0)
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
-        llm.generate(prompt_token_ids=[long], use_tqdm=False, sampling_params=SamplingParams(truncate_prompt_tokens=512))
+        llm.generate(prompt_token_ids=[long], use_tqdm=False,
+                     sampling_params=SamplingParams(truncate_prompt_tokens=512))
+
+
+def test_logit_bias_with_structured_output(llm, prompts, tiny_tokenizer):
+    """The grammar's mask applies on top of the bias: banning the first token of the choice the model picks gives
+    the other choice, never text outside the grammar."""
+    choices = ["the book", "a dog"]
+    firsts = [tiny_tokenizer.encode(c, add_special_tokens=False)[0] for c in choices]
+    assert firsts[0] != firsts[1]
+
+    def run(bias):
+        so = StructuredOutputsParams(choice=choices)
+        out = llm.generate(prompt_token_ids=[prompts[0]], use_tqdm=False, sampling_params=SamplingParams(
+            temperature=0, max_tokens=8, structured_outputs=so, logit_bias=bias))[0]
+        return out.outputs[0].text
+
+    picked = run(None)
+    assert picked in choices
+    other = run({str(firsts[choices.index(picked)]): -100})
+    assert other in choices and other != picked

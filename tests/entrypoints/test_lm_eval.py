@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-
 from hf_reference import load_hf_model
 from server_helpers import ServerProcess
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-from openai import OpenAI
-
 from hf_reference import load_hf_model
+from openai import OpenAI
 from server_helpers import API_KEY, ServerProcess, auth_headers
 
 PROMPT = [0, 201, 54, 422, 85, 268, 339, 69, 86, 321, 17, 250, 33, 411, 96, 120, 57, 300, 12, 77, 5]
