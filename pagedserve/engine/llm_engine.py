@@ -307,6 +307,8 @@ class LLMEngine:
         progressed = self.scheduler.update_from_output(sched_out, runner_out.sampled, runner_out.spec_token_ids)
         self._save_kv(self.kv_cache_manager.take_blocks_to_save())  # write-through: the blocks written just now
         now = time.time()
+        if runner_out.prompt_logprobs:
+            self.output_processor.process_prompt_logprobs(runner_out.prompt_logprobs)
         to_stop, failed = self.output_processor.process_tokens(progressed, runner_out.logprobs, now)
         if grammars.matchers:  # a completed grammar ends its sequence ("stop"), like EOS (no drafts: one token)
             to_stop += grammars.accept([(r.request_id, r.all_token_ids[-1]) for r, _ in progressed if not r.is_finished])

@@ -62,6 +62,12 @@ def _ids_out_of_vocab(value: Any, vocab: int) -> bool:
     return False
 
 
+def _bad_logit_bias(bias: Any, vocab: int) -> bool:
+    if not isinstance(bias, dict):
+        return False
+    return any(not k.isdigit() or int(k) >= vocab or not -100 <= v <= 100 for k, v in bias.items())
+
+
 CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                      "guided_grammar")
 
@@ -97,8 +103,15 @@ def business_rule_broken(path: str, body: Any, error: dict[str, Any], vocab: int
         return "priority without --scheduling-policy priority"
     if field == "stream_options" and body.get("stream_options") is not None and not body.get("stream"):
         return "stream_options without stream"
-    if field == "echo" and body.get("echo") and body.get("logprobs") is not None:
-        return "echo with logprobs"
+    if field == "max_tokens" and path == C and body.get("max_tokens") == 0 and not body.get("echo"):
+        return "max_tokens 0 without echo"
+    if field == "logit_bias" and _bad_logit_bias(body.get("logit_bias"), vocab):
+        return "logit_bias key outside the vocabulary or bias outside [-100, 100]"
+    if field == "allowed_token_ids" and (not body.get("allowed_token_ids")
+                                         or _ids_out_of_vocab(body["allowed_token_ids"], vocab)):
+        return "allowed_token_ids empty or outside the vocabulary"
+    if field == "bad_words" and any(not w.strip() for w in body.get("bad_words") or []):
+        return "a blank bad word"
     if field == "top_logprobs" and body.get("top_logprobs") is not None and not body.get("logprobs"):
         return "top_logprobs without logprobs"
     both = (body.get("max_tokens"), body.get("max_completion_tokens"))
@@ -427,7 +440,8 @@ def _bad_material(vocab: int) -> dict[str, Any]:
             "stop_token_ids": [[-1], [vocab], [10**7], [2**63], "1", [1.5]],
             "priority": [1, -5, 1.5, "1"], "stream": ["yes", 1, None], "echo": ["x", 2], "best_of": [2, 0, 200, "1"],
             "cache_salt": ["", 5], "user": [5, []], "stream_options": [{"include_usage": True}, {"x": 1}, "yes"],
-            "suffix": ["x"], "logit_bias": [{"5": 1}], "tools": [[{}], "x", [{"type": "function", "function": {"name": "bad name!"}}]],
+            "suffix": ["x"], "logit_bias": [{"5": 101}, {"x": 1}, {str(vocab): 1}, [1]],
+            "allowed_token_ids": [[], [vocab], [-1]], "bad_words": [[""], "x", [5]], "tools": [[{}], "x", [{"type": "function", "function": {"name": "bad name!"}}]],
             "response_format": [{"type": "bogus"}, "json", {"type": "json_schema"}],
             "guided_regex": ["a(b", "", 5], "guided_choice": [[], [""], "a"], "structured_outputs": [{}, {"regex": "a", "choice": ["a"]}],
         },
@@ -444,7 +458,7 @@ def _bad_material(vocab: int) -> dict[str, Any]:
                  b'{"messages": [{"role": "user", "content": "x"}], "presence_penalty": NaN}'],
         "rule": [
             (C, {"prompt": "x", "min_tokens": 5, "max_tokens": 2}), (C, {"prompt": "x", "best_of": 2, "n": 1}),
-            (C, {"prompt": "x", "echo": True, "logprobs": 1}), (C, {"prompt": "x", "stream_options": {}}),
+            (C, {"prompt": "x", "max_tokens": 0}), (C, {"prompt": "x", "stream_options": {}}),
             # the out-of-vocabulary stop id that used to fail the whole batch inside the sampler
             (C, {"prompt": "x", "max_tokens": 2, "min_tokens": 1, "stop_token_ids": [10**7]}),
             (C, {"prompt": ["a", "b", "c"], "n": 100}), (C, {"prompt": "x", "stop": ["s"] * (MAX_STOP_STRINGS + 1)}),
@@ -543,8 +557,7 @@ def _fuzz_cases(vocab: int):
                 "include_stop_str_in_output": st.booleans(), "user": text, "cache_salt": text}
     max_tokens = st.integers(1, 12)
     completion = st.fixed_dictionaries({"prompt": prompt, "max_tokens": max_tokens}, optional={
-        **sampling, "logprobs": st.integers(0, 20), "echo": st.booleans()}).filter(
-        lambda b: not (b.get("echo") and "logprobs" in b))
+        **sampling, "logprobs": st.integers(0, 20), "echo": st.booleans()})
     chat = st.fixed_dictionaries({"messages": messages, "max_tokens": max_tokens}, optional={
         **sampling, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20)}).map(
         lambda b: {**b, "logprobs": True} if "top_logprobs" in b else b)  # top_logprobs needs logprobs

@@ -96,7 +96,7 @@ CASES = [
     # cross-field and engine-side (ValueError -> 400)
     (C, {"prompt": "x", "min_tokens": 10, "max_tokens": 3}, 400, "min_tokens", "min_tokens"),
     (C, {"prompt": "x", "priority": 5}, 400, "priority", "priority"),
-    (C, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", None),
+    (C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "echo"),
     (C, {"prompt": [5, 6, 100000]}, 400, "prompt", "token ids"),
     (C, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
     (CH, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
@@ -112,7 +112,12 @@ CASES = [
     (CH, {"messages": MSG, "max_tokens": 600}, 400, "max_tokens", "512"),
     # unknown / unimplemented fields are rejected by name, never ignored
     (C, {"prompt": "x", "suffix": "y"}, 400, "suffix", "suffix"),
-    (C, {"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias", "logit_bias"),
+    (C, {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias", "[-100, 100]"),
+    (C, {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias", "token ids"),
+    (C, {"prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias", "must be in [0,"),
+    (C, {"prompt": "x", "allowed_token_ids": [99999999]}, 400, "allowed_token_ids", None),
+    (C, {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids", None),
+    (C, {"prompt": "x", "bad_words": [""]}, 400, "bad_words", None),
     (C, {"prompt": "x", "best_of": 2}, 400, "best_of", "best_of"),
     (C, {"prompt": "x", "foo": 1}, 400, "foo", "foo"),
     (CH, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice",
@@ -124,7 +129,7 @@ CASES = [
     (CH, {"messages": MSG, "guided_regex": "a(b"}, 400, "guided_regex", "regex"),
     (CH, {"messages": MSG, "guided_regex": "a", "guided_choice": ["a"]}, 400, "guided_choice", "one output constraint"),
     (CH, {"messages": MSG, "functions": []}, 400, "functions", "functions"),
-    (CH, {"messages": MSG, "logit_bias": {}}, 400, "logit_bias", None),
+    (CH, {"messages": MSG, "logit_bias": {"-1": 5}}, 400, "logit_bias", None),
     (CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
      400, "<any>", None),
     # unknown model

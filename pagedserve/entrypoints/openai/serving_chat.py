@@ -16,7 +16,7 @@ from pagedserve.entrypoints.openai.protocol import (ChatCompletionLogProbs, Chat
                                                     ChatResponseMessage, DeltaFunctionCall, DeltaMessage,
                                                     DeltaToolCall, PromptTokensDetails, UsageInfo)
 from pagedserve.entrypoints.openai.serving_engine import (SSE_DONE, ChoiceState, OpenAIServing, SSEResponse,
-                                                          chat_logprobs,
+                                                          chat_logprobs, vllm_prompt_logprobs,
                                                           merge_streams, new_request_id, run_unless_disconnected)
 from pagedserve.entrypoints.openai.tool_calls import (ToolPlan, extract_tool_calls, make_tool_call_parser, plan_tools,
                                                       template_tools)
@@ -34,6 +34,9 @@ class OpenAIServingChat(OpenAIServing):
             raise BadRequest("top_logprobs requires logprobs=true.", param="top_logprobs")
         if req.stream_options is not None and not req.stream:
             raise BadRequest("stream_options is only allowed with stream=true.", param="stream_options")
+        if req.prompt_logprobs is not None and req.stream:
+            raise BadRequest("prompt_logprobs is only returned by non-streamed chat completions.",
+                             param="prompt_logprobs", code="unsupported_parameter")
         if (req.max_tokens is not None and req.max_completion_tokens is not None
                 and req.max_tokens != req.max_completion_tokens):
             raise BadRequest("max_tokens and max_completion_tokens disagree; send only max_completion_tokens.",
@@ -52,6 +55,8 @@ class OpenAIServingChat(OpenAIServing):
                                            tools=template_tools(req) if plan.mode != "none" or req.tools else None)
         if not prompt:
             raise BadRequest("The messages render to zero tokens.", param="messages")
+        if params.truncate_prompt_tokens is not None:  # here too, so that usage counts what runs
+            prompt = self.input_processor.truncate_prompt(prompt, params.truncate_prompt_tokens)
         request_id = new_request_id("chatcmpl")
         created = int(time.time())
         model = self.response_model_name(req.model)
@@ -74,8 +79,10 @@ class OpenAIServingChat(OpenAIServing):
                     prompt: list[int], stream: RequestStream) -> JSONResponse:
         states = [ChoiceState(index=i) for i in range(req.n)]
         cached = 0
+        prompt_logprobs = None
         try:
             async for _, out in merge_streams([stream]):
+                prompt_logprobs = out.prompt_logprobs or prompt_logprobs
                 for c in out.outputs:
                     states[c.index].add(c)
                 if out.finished:
@@ -95,7 +102,8 @@ class OpenAIServingChat(OpenAIServing):
         usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=completion_tokens,
                           total_tokens=len(prompt) + completion_tokens,
                           prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
-        resp = ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
+        resp = ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage,
+                                      prompt_logprobs=vllm_prompt_logprobs(self.tokenizer, prompt_logprobs))
         return JSONResponse(resp.model_dump())
 
     async def _stream(self, req: ChatCompletionRequest, plan: ToolPlan, request_id: str, created: int, model: str,

@@ -80,6 +80,7 @@ class ChoiceState:
     text_offset: int = 0  # running character offset (completion logprobs)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     started: bool = False  # streaming: first chunk sent
+    sent_prompt: bool = False  # streaming: prompt_logprobs sent (with the first chunk that has them)
 
     def add(self, delta: CompletionOutput) -> None:
         """Append one DELTA output of this choice."""
@@ -154,7 +155,9 @@ class OpenAIServing:
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, output_kind=RequestOutputKind.DELTA,
-            structured_outputs=structured_outputs(req))
+            structured_outputs=structured_outputs(req), logit_bias=req.logit_bias,
+            allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words, prompt_logprobs=req.prompt_logprobs,
+            truncate_prompt_tokens=req.truncate_prompt_tokens)
 
     # ------------------------------------------------------------------------------ submitting
     async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
@@ -287,6 +290,14 @@ def completion_logprobs(tokenizer: Any, token_ids: list[int], steps: list[dict[i
     out = CompletionLogProbs()
     offset = initial_offset
     for tid, step in zip(token_ids, steps):
+        if step is None:  # the first prompt token (echo): no logprob, as in OpenAI's legacy format
+            token = tokenizer.decode([tid])
+            out.tokens.append(token)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(offset)
+            offset += len(token)
+            continue
         lp = step.get(tid)
         token = _decoded(tokenizer, tid, lp)
         out.tokens.append(token)
@@ -300,6 +311,17 @@ def completion_logprobs(tokenizer: Any, token_ids: list[int], steps: list[dict[i
         out.text_offset.append(offset)
         offset += len(token)
     return out, offset
+
+
+def vllm_prompt_logprobs(tokenizer: Any, prompt_logprobs: list[dict[int, Logprob] | None] | None
+                         ) -> list[dict[str, dict[str, Any]] | None] | None:
+    """RequestOutput.prompt_logprobs in vLLM's JSON shape (token ids as string keys)."""
+    if prompt_logprobs is None:
+        return None
+    return [None if step is None else
+            {str(t): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank,
+                      "decoded_token": _decoded(tokenizer, t, lp)} for t, lp in step.items()}
+            for step in prompt_logprobs]
 
 
 def chat_logprobs(tokenizer: Any, token_ids: list[int], steps: list[dict[int, Logprob]],
