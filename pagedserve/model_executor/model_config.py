@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedserve.model_executor.gguf_loader import gguf_checkpoint_dir, is_gguf_file
 from pagedserve.model_executor.models.registry import SUPPORTED_ARCHITECTURES
 
 
@@ -111,8 +112,12 @@ def _read_json(path: Path) -> dict:
 
 
 def resolve_model_dir(model: str, revision: str | None = None) -> Path:
-    """A local checkpoint directory, or a hub id downloaded (or found in the local HF cache) via huggingface_hub."""
+    """A local checkpoint directory, a GGUF file (converted once: gguf_loader.py), or a hub id downloaded (or found in the local HF cache) via huggingface_hub."""
     path = Path(model).expanduser()
+    if path.suffix == ".gguf" or is_gguf_file(path):
+        if not is_gguf_file(path):
+            raise ValueError(f"Model path {model!r} is not a GGUF file.")
+        return gguf_checkpoint_dir(path)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ValueError(f"{path} has no config.json: not a Hugging Face checkpoint directory.")
