@@ -40,10 +40,8 @@ class EngineArgs:
     quantization: str | None = None  # None | int8 (weight-only int8 linears, CPU)
     linear_backend: str = "auto"  # auto | torch | onednn | native: the GEMM path of the linears (CPU)
     attention_backend: str = "auto"  # auto | cpu | triton | torch (model_executor/attention/selector.py)
-    served_model_name: str | list[str] | None = None  # several: aliases the server answers to (the first is reported)
-    trust_remote_code: bool = False  # vLLM's flag, accepted; no remote code is ever run (every family is built in)
-    gpu_memory_utilization: float | None = None  # vLLM's flag: here the KV cache's share of the memory left after
-    # loading the model (as kv_cache_memory_fraction, which it overrides), on CPU and CUDA alike
+    served_model_name: str | None = None
+    trust_remote_code: bool = False
     revision: str | None = None
     num_threads: int | None = None  # torch intra-op threads per rank; None: all cores (split between the ranks)
     enforce_eager: bool = False  # no CUDA graphs for decode steps (docs/GPU.md); the CPU path never uses them
@@ -75,13 +73,6 @@ class EngineArgs:
     kv_offloading_size: float | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.served_model_name, (list, tuple)):
-            if not self.served_model_name or not all(isinstance(n, str) and n for n in self.served_model_name):
-                raise ValueError("served_model_name: give one or more non-empty names.")
-        if self.gpu_memory_utilization is not None:
-            if not 0 < self.gpu_memory_utilization <= 1:
-                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
-            self.kv_cache_memory_fraction = self.gpu_memory_utilization
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
         self.kv_transfer = KVTransferConfig.parse(self.kv_transfer_config, self.kv_offloading_size)
         if self.kv_transfer is not None and not self.enable_prefix_caching:
@@ -137,13 +128,6 @@ class EngineArgs:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
-    def served_model_names(self) -> list[str]:
-        """The names the API answers to, the reported one first (default: the model path, or the demo's name)."""
-        if isinstance(self.served_model_name, str):
-            return [self.served_model_name]
-        return list(self.served_model_name or [self.model or "pagedserve-demo"])
-
-    @property
     def resolved_executor_backend(self) -> str:
         return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")
 
@@ -159,7 +143,7 @@ class EngineArgs:
         dtype = resolve_dtype(self.dtype, device)
         kv_dtype = dtype if self.kv_cache_dtype == "auto" else resolve_dtype(self.kv_cache_dtype, device)
         model = ModelConfig.from_dir(model_dir, dtype=dtype_name(dtype), max_model_len=self.max_model_len,
-                                     served_model_name=self.served_model_names[0],
+                                     served_model_name=self.served_model_name or self.model or "pagedserve-demo",
                                      tokenizer=self.tokenizer or str(model_dir), is_default_model=self.model is None)
         budget = self.max_num_batched_tokens
         if not self.enable_chunked_prefill and budget < model.max_model_len:
@@ -212,14 +196,6 @@ class EngineArgs:
             elif f.name == "kv_offloading_size":
                 parser.add_argument(flag, type=float, default=None,
                                     help="GiB of host memory for a second KV tier (evicted blocks are kept there)")
-            elif f.name == "served_model_name":
-                parser.add_argument(flag, nargs="+", default=None,
-                                    help="the model name(s) the API answers to (the first is reported; default: the "
-                                         "model path)")
-            elif f.name == "gpu_memory_utilization":
-                parser.add_argument(flag, type=float, default=None,
-                                    help="vLLM's flag: the KV cache's share of the memory left after loading the "
-                                         "model (overrides --kv-cache-memory-fraction)")
             elif f.name == "kv_cache_memory_bytes":
                 parser.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest=f.name,
                                     type=_parse_bytes, default=None,

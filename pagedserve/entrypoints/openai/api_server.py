@@ -4,29 +4,25 @@
     run_server(args)                     # load the model, bind, serve until SIGINT/SIGTERM
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
-GET /health, GET|POST /ping and POST /invocations (SageMaker's, as vLLM), GET /version, POST /tokenize,
-POST /detokenize, GET /metrics, GET /v1/events (engine step events, SSE), GET /dashboard.  See docs/SERVING.md.
+GET /health, GET /version, POST /tokenize, POST /detokenize, GET /metrics, GET /v1/events (engine step events,
+SSE), GET /dashboard.  See docs/SERVING.md.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 
 from pagedserve import envs
 from pagedserve.engine.async_llm import DEFAULT_STEP_TIMEOUT_S, AsyncLLM
@@ -34,7 +30,7 @@ from pagedserve.engine.protocol import EngineClient
 from pagedserve.engine.startup import process_age_s
 from pagedserve.entrypoints.dashboard.routes import HostCheck, add_live_event_routes
 from pagedserve.entrypoints.openai.errors import (OpenAIError, error_response, exception_to_openai,
-                                                  install_error_handlers, validation_error_to_openai)
+                                                  install_error_handlers)
 from pagedserve.errors import EngineRequestError, EngineShuttingDown
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                     DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
@@ -98,18 +94,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--step-timeout-s", type=float, default=DEFAULT_STEP_TIMEOUT_S,
                    help="/health answers 503 while an engine step has run longer than this (a hung KV store or "
                         "kernel), until it returns (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S)")
-    p.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template (a file, or the template itself) used instead of the tokenizer's")
-    p.add_argument("--root-path", default=None,
-                   help="the path prefix a proxy serves this API under (FastAPI's and uvicorn's root_path)")
-    p.add_argument("--allowed-origins", type=json.loads, default=None,
-                   help='CORS: JSON list of origins browsers may call the API from, e.g. \'["https://app.example"]\' '
-                        "(default: no CORS headers; vLLM's default is [\"*\"])")
-    p.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS: JSON list of methods")
-    p.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS: JSON list of headers")
-    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
-    p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
-    p.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM)")
     EngineArgs.add_cli_args(p)  # --served-model-name, --max-num-seqs, --num-kv-blocks, ... (vLLM names)
     p.set_defaults(func=run_server)
     return p
@@ -213,16 +197,13 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
 
     config = engine_client.config
     served = config.model.served_model_name
-    aliases = arg("served_model_name", None)
-    names = ([aliases] if isinstance(aliases, str) else list(aliases or [])) or [served]
     max_model_len = config.model.max_model_len
     log_requests = bool(arg("enable_log_requests", False))
-    template = load_chat_template(arg("chat_template", None))
-    completion = OpenAIServingCompletion(engine_client, names, log_requests, template)
-    chat = OpenAIServingChat(engine_client, names, log_requests, template,
+    completion = OpenAIServingCompletion(engine_client, served, log_requests)
+    chat = OpenAIServingChat(engine_client, served, log_requests,
                              tool_call_parser=arg("tool_call_parser", None) if arg("enable_auto_tool_choice", False)
                              else None)
-    base = OpenAIServing(engine_client, names, log_requests, template)
+    base = OpenAIServing(engine_client, served, log_requests)
 
     registry = CollectorRegistry()
     cache_info = {"block_size": config.cache.block_size, "num_gpu_blocks": engine_client.kv_cache_config.num_blocks,
@@ -242,7 +223,7 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
         if shutdown_engine_on_exit:
             await asyncio.to_thread(engine_client.shutdown)
 
-    app = FastAPI(title="pagedserve OpenAI-compatible API", lifespan=lifespan, root_path=arg("root_path", None) or "")
+    app = FastAPI(title="pagedserve OpenAI-compatible API", lifespan=lifespan)
     app.state.engine_client = engine_client
     app.state.registry = registry
     app.state.served_model_name = served
@@ -273,8 +254,8 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
         return await guarded(chat.create_chat_completion(req, raw_request))
 
-    def model_card(name: str) -> ModelCard:
-        card = ModelCard(id=name, created=created, root=model_root, max_model_len=max_model_len)
+    def model_card() -> ModelCard:
+        card = ModelCard(id=served, created=created, root=model_root, max_model_len=max_model_len)
         card.demo_model = is_demo  # type: ignore[attr-defined]  (extra field)
         if is_demo:
             card.description = ("the small demo model embedded in the pagedserve package "  # type: ignore[attr-defined]
@@ -283,14 +264,14 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
 
     @app.get("/v1/models", response_model=api_docs.ModelList, responses=api_docs.ROUTE_RESPONSES["models"])
     async def list_models():
-        return JSONResponse(ModelList(data=[model_card(name) for name in names]).model_dump())
+        return JSONResponse(ModelList(data=[model_card()]).model_dump())
 
     @app.get("/v1/models/{model_id:path}", response_model=api_docs.ModelCard, responses=api_docs.ROUTE_RESPONSES["model"])
     async def retrieve_model(model_id: str):
-        if model_id not in names:
+        if model_id != served:
             return error_response(OpenAIError(404, f"The model `{model_id}` does not exist.", param="model",
                                               code="model_not_found"))
-        return JSONResponse(model_card(model_id).model_dump())
+        return JSONResponse(model_card().model_dump())
 
     # ------------------------------------------------------------------------------ utilities
     @app.post("/tokenize", response_model=api_docs.TokenizeResponse, responses=api_docs.ROUTE_RESPONSES["tokenize"])
@@ -335,29 +316,6 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
         return error_response(OpenAIError(503, f"Unhealthy ({state.status}): {state.message}.",
                                           code="service_unavailable"))
 
-    @app.get("/ping", response_model=api_docs.HealthResponse, responses=api_docs.ROUTE_RESPONSES["health"])
-    @app.post("/ping", response_model=api_docs.HealthResponse, responses=api_docs.ROUTE_RESPONSES["health"])
-    async def ping():
-        """SageMaker's health check (vLLM's route): the same answer as /health."""
-        return await health()
-
-    @app.post("/invocations", responses=api_docs.ROUTE_RESPONSES["completions"])
-    async def invocations(raw_request: Request):
-        """SageMaker's inference route (vLLM's): a chat completion when the body has `messages`, a completion when
-        it has `prompt`."""
-        async def run():
-            try:
-                body = await raw_request.json()
-            except ValueError as exc:
-                raise OpenAIError(400, f"The body is not valid JSON: {exc}", code="invalid_json") from exc
-            if isinstance(body, dict) and "messages" in body:
-                return await chat.create_chat_completion(validated(ChatCompletionRequest, body), raw_request)
-            if isinstance(body, dict) and "prompt" in body:
-                return await completion.create_completion(validated(CompletionRequest, body), raw_request)
-            raise OpenAIError(400, "An invocation needs `messages` (a chat completion) or `prompt` (a completion).",
-                              param="messages", code="invalid_invocation")
-        return await guarded(run())
-
     @app.get("/version", response_model=api_docs.VersionResponse, responses=api_docs.ROUTE_RESPONSES["version"])
     async def version():
         from pagedserve import __version__
@@ -372,11 +330,6 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
     hosts = HostCheck(arg("host", None), (arg("allowed_hosts", "") or "").split(","))
     add_live_event_routes(app, engine_client.events, lambda: engine_client.accepting, hosts, admin_api_key)
 
-    origins = arg("allowed_origins", None)
-    if origins:  # innermost of the three: a preflight (OPTIONS) passes the key check, which exempts it
-        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=arg("allowed_methods", ["*"]),
-                           allow_headers=arg("allowed_headers", ["*"]),
-                           allow_credentials=bool(arg("allow_credentials", False)))
     # added last = outermost: the key is checked before the body-size layer lets anything be read
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=arg("max_request_body_bytes", DEFAULT_MAX_BODY_BYTES))
     api_key = arg("api_key", None)
@@ -429,35 +382,8 @@ class GracefulServer(uvicorn.Server):
                 signal.signal(s, handler)
 
 
-def load_chat_template(value: str | None) -> str | None:
-    """--chat-template: a file's contents, or the value itself when it names no file (vLLM accepts both)."""
-    if value is None:
-        return None
-    path = Path(value)
-    try:
-        if path.is_file():
-            return path.read_text()
-    except OSError:  # a template too long to be a file name
-        pass
-    if "{" not in value:
-        raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template either.")
-    return value
-
-
-def validated(model: type, body: dict) -> Any:
-    """A request model from a JSON body read by hand, its validation errors as the 400 FastAPI's would be."""
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        raise validation_error_to_openai(list(exc.errors()), body) from exc
-
-
 def run_server(args: argparse.Namespace) -> int:
     from pagedserve.config import EngineArgs
-
-    if args.trust_remote_code:
-        logger.info("--trust-remote-code: accepted and ignored (every supported architecture is built in; no code "
-                    "from a checkpoint is ever run).")
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (one of: "
@@ -485,8 +411,7 @@ def run_server(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=max(1.0, args.shutdown_timeout + 5.0),
-                            timeout_keep_alive=5, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-                            root_path=args.root_path or "")
+                            timeout_keep_alive=5)
     server = GracefulServer(config, async_llm, args.shutdown_timeout)
     logger.info("Serving %s on http://%s:%d (OpenAI-compatible API under /v1)", app.state.served_model_name,
                 args.host, args.port)

@@ -59,7 +59,7 @@ class OpenAIServingChat(OpenAIServing):
             prompt = self.input_processor.truncate_prompt(prompt, params.truncate_prompt_tokens)
         request_id = new_request_id("chatcmpl")
         created = int(time.time())
-        model = self.response_model_name(req.model)
+        model = self.served_model_name
         streams = await self.submit(request_id, [prompt], params, req, prompt_param="messages")
         if req.stream:
             return SSEResponse(self._stream(req, plan, request_id, created, model, prompt, streams[0]),

@@ -73,7 +73,7 @@ class OpenAIServingCompletion(OpenAIServing):
             texts = [self.tokenizer.decode(p) for p in prompts] if req.echo else texts
         request_id = new_request_id("cmpl")
         created = int(time.time())
-        model = self.response_model_name(req.model)
+        model = self.served_model_name
         streams = await self.submit(request_id, prompts, params, req)
         if req.stream:
             gen = self._stream(req, request_id, created, model, texts, prompts, streams)

@@ -10,7 +10,6 @@ import asyncio
 import logging
 import math
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -93,14 +92,9 @@ class ChoiceState:
 
 
 class OpenAIServing:
-    def __init__(self, engine_client: EngineClient, served_model_name: str | Sequence[str],
-                 log_requests: bool = False, chat_template: str | None = None) -> None:
-        """served_model_name: the name the API answers to, or several (aliases; the first is the one listed).
-        chat_template: a Jinja template used instead of the tokenizer's (`--chat-template`)."""
+    def __init__(self, engine_client: EngineClient, served_model_name: str, log_requests: bool = False) -> None:
         self.engine_client = engine_client
-        self.chat_template = chat_template
-        self.served_model_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
-        self.served_model_name = self.served_model_names[0]
+        self.served_model_name = served_model_name
         self.log_requests = log_requests
 
     @property
@@ -113,14 +107,9 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------------------------ checks
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
+        if model is not None and model != self.served_model_name:
             raise OpenAIError(404, f"The model `{model}` does not exist. This server serves "
-                                   f"`{'`, `'.join(self.served_model_names)}`.", param="model",
-                              code="model_not_found")
-
-    def response_model_name(self, model: str | None) -> str:
-        """The name a response reports: the one the request used (an alias included), else the first."""
-        return model if model in self.served_model_names else self.served_model_name
+                                   f"`{self.served_model_name}`.", param="model", code="model_not_found")
 
     # ------------------------------------------------------------------------------ tokenizing
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -136,7 +125,7 @@ class OpenAIServing:
                           tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
         text = render_chat(self.tokenizer, [template_message(m) for m in messages],
                            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                           chat_template=self.chat_template, chat_template_kwargs=chat_template_kwargs, tools=tools)
+                           chat_template_kwargs=chat_template_kwargs, tools=tools)
         # The template already has BOS & co: like vLLM, do not add special tokens again.
         return text, await self.encode(text, add_special_tokens=add_special_tokens)
 
