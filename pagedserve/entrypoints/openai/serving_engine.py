@@ -91,6 +91,10 @@ class ChoiceState:
 
 
 class OpenAIServing:
+    # set by build_app from `serve`: --served-model-name's other names, and --chat-template (text) if given
+    served_model_aliases: frozenset[str] = frozenset()
+    chat_template: str | None = None
+
     def __init__(self, engine_client: EngineClient, served_model_name: str, log_requests: bool = False) -> None:
         self.engine_client = engine_client
         self.served_model_name = served_model_name
@@ -106,7 +110,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------------------------ checks
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
+        if model is not None and model != self.served_model_name and model not in self.served_model_aliases:
             raise OpenAIError(404, f"The model `{model}` does not exist. This server serves "
                                    f"`{self.served_model_name}`.", param="model", code="model_not_found")
 
@@ -124,7 +128,7 @@ class OpenAIServing:
                           tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
         text = render_chat(self.tokenizer, [template_message(m) for m in messages],
                            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                           chat_template_kwargs=chat_template_kwargs, tools=tools)
+                           chat_template=self.chat_template, chat_template_kwargs=chat_template_kwargs, tools=tools)
         # The template already has BOS & co: like vLLM, do not add special tokens again.
         return text, await self.encode(text, add_special_tokens=add_special_tokens)
 
