@@ -37,6 +37,7 @@ from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, Compl
 from pagedserve.entrypoints.openai import protocol as api_docs  # route docs (responses=)
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagedserve.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from pagedserve.entrypoints.openai.serving_engine import ClientDisconnected, OpenAIServing
 from pagedserve.entrypoints.openai.vllm_compat import (add_compat_args, add_compat_routes, add_cors,
@@ -90,6 +91,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="the model family's tool-call format: hermes (Hermes / Qwen <tool_call>), llama3_json, "
                         "mistral ([TOOL_CALLS])")
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="split the thinking off chat answers into reasoning_content (vLLM's parsers): qwen3 "
+                        "(<think>...</think>), deepseek_r1 (answer starts in reasoning), gpt_oss (harmony channels)")
     p.add_argument("--max-consecutive-step-failures", type=int, default=5,
                    help="/health answers 503 after this many failed engine steps in a row (until one succeeds)")
     p.add_argument("--step-timeout-s", type=float, default=DEFAULT_STEP_TIMEOUT_S,
@@ -204,7 +208,7 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
     completion = OpenAIServingCompletion(engine_client, served, log_requests)
     chat = OpenAIServingChat(engine_client, served, log_requests,
                              tool_call_parser=arg("tool_call_parser", None) if arg("enable_auto_tool_choice", False)
-                             else None)
+                             else None, reasoning_parser=arg("reasoning_parser", None))
     base = OpenAIServing(engine_client, served, log_requests)
     names = arg("served_model_name", None)
     chat_template = load_chat_template(arg("chat_template", None))
