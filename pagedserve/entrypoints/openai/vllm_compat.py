@@ -91,7 +91,7 @@ def add_compat_routes(app: FastAPI, engine_client: EngineClient, health: Callabl
         """SageMaker's health check: /health's answer."""
         return await health()
 
-    @app.post("/invocations")
+    @app.post("/invocations", include_in_schema=False)  # its body is either schema: documented as those routes
     async def invocations(raw_request: Request):
         """SageMaker's single route, as vLLM's: a body with `messages` is a chat completion, with `prompt` a
         completion."""
