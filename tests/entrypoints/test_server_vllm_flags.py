@@ -25,8 +25,11 @@ FLAGS = ("--num-kv-blocks", "64", "--max-model-len", "256", "--served-model-name
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    srv = ServerProcess(tiny_model_dir("llama"), FLAGS, env={"PAGEDSERVE_SERVER_DEV_MODE": "1"})
+def server(tiny_model_dir, tmp_path_factory):
+    gen = tmp_path_factory.mktemp("genconfig")
+    (gen / "generation_config.json").write_text('{"temperature": 0.0, "top_k": 5}')
+    srv = ServerProcess(tiny_model_dir("llama"), FLAGS + ("--generation-config", str(gen)),
+                        env={"PAGEDSERVE_SERVER_DEV_MODE": "1"})
     yield srv
     assert srv.stop() == 0
 
@@ -39,6 +42,17 @@ def test_every_served_model_name_is_accepted_and_the_first_reported(server):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gamma", prompt="a", max_tokens=1)
     assert "--trust-remote-code is accepted and ignored" in server.log()
+
+
+def test_generation_config_folder_sets_the_defaults_a_request_leaves_unset(server):
+    """temperature 0 from the folder's generation_config.json: a request without one is greedy."""
+    body = {"prompt": "a b c d", "max_tokens": 8, "seed": 123}
+    default = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]["text"]
+    greedy = httpx.post(server.url + "/v1/completions", json={**body, "temperature": 0}).json()["choices"][0]["text"]
+    assert default == greedy
+    sampled = [httpx.post(server.url + "/v1/completions", json={**body, "temperature": 2.0, "top_k": 0, "seed": s}
+                          ).json()["choices"][0]["text"] for s in range(4)]
+    assert any(t != greedy for t in sampled)  # a request's own temperature still wins
 
 
 def test_chat_template_flag_replaces_the_tokenizers(server, tiny_tokenizer):

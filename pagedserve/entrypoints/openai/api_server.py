@@ -41,7 +41,7 @@ from pagedserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagedserve.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from pagedserve.entrypoints.openai.serving_engine import ClientDisconnected, OpenAIServing
 from pagedserve.entrypoints.openai.vllm_compat import (add_compat_args, add_compat_routes, add_cors,
-                                                       load_chat_template, uvicorn_kwargs)
+                                                       load_chat_template, load_generation_defaults, uvicorn_kwargs)
 
 logger = logging.getLogger("pagedserve.api")
 
@@ -212,9 +212,12 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
     base = OpenAIServing(engine_client, served, log_requests)
     names = arg("served_model_name", None)
     chat_template = load_chat_template(arg("chat_template", None))
+    defaults = load_generation_defaults(arg("generation_config", None), None if config.model.is_default_model
+                                        else config.model.path)
     for serving in (completion, chat, base):
         serving.served_model_aliases = frozenset(names if isinstance(names, list) else ())
         serving.chat_template = chat_template
+        serving.default_sampling = defaults
 
     registry = CollectorRegistry()
     cache_info = {"block_size": config.cache.block_size, "num_gpu_blocks": engine_client.kv_cache_config.num_blocks,

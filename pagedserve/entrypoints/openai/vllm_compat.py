@@ -32,6 +32,9 @@ Handler = Callable[[Any, Request], Awaitable[Any]]
 def add_compat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, as a file path or inline text, used instead of the tokenizer's")
+    p.add_argument("--generation-config", default="auto",
+                   help="sampling defaults for fields a request leaves unset: auto (the model's "
+                        "generation_config.json), vllm (none), or a folder holding a generation_config.json")
     p.add_argument("--allowed-origins", type=json.loads, default=["*"], help='CORS origins, JSON list (vLLM)')
     p.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS methods, JSON list (vLLM)")
     p.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS headers, JSON list (vLLM)")
@@ -55,6 +58,26 @@ def load_chat_template(value: str | None) -> str | None:
     if not any(c in value for c in "{%"):
         raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
     return value
+
+
+GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # what vLLM takes
+
+
+def load_generation_defaults(value: str | None, model_dir: str | None) -> dict[str, Any]:
+    """--generation-config -> {request field: default}, as vLLM: `vllm` none, `auto` the model's file, else the
+    folder's. A missing file means no defaults."""
+    if value in (None, "vllm"):
+        return {}
+    folder = model_dir if value == "auto" else value
+    if folder is None or not (Path(folder) / "generation_config.json").is_file():
+        if value != "auto":
+            raise ValueError(f"--generation-config: no generation_config.json in {value!r}")
+        return {}
+    config = json.loads((Path(folder) / "generation_config.json").read_text())
+    defaults = {k: config[k] for k in GENERATION_CONFIG_FIELDS if config.get(k) is not None}
+    if defaults:
+        logger.info("Sampling defaults from %s/generation_config.json: %s", folder, defaults)
+    return defaults
 
 
 def uvicorn_kwargs(args: Any) -> dict[str, Any]:
