@@ -305,6 +305,7 @@ class ResponseToolCall(_Response):
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None  # --reasoning-parser (vLLM's field)
     tool_calls: list[ResponseToolCall] = Field(default_factory=list)
 
 
@@ -341,6 +342,7 @@ class DeltaToolCall(_Response):
 class DeltaMessage(_Response):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None  # --reasoning-parser: the thinking streams as its own deltas
     tool_calls: Optional[list[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")

@@ -92,6 +92,11 @@ class ChoiceState:
 
 
 class OpenAIServing:
+    # set by build_app from `serve`: --served-model-name's other names, and --chat-template (text) if given
+    served_model_aliases: frozenset[str] = frozenset()
+    chat_template: str | None = None
+    default_sampling: dict[str, Any] = {}  # --generation-config: defaults for fields a request leaves unset
+
     def __init__(self, engine_client: EngineClient, served_model_name: str, log_requests: bool = False) -> None:
         self.engine_client = engine_client
         self.served_model_name = served_model_name
@@ -107,7 +112,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------------------------ checks
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
+        if model is not None and model != self.served_model_name and model not in self.served_model_aliases:
             raise OpenAIError(404, f"The model `{model}` does not exist. This server serves "
                                    f"`{self.served_model_name}`.", param="model", code="model_not_found")
 
@@ -125,15 +130,17 @@ class OpenAIServing:
                           tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
         text = render_chat(self.tokenizer, [template_message(m) for m in messages],
                            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                           chat_template_kwargs=chat_template_kwargs, tools=tools)
+                           chat_template=self.chat_template, chat_template_kwargs=chat_template_kwargs, tools=tools)
         # The template already has BOS & co: like vLLM, do not add special tokens again.
         return text, await self.encode(text, add_special_tokens=add_special_tokens)
 
     # ------------------------------------------------------------------------- sampling params
-    @staticmethod
-    def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """HTTP fields -> SamplingParams (its own range checks raise InvalidRequestError naming the field);
         max_tokens None: the engine resolves it from max_model_len and the KV pool."""
+        unset = {k: v for k, v in self.default_sampling.items() if k not in req.model_fields_set}
+        if unset:
+            req = req.model_copy(update=unset)
         top_k = req.top_k if req.top_k is not None else 0
         return SamplingParams(
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
