@@ -30,6 +30,7 @@ class ModelConfig:
     checkpoint_dtype: str | None
     eos_token_ids: frozenset[int]
     bos_token_id: int | None
+    sliding_window: int | None  # every layer attends to the last this many positions (None: full attention)
     # ---- resolved for serving (from_dir's arguments)
     dtype: str  # the weights' and activations' dtype: float32 | bfloat16 | float16
     max_model_len: int  # prompt + output tokens of one request
@@ -55,8 +56,6 @@ class ModelConfig:
         # a window without use_sliding_window (Mistral's configs) is in use; Qwen's configs say when it is not
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         max_pos = cfg.get("max_position_embeddings", 2048)
-        if sliding:  # we implement full attention only: stay inside the window, where the two agree
-            max_pos = min(max_pos, sliding)
         if max_model_len is not None and max_model_len > max_pos:
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
                              f"({max_pos}).")
@@ -79,6 +78,7 @@ class ModelConfig:
             checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             eos_token_ids=_eos_ids(model_dir, cfg),
             bos_token_id=cfg.get("bos_token_id"),
+            sliding_window=sliding or None,
             dtype=dtype,
             max_model_len=max_model_len or max_pos,
             served_model_name=served_model_name or str(model_dir),

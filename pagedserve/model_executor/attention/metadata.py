@@ -40,6 +40,13 @@ class AttentionMetadata:
         positions = torch.arange(width, device=self.decode_context_lens.device)
         return (positions[None, :] < self.decode_context_lens[:, None])[:, None, None, :]
 
+    def sliding_decode_mask(self, window: int) -> torch.Tensor:
+        """decode_mask limited to each row's last `window` positions (its own included)."""
+        width = self.decode_block_tables.shape[1] * self.block_size
+        positions = torch.arange(width, device=self.decode_context_lens.device)[None, :]
+        lens = self.decode_context_lens[:, None]
+        return ((positions < lens) & (positions >= lens - window))[:, None, None, :]
+
 
 def chunk_causal_mask(first: int, context_len: int, device: torch.device) -> torch.Tensor | None:
     """[context_len - first, context_len] bool for a prefill chunk starting at position `first`: causal over the
@@ -47,3 +54,11 @@ def chunk_causal_mask(first: int, context_len: int, device: torch.device) -> tor
     if first == 0:
         return None
     return torch.arange(context_len, device=device)[None, :] <= torch.arange(first, context_len, device=device)[:, None]
+
+
+def sliding_causal_mask(first: int, context_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """[context_len - first, context_len] bool: the chunk's query at position p attends to keys p - window + 1 .. p
+    (Hugging Face's sliding-window mask)."""
+    keys = torch.arange(context_len, device=device)[None, :]
+    queries = torch.arange(first, context_len, device=device)[:, None]
+    return (keys <= queries) & (keys > queries - window)
