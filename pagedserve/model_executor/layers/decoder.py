@@ -49,7 +49,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, attn_backend) if options.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, attn_backend) if options.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
-        self.sliding_window = cfg.sliding_window  # Mistral's / Qwen2's window: every layer
+        self.sliding_window = cfg.layer_sliding_window(int(prefix.split(".")[1]))  # prefix: layers.{i}.self_attn
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
