@@ -13,6 +13,8 @@ Architectures (``ARCHS``):
     llama-tied    LlamaForCausalLM, tie_word_embeddings=True (no lm_head.weight in the checkpoint)
     llama3-rope   LlamaForCausalLM with llama3 rope scaling (factor 8, original_max_position_embeddings 64)
     mistral       MistralForCausalLM, sliding_window=None
+    mistral-sw    MistralForCausalLM, sliding_window=32 (the prompts cross it: every layer attends to the last 32)
+    qwen2-sw      Qwen2ForCausalLM, use_sliding_window, window 32 from layer 1 (max_window_layers=1): mixed layers
     qwen2         Qwen2ForCausalLM, non-zero q/k/v biases
     qwen3         Qwen3ForCausalLM, non-trivial q_norm/k_norm, head_dim=32 != hidden/heads=16
     sharded       same as "llama" (other seed) saved in several shards + model.safetensors.index.json
@@ -46,7 +48,7 @@ __all__ = [
 ]
 
 # "-hd128": head_dim 128 (SmolLM2's, Qwen3's, most 7B models'), wider than hidden_size / heads, end to end
-ARCHS = ("llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "sharded", "llama-hd128", "qwen3-hd128")
+ARCHS = ("llama", "llama-tied", "llama3-rope", "mistral", "mistral-sw", "qwen2", "qwen2-sw", "qwen3", "sharded", "llama-hd128", "qwen3-hd128")
 
 TINY_VOCAB_SIZE = 768
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")  # ids 0, 1, 2
@@ -230,8 +232,12 @@ def _arch_spec(arch: str) -> tuple[str, dict[str, Any]]:
         )
     if arch == "mistral":
         return "MistralForCausalLM", dict(_BASE, sliding_window=None)
+    if arch == "mistral-sw":
+        return "MistralForCausalLM", dict(_BASE, sliding_window=32)
     if arch == "qwen2":
         return "Qwen2ForCausalLM", dict(_BASE, use_sliding_window=False, sliding_window=None)
+    if arch == "qwen2-sw":
+        return "Qwen2ForCausalLM", dict(_BASE, use_sliding_window=True, sliding_window=32, max_window_layers=1)
     if arch == "qwen3":
         # head_dim 32 while hidden/heads = 16: catches code that derives head_dim from hidden size.
         return "Qwen3ForCausalLM", dict(

@@ -16,13 +16,16 @@ from pagedserve.model_executor.kernels import cpu_kernels
 BS, KVH, H, HD = 16, 2, 6, 32
 
 
-def reference(q, keys, values, first):
-    """Causal attention of queries at positions first.. over keys 0..; q [n, H, D], keys [ctx, KVH, D]."""
+def reference(q, keys, values, first, window=None):
+    """Causal attention of queries at positions first.. over keys 0..; q [n, H, D], keys [ctx, KVH, D]; with a
+    window, each query sees only the last `window` positions (its own included)."""
     n, ctx = q.shape[0], keys.shape[0]
     k = keys.repeat_interleave(H // KVH, dim=1).transpose(0, 1)
     v = values.repeat_interleave(H // KVH, dim=1).transpose(0, 1)
     scores = q.transpose(0, 1) @ k.transpose(1, 2) * HD ** -0.5
     mask = torch.arange(ctx)[None, :] <= torch.arange(first, first + n)[:, None]
+    if window is not None:
+        mask &= torch.arange(ctx)[None, :] > torch.arange(first, first + n)[:, None] - window
     return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v).transpose(0, 1)
 
 
@@ -96,6 +99,22 @@ def test_mixed_batch_matches_reference(backend_name, dtype, kv_dtype, monkeypatc
         offset += new
 
 
+@pytest.mark.parametrize("backend_name", ["cpu", "cpu-fallback", "torch"])
+@pytest.mark.parametrize("window", [1, 8, 20, 64])
+def test_sliding_window_matches_reference(backend_name, window, monkeypatch):
+    """Windowed decode rows (contexts 1, 17, 40) and prefill chunks (a first chunk of 12, a later chunk of 20 after
+    35: it crosses the window edge) against the windowed reference; a window wider than every context is plain
+    causal attention."""
+    backend = make_backend(backend_name, monkeypatch)
+    q, k, v, k_cache, v_cache, meta, seqs, full_kv = mixed_batch(backend, torch.float32, torch.float32)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, HD ** -0.5, window)
+    offset = 0
+    for (cached, new), (keys, values) in zip(seqs, full_kv):
+        expected = reference(q[offset:offset + new], keys, values, cached, window)
+        torch.testing.assert_close(out[offset:offset + new], expected, atol=1e-5, rtol=1e-5)
+        offset += new
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_backend_matches_torch_reference_backend(dtype, monkeypatch):
     """The native CPU backend (head-major joint layout) against the PyTorch SDPA reference backend (token-major):
@@ -131,9 +150,9 @@ def test_each_forward_builds_the_backend_metadata_once_and_every_layer_reads_it(
             self.built.append(super().build_metadata(common))
             return self.built[-1]
 
-        def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):
             self.seen.append(meta)
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
 
     cfg = ModelConfig.from_dir(tiny_model_dir("llama"))
     backend = Recording(torch.device("cpu"))

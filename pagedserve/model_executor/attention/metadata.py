@@ -40,3 +40,11 @@ def chunk_causal_mask(first: int, context_len: int, device: torch.device) -> tor
     if first == 0:
         return None
     return torch.arange(context_len, device=device)[None, :] <= torch.arange(first, context_len, device=device)[:, None]
+
+
+def sliding_causal_mask(first: int, context_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """[context_len - first, context_len] bool: the chunk's query at position p attends to keys p - window + 1 .. p
+    (Hugging Face's sliding-window mask)."""
+    keys = torch.arange(context_len, device=device)[None, :]
+    queries = torch.arange(first, context_len, device=device)[:, None]
+    return (keys <= queries) & (keys > queries - window)
