@@ -29,7 +29,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
     """sum_k weight[t, k] * expert_{id[t, k]}(x[t]) for every token; x [T, H], w13 [E, 2I, H], w2 [E, H, I]."""
-    t, k = topk_ids.shape
+    k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     token_of = order // k
