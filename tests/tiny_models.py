@@ -50,6 +50,11 @@ __all__ = [
 # "-hd128": head_dim 128 (SmolLM2's, Qwen3's, most 7B models'), wider than hidden_size / heads, end to end
 ARCHS = ("llama", "llama-tied", "llama3-rope", "mistral", "mistral-sw", "qwen2", "qwen2-sw", "qwen3", "sharded", "llama-hd128", "qwen3-hd128")
 
+# mixture-of-experts families (not in ARCHS: the engine-feature matrices over ARCHS are dense-only for now);
+# every 2nd Qwen3-MoE layer sparse with layer 0 dense (mlp_only_layers), so both MLP kinds run
+MOE_ARCHS = ("mixtral", "qwen2-moe", "qwen3-moe")
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32, num_hidden_layers=3, output_router_logits=False)
+
 TINY_VOCAB_SIZE = 768
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")  # ids 0, 1, 2
 
@@ -207,7 +212,7 @@ _BASE = dict(
 
 OUT_GAIN_TIED = 5.0
 QK_NORM_RANGE = (1.5, 3.0)
-_ARCH_SEEDS = {a: i for i, a in enumerate(ARCHS)}
+_ARCH_SEEDS = {a: i for i, a in enumerate(ARCHS + MOE_ARCHS)}
 
 
 def _arch_spec(arch: str) -> tuple[str, dict[str, Any]]:
@@ -247,7 +252,17 @@ def _arch_spec(arch: str) -> tuple[str, dict[str, Any]]:
         return "Qwen3ForCausalLM", dict(
             _BASE, head_dim=128, use_sliding_window=False, sliding_window=None, attention_bias=False
         )
-    raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
+    if arch == "mixtral":
+        return "MixtralForCausalLM", dict(_BASE, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                          sliding_window=None, num_hidden_layers=2)
+    if arch == "qwen2-moe":
+        return "Qwen2MoeForCausalLM", dict(_BASE, **_MOE, num_experts=4, shared_expert_intermediate_size=48,
+                                           norm_topk_prob=False, use_sliding_window=False, sliding_window=None)
+    if arch == "qwen3-moe":
+        return "Qwen3MoeForCausalLM", dict(_BASE, **_MOE, num_experts=6, norm_topk_prob=True, head_dim=32,
+                                           mlp_only_layers=[0], decoder_sparse_step=1, use_sliding_window=False,
+                                           sliding_window=None, attention_bias=False)
+    raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS + MOE_ARCHS}")
 
 
 def _config_class(model_cls_name: str):
@@ -313,6 +328,8 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
             normal(p, 1.5 / math.sqrt(p.shape[1]))  # peaked attention: positions/masks matter
         elif leaf in ("o_proj", "down_proj"):
             normal(p, out_gain / math.sqrt(p.shape[1]))
+        elif p.dim() == 3:  # stacked experts [E, out, in] (transformers' MoE layout in memory)
+            normal(p, 1.0 / math.sqrt(p.shape[2]))
         elif name.endswith(".weight") and p.dim() == 2:
             normal(p, 1.0 / math.sqrt(p.shape[1]))
         else:
