@@ -97,8 +97,12 @@ def business_rule_broken(path: str, body: Any, error: dict[str, Any], vocab: int
         return "min_tokens > max_tokens"
     if field == "min_tokens" and max_tokens is None and body.get("min_tokens", 0) > 0:
         return "min_tokens > the default max_tokens (what the context leaves after the prompt)"
-    if field == "best_of" and body.get("best_of") is not None and body["best_of"] != body.get("n", 1):
-        return "best_of != n"
+    best_of, n = body.get("best_of"), body.get("n", 1)
+    if field == "best_of" and best_of is not None and (best_of < n or (best_of > n and body.get("stream"))):
+        return "best_of < n, or best_of > n with stream"
+    truncate = body.get("truncate_prompt_tokens")
+    if field == "truncate_prompt_tokens" and truncate is not None and (truncate == 0 or truncate > MAX_MODEL_LEN - 1):
+        return "truncate_prompt_tokens 0 or above max_model_len - 1"
     if field == "priority" and body.get("priority", 0) != 0:
         return "priority without --scheduling-policy priority"
     if field == "stream_options" and body.get("stream_options") is not None and not body.get("stream"):
@@ -187,8 +191,9 @@ def test_business_rule_oracle():
     assert business_rule_broken(C, {"prompt": [5, 767]}, err("prompt"), 768) is None
     assert business_rule_broken(C, {"prompt": "a"}, err("prompt"), 768) is None  # e.g. a bogus "empty" refusal
     assert business_rule_broken(C, {"prompt": "a"}, err("prompt", "context_length_exceeded"), 768)
-    assert business_rule_broken(C, {"prompt": "a", "best_of": 2}, err("best_of"), 768)
-    assert business_rule_broken(C, {"prompt": "a", "best_of": 2, "n": 2}, err("best_of"), 768) is None
+    assert business_rule_broken(C, {"prompt": "a", "best_of": 1, "n": 2}, err("best_of"), 768)
+    assert business_rule_broken(C, {"prompt": "a", "best_of": 2, "stream": True}, err("best_of"), 768)
+    assert business_rule_broken(C, {"prompt": "a", "best_of": 2}, err("best_of"), 768) is None
     assert business_rule_broken(CH, {"messages": [{"role": "user"}], "continue_final_message": True},
                                 err("continue_final_message"), 768)
     assert business_rule_broken(CH, {"messages": [{"role": "user"}]}, err("messages"), 768) is None
@@ -457,7 +462,7 @@ def _bad_material(vocab: int) -> dict[str, Any]:
                  b'{"prompt": "x", "max_tokens": 1e999}', b'{"prompt": "x", "n": 1e400}', b'{"prompt": "x",}',
                  b'{"messages": [{"role": "user", "content": "x"}], "presence_penalty": NaN}'],
         "rule": [
-            (C, {"prompt": "x", "min_tokens": 5, "max_tokens": 2}), (C, {"prompt": "x", "best_of": 2, "n": 1}),
+            (C, {"prompt": "x", "min_tokens": 5, "max_tokens": 2}), (C, {"prompt": "x", "best_of": 1, "n": 2}),
             (C, {"prompt": "x", "max_tokens": 0}), (C, {"prompt": "x", "stream_options": {}}),
             # the out-of-vocabulary stop id that used to fail the whole batch inside the sampler
             (C, {"prompt": "x", "max_tokens": 2, "min_tokens": 1, "stop_token_ids": [10**7]}),
@@ -487,7 +492,7 @@ def _bad_case(material: dict, kind: str, path: str, base: dict, choice: Any) -> 
     field, value = choice
     body = {**base, field: value}
     if field == "best_of":
-        body["n"] = 1  # best_of == n would be fine
+        body["n"] = 3  # best_of >= n (without stream) would be fine
     if field == "stream_options":
         body["stream"] = False  # stream_options is fine with stream=true
     return f"bad:{field}", path, body, None
