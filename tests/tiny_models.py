@@ -48,7 +48,9 @@ __all__ = [
 ]
 
 # "-hd128": head_dim 128 (SmolLM2's, Qwen3's, most 7B models'), wider than hidden_size / heads, end to end
-ARCHS = ("llama", "llama-tied", "llama3-rope", "mistral", "mistral-sw", "qwen2", "qwen2-sw", "qwen3", "sharded", "llama-hd128", "qwen3-hd128")
+# (new architectures go at the end: each arch's seed is its index, and the others' weights must not change)
+ARCHS = ("llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "sharded", "llama-hd128", "qwen3-hd128",
+         "mistral-sw", "qwen2-sw")
 
 # mixture-of-experts families (not in ARCHS: the engine-feature matrices over ARCHS are dense-only for now);
 # every 2nd Qwen3-MoE layer sparse with layer 0 dense (mlp_only_layers), so both MLP kinds run
