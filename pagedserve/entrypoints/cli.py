@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedserve.entrypoints.router import add_router_parser
     from pagedserve.entrypoints.dashboard.replay import add_replay_parser
     from pagedserve.entrypoints.diagnose import add_diagnose_parser
-    from pagedserve.entrypoints.data_parallel import add_data_parallel_arg, run_data_parallel
+    from pagedserve.entrypoints.data_parallel import add_data_parallel_arg
 
     add_data_parallel_arg(add_serve_parser(subparsers))
     add_proxy_parser(subparsers)
@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if getattr(args, "data_parallel_size", 1) != 1:  # serve -dp N: N replicas of this command behind a router
+            from pagedserve.entrypoints.data_parallel import run_data_parallel
+
             return run_data_parallel(args, sys.argv[1:] if argv is None else argv)
         return args.func(args) or 0
     except ValueError as exc:
