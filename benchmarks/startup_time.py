@@ -4,7 +4,7 @@ stage-by-stage account of that time, and the first request's latency against the
     python benchmarks/startup_time.py [MODEL ...] --runs 2 --max-tokens 16
     python benchmarks/startup_time.py --wheel dist/pagedserve-*.whl [MODEL ...]   # as a new user: a fresh venv
 
-MODEL: checkpoint dirs (default: the embedded demo model). Every run starts with an empty TORCH_EXTENSIONS_DIR (so a
+MODEL: checkpoint dirs, or `demo` for the embedded demo model (the default). Every run starts with an empty TORCH_EXTENSIONS_DIR (so a
 build that has no usable prebuilt kernels compiles them and shows it), then --runs more reuse it. With --wheel, a
 fresh venv is made first and the wheel installed into it with pip's cache off (timed), and the servers run from
 that venv, so nothing of this checkout is used. For each model, the weights' read speed: the safetensors files read
@@ -97,7 +97,7 @@ def fresh_venv_with(wheel: str, work: Path) -> tuple[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("models", nargs="*", default=[None], help="checkpoint dirs (default: the embedded demo model)")
+    p.add_argument("models", nargs="*", default=["demo"], help="checkpoint dirs, or demo (the default)")
     p.add_argument("--wheel", default=None, help="install this wheel into a fresh venv and serve from it")
     p.add_argument("--runs", type=int, default=2, help="runs after the first, reusing its kernel cache")
     p.add_argument("--max-tokens", type=int, default=16)
@@ -111,7 +111,8 @@ def main() -> None:
             print(f"fresh venv + `pip install {Path(args.wheel).name}` (no pip cache): {install_s:.1f} s\n")
         print("| model | run | start -> /health 200 (s) | first request (s) | tenth request (s) | the server's stages |")
         print("| --- | --- | ---: | ---: | ---: | --- |")
-        for model in args.models:
+        models = [None if m == "demo" else m for m in args.models]
+        for model in models:
             name = Path(model).name if model else "demo (embedded)"
             ext_dir = work / f"ext-{name}"
             for run in range(1 + args.runs):
@@ -120,7 +121,7 @@ def main() -> None:
                 print(f"| {name} | {label} | {r['ready_s']:.1f} | {r['first_request_s']:.3f} | "
                       f"{r['tenth_request_s']:.3f} | {r['stages']} |")
         print()
-        for model in args.models:
+        for model in models:
             if model:
                 gib, cold, warm = weights_read_speed(Path(model))
                 cold_text = "n/a (cannot drop the page cache)" if cold is None else f"{cold:.2f} GB/s"
