@@ -132,6 +132,12 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
 
 
 @pytest.fixture(scope="session")
+def model_dir(tiny_model_dir):
+    """The tiny llama checkpoint most engine and server tests run on (a module may define its own)."""
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="session")
 def server(tiny_model_dir):
     """One `pagedserve serve` process on the tiny llama, shared by the server test modules."""
     from server_helpers import get_server, stop_all

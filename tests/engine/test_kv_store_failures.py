@@ -13,11 +13,6 @@ from test_kv_transfer import BLOCK, generate, make_llm, tokens
 from pagedserve.kv_transfer.stores import DirectoryStore
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
 @pytest.fixture
 def file_size_limit():
     """Set RLIMIT_FSIZE for the test's writes (a write past it fails with EFBIG, as on a full disk), then restore."""

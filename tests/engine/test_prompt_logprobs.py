@@ -15,11 +15,6 @@ TOP = 3
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return str(tiny_model_dir("llama"))
-
-
-@pytest.fixture(scope="module")
 def prompts(tiny_tokenizer):
     return mixed_prompts(tiny_tokenizer, n=3, lengths=(5, 70))
 

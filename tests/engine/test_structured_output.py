@@ -24,11 +24,6 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"typ
 GRAMMAR = 'start: "def " NAME "(" NAME? "):"\nNAME: /[a-z_]{1,8}/'
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
 @pytest.fixture(scope="module", params=[True, False], ids=["masks-overlapped", "checked-first"])
 def llm(model_dir, request):
     """Both ways of running the masks (engine/structured_output.py): beside the forward on a worker thread, and

@@ -16,11 +16,6 @@ STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return str(tiny_model_dir("llama"))
-
-
-@pytest.fixture(scope="module")
 def llm(model_dir):
     return LLM(model_dir, dtype="float32", num_threads=1, num_kv_blocks=256, max_model_len=512)
 

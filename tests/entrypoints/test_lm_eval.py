@@ -37,11 +37,6 @@ metric_list:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return str(tiny_model_dir("llama"))
-
-
-@pytest.fixture(scope="module")
 def server(model_dir):
     server = ServerProcess(model_dir, ("--dtype", "float32", "--num-kv-blocks", "128", "--max-model-len", "512",
                                        "--max-num-batched-tokens", "16"))

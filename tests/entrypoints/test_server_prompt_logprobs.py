@@ -14,11 +14,6 @@ PROMPT = [0, 201, 54, 422, 85, 268, 339, 69, 86, 321, 17, 250, 33, 411, 96, 120,
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return str(tiny_model_dir("llama"))
-
-
-@pytest.fixture(scope="module")
 def server(model_dir):
     # chunks of 8 tokens: the prompt's logprobs come from three prefill chunks
     server = ServerProcess(model_dir, ("--dtype", "float32", "--num-kv-blocks", "128", "--max-model-len", "512",
