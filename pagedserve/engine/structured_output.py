@@ -47,7 +47,12 @@ def _done(value: torch.Tensor) -> "Future[torch.Tensor]":
 class StructuredOutputManager:
     def __init__(self, tokenizer: Any, vocab_size: int, overlap_masks: bool = True) -> None:
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
+        # The grammar's token space: the wider of the model's logits and the tokenizer (vLLM's guidance backend).
+        # A tokenizer with fewer tokens than the logits (Qwen pads its embedding to a multiple of 128): the ids past
+        # it are never allowed. One with more (added tokens the model has no row for, as transformers' GGUF tokenizer
+        # adds `<|endoftext|>`): llguidance refuses an n_vocab below the tokenizer's, and the sampler drops the mask's
+        # columns past the logits, so those ids are never sampled.
+        self.vocab_size = max(vocab_size, len(tokenizer))
         self.overlap_masks = overlap_masks  # False: sample first, fill only rejected rows' masks (module docstring)
         self._ll_tokenizer = None  # built on first use (~0.1-1 s)
         self.matchers: dict[str, Any] = {}  # sequence id -> llguidance.LLMatcher
