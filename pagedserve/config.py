@@ -137,6 +137,7 @@ class EngineArgs:
         from pagedserve.demo_model_path import default_model_path
         from pagedserve.model_executor.model_config import resolve_model_dir
         from pagedserve.model_executor.platform import resolve_device, resolve_dtype
+        from pagedserve.model_executor.quantization.registry import CHECKPOINT_FORMATS, resolve_quantization
 
         model_dir = Path(default_model_path()) if self.model is None else resolve_model_dir(self.model, self.revision)
         device = resolve_device(self.device)
@@ -145,6 +146,9 @@ class EngineArgs:
         model = ModelConfig.from_dir(model_dir, dtype=dtype_name(dtype), max_model_len=self.max_model_len,
                                      served_model_name=self.served_model_name or self.model or "pagedserve-demo",
                                      tokenizer=self.tokenizer or str(model_dir), is_default_model=self.model is None)
+        quantization = resolve_quantization(self.quantization, model.quantization_config)
+        if quantization in CHECKPOINT_FORMATS and self.tensor_parallel_size > 1:  # its tensors are not split yet
+            raise ValueError(f"A {quantization} checkpoint runs with tensor_parallel_size=1 for now.")
         budget = self.max_num_batched_tokens
         if not self.enable_chunked_prefill and budget < model.max_model_len:
             logger.warning("Without chunked prefill a whole prompt must fit one step: raising "
@@ -164,7 +168,7 @@ class EngineArgs:
             scheduler=scheduler,
             parallel=ParallelConfig(device.type, self.num_threads, self.tensor_parallel_size,
                                     self.pipeline_parallel_size, self.resolved_executor_backend, self.cpu_bind),
-            load=LoadConfig(self.linear_backend, self.quantization),
+            load=LoadConfig(self.linear_backend, quantization),
             limits=RequestLimits.from_args(self),
             seed=self.seed,
             attention_backend=self.attention_backend,
@@ -354,7 +358,7 @@ class ParallelConfig:
 class LoadConfig:
     """How the weights are run: the linears' GEMM path and weight quantization."""
     linear_backend: str = "auto"  # auto | torch | onednn | native
-    quantization: str | None = None  # None | int8
+    quantization: str | None = None  # None | int8 | int4 | a checkpoint's format (registry.py), as resolved
 
 
 @dataclass(frozen=True)

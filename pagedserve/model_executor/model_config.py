@@ -33,6 +33,7 @@ class ModelConfig:
     bos_token_id: int | None
     sliding_window: int | None  # a sliding layer attends to the last this many positions (None: full attention)
     layer_types: tuple[str, ...] | None  # per layer "sliding_attention" | "full_attention" (None: all slide)
+    quantization_config: dict | None  # a pre-quantized checkpoint's (GPTQ, AWQ, compressed-tensors)
     # ---- resolved for serving (from_dir's arguments)
     dtype: str  # the weights' and activations' dtype: float32 | bfloat16 | float16
     max_model_len: int  # prompt + output tokens of one request
@@ -86,6 +87,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             sliding_window=sliding or None,
             layer_types=tuple(layer_types) if layer_types else None,
+            quantization_config=cfg.get("quantization_config"),
             dtype=dtype,
             max_model_len=max_model_len or max_pos,
             served_model_name=served_model_name or str(model_dir),

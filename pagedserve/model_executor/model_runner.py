@@ -95,7 +95,8 @@ class ModelRunner:
         if device.type == "cpu":
             keep_freed_memory()  # each step's activations reuse the last step's pages (host_allocator.py)
         self.attn_backend = get_attention_backend(config.attention_backend, device)
-        self.quant_config = get_quantization_config(config.load.quantization, config.load.linear_backend, device)
+        self.quant_config = get_quantization_config(config.load.quantization, config.load.linear_backend, device,
+                                                    config.model.quantization_config)
         self.model = load_model(self.model_config, device, self.dtype, self.quant_config, self.attn_backend, parallel)
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=device).manual_seed(config.seed)

@@ -123,8 +123,12 @@ class DecoderForCausalLM(nn.Module):
                 param = params[pname]
                 sizes = self._shard_sizes(target)
                 offset = sum(sizes[:shard])
-                param.data[offset:offset + sizes[shard]].copy_(tensor)
+                _load_shard(param, tensor, offset, sizes[shard],
+                            any(f"{pname}#{i}" in loaded for i in range(len(fused))))
                 loaded.add(f"{pname}#{shard}")
+            elif name in params and hasattr(params[name], "output_dim"):  # a quantized checkpoint's tensor
+                params[name].data.copy_(tensor)  # (a per-tensor scale broadcasts over the output features)
+                loaded.add(name)
             elif name in params:
                 params[name].data[:tensor.shape[0]].copy_(tensor)  # vocabulary rows: the tail may be padding
                 loaded.add(name)
@@ -192,6 +196,22 @@ class DecoderForCausalLM(nn.Module):
             rows = self.parallel.layout.vocab_rows(cfg.vocab_size)
             return tensor[rank * rows:(rank + 1) * rows]
         return tensor
+
+
+def _load_shard(param: torch.Tensor, tensor: torch.Tensor, offset: int, size: int, another_loaded: bool) -> None:
+    """One checkpoint projection into its fused parameter: output features [offset, offset + size), rows of a float
+    weight. A quantized checkpoint's tensor (quantization/packed.py) says where its output features lie (`output_dim`,
+    `packed_factor` of them to an element), or that it has none: then each shard holds the whole tensor, and where
+    they must agree (GPTQ's g_idx, one input order for the fused layer) a disagreement is a ValueError."""
+    dim = getattr(param, "output_dim", 0)
+    if dim is None:
+        if another_loaded and getattr(param, "shared_by_shards", False) and not torch.equal(param.data, tensor):
+            raise ValueError("The fused projections of a layer (q/k/v or gate/up) have different act-order "
+                             "group indices (g_idx); they must share one.")
+        param.data.copy_(tensor)
+        return
+    factor = getattr(param, "packed_factor", 1)
+    param.data.narrow(dim, offset // factor, size // factor).copy_(tensor)
 
 
 def _iter_safetensors(model_dir: Path):

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from pagedserve.model_executor.layers.linear import Linear
 
 GROUP_SIZES = (128, 64, 32)  # the first that divides the input width; the kernel takes these
+KERNEL_GROUP_SIZES = (256, 128, 64, 32)  # what torch's CPU int4 kernel takes
 
 
 def group_size_for(in_features: int) -> int:
@@ -44,23 +45,42 @@ def dequantize_rtn_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) 
     return (groups * scale[..., None] + lo[..., None]).reshape(n, k)
 
 
+def set_int4_kernel_weight(layer: Linear, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, group_size: int,
+                           dtype: torch.dtype) -> None:
+    """The kernel's copy of w[n, k] = q[n, k] * scale[n, k // group_size] + lo[n, k // group_size] (q in 0..15) on
+    `layer`: what RTN and the int4 checkpoint formats (GPTQ, AWQ, compressed-tensors: lo = -zero * scale) all are.
+    A group of a multiple of the kernel's group sizes (a whole row: per channel) is cut into kernel groups that
+    share its scale and lo, exactly."""
+    kernel_group = next((g for g in KERNEL_GROUP_SIZES if group_size % g == 0), None)
+    if kernel_group is None or q.shape[0] % 16:
+        raise ValueError(f"The CPU int4 kernel needs groups of a multiple of 32 input channels and output widths "
+                         f"that are multiples of 16; got group size {group_size}, {q.shape[0]} outputs.")
+    repeat = group_size // kernel_group
+    scale, lo = scale.float().repeat_interleave(repeat, dim=1), lo.float().repeat_interleave(repeat, dim=1)
+    layer.int4_weight = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+    # the kernel dequantizes (q - 8) * scale + zero: its zero is the group's value at q = 8
+    zeros = lo + 8 * scale
+    layer.int4_scale_zeros = torch.stack([scale.t(), zeros.t()], dim=-1).to(dtype).contiguous()
+    layer.int4_group_size = kernel_group
+
+
 class Int4LinearMethod(LinearMethodBase):
     def create_weights(self, layer: Linear, in_features: int, out_features: int, bias: bool) -> None:
         super().create_weights(layer, in_features, out_features, bias)
         layer.int4_weight = layer.int4_scale_zeros = None
         layer.int4_group_size = group_size_for(in_features)
+        layer.int4_input_perm = None  # GPTQ's act-order: the input channels in the order of their groups
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         w = layer.weight.detach()
         q, scale, lo = quantize_rtn_int4(w, layer.int4_group_size)
-        layer.int4_weight = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-        # the kernel dequantizes (q - 8) * scale + zero: its zero is the group's value at q = 8
-        zeros = lo + 8 * scale
-        layer.int4_scale_zeros = torch.stack([scale.t(), zeros.t()], dim=-1).to(w.dtype).contiguous()
+        set_int4_kernel_weight(layer, q, scale, lo, layer.int4_group_size, w.dtype)
         layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
+        if layer.int4_input_perm is not None:
+            rows = rows.index_select(1, layer.int4_input_perm)
         y = torch._weight_int4pack_mm_for_cpu(rows.to(layer.int4_scale_zeros.dtype), layer.int4_weight,
                                               layer.int4_group_size, layer.int4_scale_zeros).to(x.dtype)
         if layer.bias is not None:

@@ -40,22 +40,28 @@ class Int8LinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: Linear) -> None:
         w = layer.weight.detach()
         scales = w.abs().amax(dim=1).clamp(min=1e-8).double() / 127.0
-        with warnings.catch_warnings():  # torch flags quantized dtypes as deprecated; fbgemm still runs them
-            warnings.simplefilter("ignore")
-            qweight = torch.quantize_per_channel(w.float(), scales, torch.zeros_like(scales, dtype=torch.long),
-                                                 0, torch.qint8)
-        ops = cpu_kernels() if self.allow_native and w.dtype in (torch.float32, torch.bfloat16) else None
-        if ops is not None and ops.native_small_gemm(torch.int8, w.shape[1]):
-            q = qweight.int_repr()
+        q = (w.double() / scales[:, None]).round().clamp(-128, 127).to(torch.int8)
+        self.set_int8_weight(layer, q, scales, w.dtype)
+        # every product reads an int8 copy now: the float weight would only add to the model's memory (a tied LM
+        # head lets go of its reference only; the embedding keeps the tensor)
+        layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+
+    def set_int8_weight(self, layer: Linear, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        """The kernels' copy of w = q * scales[:, None] (q int8 [N, K], one scale per output channel): quantized
+        here, or as a W8A8 checkpoint stores it (compressed-tensors)."""
+        ops = cpu_kernels() if self.allow_native and dtype in (torch.float32, torch.bfloat16) else None
+        if ops is not None and ops.native_small_gemm(torch.int8, q.shape[1]):
             layer.small_gemm_weight = ops.pack_small_gemm_weight(q)
             layer.int8_scale = scales.float()
             layer.int8_shift = 128 * q.sum(dim=1, dtype=torch.int32)  # takes back the kernel's +128 on x
         else:
+            scales = scales.double()
+            with warnings.catch_warnings():  # torch flags quantized dtypes as deprecated; fbgemm still runs them
+                warnings.simplefilter("ignore")
+                qweight = torch._make_per_channel_quantized_tensor(
+                    q, scales, torch.zeros_like(scales, dtype=torch.long), 0)
             bias = None if layer.bias is None else layer.bias.detach().float()
             layer.fbgemm_weight = torch.ops.quantized.linear_prepack(qweight, bias)
-        # every product reads an int8 copy now: the float weight would only add to the model's memory (a tied LM
-        # head lets go of its reference only; the embedding keeps the tensor)
-        layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.small_gemm_weight is None:

@@ -1,0 +1,142 @@
+"""compressed-tensors checkpoints (llm-compressor's; config.json's quantization_config, quant_method
+"compressed-tensors"): each of its `config_groups` gives the layers it targets a scheme; `ignore`d and untargeted
+layers are float. The schemes run here:
+
+  * W4A16, format "pack-quantized": 4-bit weights per group (or per channel), symmetric or with zero points -
+    repacked once onto the int4 kernel (int4.py), exactly. Tensors (N outputs, K inputs, G groups): weight_packed
+    [N, K / 8] int32 (8 values a word along the input dimension, value i in bits 4i..4i+3, each the signed value
+    + 8), weight_scale [N, G], weight_zero_point [N / 8, G] int32 (packed along the outputs, + 8 as well; asymmetric
+    only), weight_shape [2]. (Act-order "weight" needs nothing here; the older "group" act-order, with a
+    weight_g_idx, is not read yet.)
+  * W8A8 int8, format "int-quantized": int8 weights with one scale per output channel (or one per tensor) and
+    activations quantized per token as they come - pagedserve's int8 path (int8.py), whose native kernel quantizes
+    each row of activations exactly so (symmetric, max|x| / 127). Tensors: weight [N, K] int8, weight_scale [N, 1].
+  * FP8 weights, format "float-quantized" / "naive-quantized": weight [N, K] float8_e4m3fn, weight_scale [N, 1] or
+    per tensor (input_scale of static activations is read and not used) - dequantized to the model dtype at load
+    (the CPU has no FP8 GEMM), then the float linears.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from pagedserve.model_executor.quantization.base import LinearMethodBase, QuantizationConfig
+from pagedserve.model_executor.quantization.int4 import Int4LinearMethod
+from pagedserve.model_executor.quantization.int8 import Int8LinearMethod
+from pagedserve.model_executor.quantization.packed import (
+    add_bias_and_int4_state,
+    add_param,
+    check_group_size,
+    drop_params,
+    layer_names,
+    matches,
+    set_zero_point_int4_weight,
+    unpack_int4,
+)
+from pagedserve.model_executor.quantization.unquantized import UnquantizedConfig, UnquantizedLinearMethod
+
+if TYPE_CHECKING:
+    from pagedserve.model_executor.layers.linear import Linear
+
+
+class CompressedTensorsW4A16(Int4LinearMethod):
+    def __init__(self, group_size: int, symmetric: bool) -> None:
+        self.group_size, self.symmetric = group_size, symmetric
+
+    def create_weights(self, layer: Linear, in_features: int, out_features: int, bias: bool) -> None:
+        group = check_group_size("compressed-tensors", self.group_size, in_features)
+        groups = in_features // group
+        add_param(layer, "weight_packed", (out_features, in_features // 8), torch.int32, output_dim=0)
+        add_param(layer, "weight_scale", (out_features, groups), torch.float32, output_dim=0)
+        add_param(layer, "weight_shape", (2,), torch.int64, output_dim=None)
+        if not self.symmetric:
+            add_param(layer, "weight_zero_point", (out_features // 8, groups), torch.int32, output_dim=0,
+                      packed_factor=8)
+        add_bias_and_int4_state(layer, out_features, bias, group)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        q = unpack_int4(layer.weight_packed.data, 1)  # [N, K]: the signed values + 8
+        zeros = unpack_int4(layer.weight_zero_point.data, 0) if not self.symmetric \
+            else torch.full_like(layer.weight_scale.data, 8, dtype=torch.int32)
+        set_zero_point_int4_weight(layer, q, zeros, layer.weight_scale.data, layer.int4_group_size)
+        drop_params(layer, "weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
+
+
+class CompressedTensorsW8A8Int8(Int8LinearMethod):
+    def create_weights(self, layer: Linear, in_features: int, out_features: int, bias: bool) -> None:
+        add_param(layer, "weight", (out_features, in_features), torch.int8, output_dim=0)
+        add_param(layer, "weight_scale", (out_features, 1), torch.float32, output_dim=0)  # a tensor's: broadcast
+        layer.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        layer.small_gemm_weight = layer.fbgemm_weight = layer.int8_scale = layer.int8_shift = None
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        self.set_int8_weight(layer, layer.weight.data, layer.weight_scale.data.flatten().float(),
+                             layer.weight_scale.dtype)
+        drop_params(layer, "weight", "weight_scale")
+
+
+class CompressedTensorsFP8(UnquantizedLinearMethod):
+    def __init__(self, backend: str, static_input_scale: bool) -> None:
+        super().__init__(backend)
+        self.static_input_scale = static_input_scale
+
+    def create_weights(self, layer: Linear, in_features: int, out_features: int, bias: bool) -> None:
+        super().create_weights(layer, in_features, out_features, bias)  # float: fp8 converts exactly as it loads
+        layer.weight.output_dim = 0
+        add_param(layer, "weight_scale", (out_features, 1), torch.float32, output_dim=0)
+        if self.static_input_scale:
+            add_param(layer, "input_scale", (1,), torch.float32, output_dim=None)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        layer.weight.data.mul_(layer.weight_scale.data.to(layer.weight.dtype))
+        drop_params(layer, "weight_scale", "input_scale")
+        super().process_weights_after_loading(layer)
+
+
+def _method_for_scheme(scheme: dict[str, Any], fmt: str | None, linear_backend: str) -> LinearMethodBase:
+    weights, inputs = scheme.get("weights") or {}, scheme.get("input_activations")
+    fmt = scheme.get("format") or fmt
+    bits, kind, strategy = weights.get("num_bits"), weights.get("type", "int"), weights.get("strategy")
+    if fmt == "pack-quantized" and bits == 4 and kind == "int" and inputs is None \
+            and strategy in ("group", "channel") and weights.get("actorder") in (None, "weight", "static"):
+        return CompressedTensorsW4A16(weights["group_size"] if strategy == "group" else -1,
+                                      bool(weights.get("symmetric", True)))
+    if fmt in ("int-quantized", "naive-quantized") and bits == 8 and kind == "int" and weights.get("symmetric", True) \
+            and strategy in ("channel", "tensor") and inputs is not None and inputs.get("dynamic") \
+            and inputs.get("strategy") == "token" and inputs.get("num_bits") == 8:
+        return CompressedTensorsW8A8Int8()
+    if fmt in ("float-quantized", "naive-quantized") and bits == 8 and kind == "float" \
+            and strategy in ("channel", "tensor"):
+        return CompressedTensorsFP8(linear_backend, inputs is not None and not inputs.get("dynamic", False))
+    raise ValueError(f"quantization='compressed-tensors': scheme {scheme} (format {fmt}) is not supported; "
+                     "supported: W4A16 pack-quantized, W8A8 int8 with dynamic per-token activations, FP8 weights.")
+
+
+class CompressedTensorsConfig(QuantizationConfig):
+    name = "compressed-tensors"
+
+    def __init__(self, linear_backend: str = "auto", device: torch.device | None = None,
+                 checkpoint_config: dict | None = None) -> None:
+        if device is not None and device.type != "cpu":
+            raise ValueError("quantization='compressed-tensors' is implemented for the CPU only.")
+        cfg = checkpoint_config or {}
+        self.float_config = UnquantizedConfig(linear_backend, device)
+        backend = self.float_config.method.backend
+        self.ignore = list(cfg.get("ignore") or [])
+        # (targets, method) per config group, each method built once and shared by the layers it targets
+        self.groups = [(list(group.get("targets") or []), _method_for_scheme(group, cfg.get("format"), backend))
+                       for group in (cfg.get("config_groups") or {}).values()]
+
+    def get_linear_method(self, layer: nn.Module, prefix: str = "") -> LinearMethodBase:
+        names = layer_names(prefix)
+        if all(matches(name, self.ignore) for name in names):
+            return self.float_config.method
+        methods = {id(method): method for name in names
+                   for method in [next((m for targets, m in self.groups if matches(name, targets)), None)]}
+        if len(methods) != 1:
+            raise ValueError(f"quantization='compressed-tensors': the checkpoint's layers {names} (one layer here) "
+                             "are quantized differently or partly ignored.")
+        method = next(iter(methods.values()))
+        return self.float_config.method if method is None else method

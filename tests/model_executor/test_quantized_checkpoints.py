@@ -1,0 +1,148 @@
+"""Pre-quantized checkpoints (GPTQ, AWQ, compressed-tensors; tests/quantized_checkpoints.py packs them in each
+format's documented layout): read from config.json's quantization_config and repacked onto the int4 / int8 paths, greedy
+token for token (near-tie rule) with transformers running the same weights dequantized, in float32; `--quantization`
+against the checkpoint's format as vLLM decides; bad checkpoints a ValueError."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hf_reference import assert_greedy_match, hf_greedy, load_hf_model, mixed_prompts
+from quantized_checkpoints import fake_quantize_activations_per_token, make_quantized_checkpoint
+from safetensors.torch import load_file, save_file
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.config import EngineArgs
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+WIDE = dict(hidden_size=128, intermediate_size=256)  # inputs of 128 and 256: groups of 128 fit every layer
+
+
+def _check(ckpt, ref, quantization=None, hf_model_hook=None):
+    llm = LLM(str(ckpt), quantization=quantization, dtype="float32", num_threads=1)
+    prompts = mixed_prompts(llm.get_tokenizer(), 3, lengths=(5, 60), seed=7)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    if hf_model_hook is not None:
+        hf_model_hook(load_hf_model(str(ref)))
+    assert_greedy_match(outs, hf_greedy(ref, prompts, GREEDY.max_tokens))
+    pool = llm.llm_engine.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
+    return llm
+
+
+@pytest.mark.parametrize("arch,group_size,symmetric,desc_act", [
+    ("llama", 32, True, False),
+    ("qwen2", 64, False, True),  # act-order, and q/k/v biases
+])
+def test_gptq_matches_hf_on_dequantized_weights(tmp_path, arch, group_size, symmetric, desc_act):
+    ckpt, ref = make_quantized_checkpoint(arch, "gptq", tmp_path, group_size=group_size, symmetric=symmetric,
+                                          desc_act=desc_act)
+    llm = _check(ckpt, ref)
+    layer = llm.llm_engine.runner.model.layers[0]
+    assert layer.self_attn.qkv_proj.int4_weight is not None and layer.self_attn.qkv_proj.qweight.numel() == 0
+    assert (layer.mlp.down_proj.int4_input_perm is not None) == desc_act
+
+
+def test_awq_matches_hf_on_dequantized_weights(tmp_path):
+    _check(*make_quantized_checkpoint("llama", "awq", tmp_path, group_size=64))
+
+
+def test_compressed_tensors_w4a16_matches_hf(tmp_path):
+    pytest.importorskip("compressed_tensors")
+    _check(*make_quantized_checkpoint("qwen3", "ct-w4a16", tmp_path, group_size=32, symmetric=True))
+
+
+def test_compressed_tensors_w8a8_int8_matches_hf_with_per_token_activations(tmp_path):
+    pytest.importorskip("compressed_tensors")
+    ckpt, ref = make_quantized_checkpoint("llama", "ct-w8a8", tmp_path)
+    llm = _check(ckpt, ref, hf_model_hook=fake_quantize_activations_per_token)
+    proj = llm.llm_engine.runner.model.layers[0].mlp.gate_up_proj
+    assert proj.weight.numel() == 0 and (proj.small_gemm_weight is not None or proj.fbgemm_weight is not None)
+
+
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["per-channel", "per-tensor"])
+def test_compressed_tensors_fp8_weights_match_hf(tmp_path, per_tensor):
+    pytest.importorskip("compressed_tensors")
+    _check(*make_quantized_checkpoint("llama", "ct-fp8", tmp_path, per_tensor=per_tensor))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt,group_size,symmetric,desc_act,gptq_v2", [
+    ("gptq", 128, False, False, False),
+    ("gptq", 128, True, True, False),
+    ("gptq", -1, False, False, False),  # one group per row
+    ("gptq", 32, False, True, True),  # gptq_v2 zero points
+    ("awq", 32, False, False, False),
+    ("awq", 128, False, False, False),
+    ("ct-w4a16", 64, False, False, False),
+    ("ct-w4a16", 128, True, False, False),
+    ("ct-w4a16", -1, False, False, False),  # per channel
+])
+def test_int4_formats_group_sizes_match_hf(tmp_path, fmt, group_size, symmetric, desc_act, gptq_v2):
+    if fmt.startswith("ct-"):
+        pytest.importorskip("compressed_tensors")
+    _check(*make_quantized_checkpoint("llama", fmt, tmp_path, group_size=group_size, symmetric=symmetric,
+                                      desc_act=desc_act, gptq_v2=gptq_v2, **WIDE))
+
+
+def test_quantization_argument_against_the_checkpoints_format(tmp_path):
+    ckpt, _ = make_quantized_checkpoint("llama", "gptq", tmp_path, group_size=32)
+    float_dir = tmp_path / "float"
+    assert EngineArgs(model=str(ckpt)).create_engine_config().load.quantization == "gptq"  # from config.json
+    assert EngineArgs(model=str(ckpt), quantization="gptq").create_engine_config().load.quantization == "gptq"
+    with pytest.raises(ValueError, match=r"model config \(gptq\) does not match .* `quantization` argument \(int8\)"):
+        EngineArgs(model=str(ckpt), quantization="int8").create_engine_config()
+    with pytest.raises(ValueError, match="config.json has no quantization_config"):
+        EngineArgs(model=str(float_dir), quantization="awq").create_engine_config()
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        EngineArgs(model=str(ckpt), tensor_parallel_size=2).create_engine_config()
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["quantization_config"]["quant_method"] = "bitsandbytes"
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes'; supported: gptq, awq, compressed-tensors"):
+        EngineArgs(model=str(ckpt)).create_engine_config()
+
+
+def test_gptq_fused_projections_with_different_act_orders_is_value_error(tmp_path):
+    ckpt, _ = make_quantized_checkpoint("llama", "gptq", tmp_path, group_size=32, desc_act=True)
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    name = "model.layers.0.self_attn.k_proj.g_idx"
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    with pytest.raises(ValueError, match="different act-order group indices"):
+        LLM(str(ckpt), dtype="float32", num_threads=1)
+
+
+def test_unsupported_schemes_are_value_errors(tmp_path):
+    ckpt, _ = make_quantized_checkpoint("llama", "gptq", tmp_path, group_size=32)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["quantization_config"]["bits"] = 8
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="gptq' supports 4-bit weights"):
+        LLM(str(ckpt), dtype="float32", num_threads=1)
+    cfg["quantization_config"].update(bits=4, group_size=48)  # does not divide the 64 inputs
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="group size 48 does not divide"):
+        LLM(str(ckpt), dtype="float32", num_threads=1)
+
+
+def test_gptq_act_order_linear_matches_dequantized_product():
+    """One layer, act-order with groups of 32 over 128 inputs: the product against x @ dequantized(W)^T."""
+    from quantized_checkpoints import dequantize_int4, pack_gptq, rtn_int4
+
+    from pagedserve.model_executor.layers.linear import Linear
+    from pagedserve.model_executor.quantization.gptq import GPTQConfig
+
+    torch.manual_seed(0)
+    w = torch.randn(48, 128) / 128 ** 0.5
+    g_idx = torch.empty(128, dtype=torch.long)
+    g_idx[torch.randperm(128)] = torch.arange(128) // 32
+    q, zeros, scales = rtn_int4(w, g_idx, symmetric=False)
+    layer = Linear(128, 48, False, GPTQConfig(checkpoint_config={"bits": 4, "group_size": 32}), "layers.0.mlp.down_proj")
+    for name, t in pack_gptq(q, zeros, scales, g_idx).items():
+        getattr(layer, name).data.copy_(t)
+    layer.process_weights_after_loading()
+    x = torch.randn(5, 128)
+    ref = x @ dequantize_int4(q, zeros, scales, g_idx).t()
+    assert torch.allclose(layer(x), ref, atol=1e-4, rtol=0), (layer(x) - ref).abs().max()
