@@ -2,6 +2,7 @@
 same model with the quantized weights dequantized back to float32, which transformers runs.
 
     ckpt, ref = make_quantized_checkpoint("llama", "gptq", out_dir, group_size=64, symmetric=False, desc_act=True)
+    ckpt, ref = quantize_checkpoint(float_dir, "awq", out_dir, group_size=128)  # any one-file float checkpoint
 
 Formats, each packed here in its documented layout (independently of pagedserve's loader):
   gptq  AutoGPTQ: qweight [K/8, N] int32, 8 values a word along the input dimension (value i in bits 4i..4i+3);
@@ -118,16 +119,26 @@ def _ct_compress(w: torch.Tensor, scheme, fmt: str) -> tuple[dict[str, torch.Ten
     return packed, reference
 
 
-def make_quantized_checkpoint(arch: str, fmt: str, out_dir, *, group_size: int = 32, symmetric: bool = False,
-                              desc_act: bool = False, gptq_v2: bool = False, per_tensor: bool = False,
-                              seed: int = 0, **overrides) -> tuple[Path, Path]:
-    """(checkpoint, reference) directories of `arch` (overrides: its config) with every decoder linear in `fmt`."""
+def make_quantized_checkpoint(arch: str, fmt: str, out_dir, *, seed: int = 0, **kwargs) -> tuple[Path, Path]:
+    """(checkpoint, reference) directories of a tiny `arch` model with every decoder linear in `fmt`; kwargs: the
+    format's settings (quantize_checkpoint) and the model config's overrides."""
+    settings = {k: kwargs.pop(k) for k in ("group_size", "symmetric", "desc_act", "gptq_v2", "per_tensor")
+                if k in kwargs}
     out_dir = Path(out_dir)
-    float_dir = make_tiny_checkpoint(arch, out_dir / "float", **overrides)
+    return quantize_checkpoint(make_tiny_checkpoint(arch, out_dir / "float", **kwargs), fmt, out_dir, seed=seed,
+                               **settings)
+
+
+def quantize_checkpoint(float_dir: Path, fmt: str, out_dir, *, group_size: int = 32, symmetric: bool = False,
+                        desc_act: bool = False, gptq_v2: bool = False, per_tensor: bool = False,
+                        seed: int = 0) -> tuple[Path, Path]:
+    """(checkpoint, reference) directories under `out_dir` of the float checkpoint `float_dir` (one safetensors
+    file) with every decoder linear in `fmt`."""
+    out_dir = Path(out_dir)
     ckpt, ref = out_dir / fmt, out_dir / f"{fmt}-reference"
     for d in (ckpt, ref):
         shutil.copytree(float_dir, d)
-    tensors = load_file(str(float_dir / "model.safetensors"))
+    tensors = {k: v.float() for k, v in load_file(str(float_dir / "model.safetensors")).items()}
     packed_tensors, ref_tensors = dict(tensors), dict(tensors)
     gen = torch.Generator().manual_seed(seed)
     orders: dict[tuple[str, str], torch.Tensor] = {}
