@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-
 from tiny_models import make_tiny_checkpoint
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)

@@ -9,7 +9,10 @@ import json
 import pytest
 import torch
 from hf_reference import assert_greedy_match, hf_greedy, load_hf_model, mixed_prompts
-from quantized_checkpoints import fake_quantize_activations_per_token, make_quantized_checkpoint
+from quantized_checkpoints import (
+    fake_quantize_activations_per_token,
+    make_quantized_checkpoint,
+)
 from safetensors.torch import load_file, save_file
 
 from pagedserve import LLM, SamplingParams
@@ -139,7 +142,8 @@ def test_gptq_act_order_linear_matches_dequantized_product():
     g_idx = torch.empty(128, dtype=torch.long)
     g_idx[torch.randperm(128)] = torch.arange(128) // 32
     q, zeros, scales = rtn_int4(w, g_idx, symmetric=False)
-    layer = Linear(128, 48, False, GPTQConfig(checkpoint_config={"bits": 4, "group_size": 32}), "layers.0.mlp.down_proj")
+    config = GPTQConfig(checkpoint_config={"bits": 4, "group_size": 32})
+    layer = Linear(128, 48, False, config, "layers.0.mlp.down_proj")
     for name, t in pack_gptq(q, zeros, scales, g_idx).items():
         getattr(layer, name).data.copy_(t)
     layer.process_weights_after_loading()

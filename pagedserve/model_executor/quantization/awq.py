@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pagedserve.model_executor.quantization.base import LinearMethodBase, QuantizationConfig
+from pagedserve.model_executor.quantization.base import LinearMethodBase
 from pagedserve.model_executor.quantization.int4 import Int4LinearMethod
 from pagedserve.model_executor.quantization.packed import (
+    CheckpointQuantizationConfig,
     add_bias_and_int4_state,
     add_param,
     check_group_size,
@@ -26,7 +27,6 @@ from pagedserve.model_executor.quantization.packed import (
     set_zero_point_int4_weight,
     unpack_int4,
 )
-from pagedserve.model_executor.quantization.unquantized import UnquantizedConfig
 
 if TYPE_CHECKING:
     from pagedserve.model_executor.layers.linear import Linear
@@ -53,21 +53,16 @@ class AWQLinearMethod(Int4LinearMethod):
         drop_params(layer, "qweight", "qzeros", "scales")
 
 
-class AWQConfig(QuantizationConfig):
+class AWQConfig(CheckpointQuantizationConfig):
     name = "awq"
 
-    def __init__(self, linear_backend: str = "auto", device: torch.device | None = None,
-                 checkpoint_config: dict | None = None) -> None:
-        if device is not None and device.type != "cpu":
-            raise ValueError("quantization='awq' is implemented for the CPU only.")
-        cfg = checkpoint_config or {}
+    def read_checkpoint_config(self, cfg: dict) -> None:
         bits = cfg.get("bits", cfg.get("w_bit", 4))
         if bits != 4 or not cfg.get("zero_point", True) or cfg.get("version", "gemm").lower() != "gemm":
             raise ValueError("quantization='awq' supports AutoAWQ's GEMM checkpoints: 4-bit, with zero points; got "
                              f"bits={bits}, zero_point={cfg.get('zero_point')}, version={cfg.get('version')}.")
         self.method = AWQLinearMethod(int(cfg.get("group_size", cfg.get("q_group_size", 128))))
         self.not_converted = list(cfg.get("modules_to_not_convert") or [])
-        self.float_config = UnquantizedConfig(linear_backend, device)
 
     def get_linear_method(self, layer: nn.Module, prefix: str = "") -> LinearMethodBase:
         names = layer_names(prefix)

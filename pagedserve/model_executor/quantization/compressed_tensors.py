@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from pagedserve.model_executor.quantization.base import LinearMethodBase, QuantizationConfig
+from pagedserve.model_executor.quantization.base import LinearMethodBase
 from pagedserve.model_executor.quantization.int4 import Int4LinearMethod
 from pagedserve.model_executor.quantization.int8 import Int8LinearMethod
 from pagedserve.model_executor.quantization.packed import (
+    CheckpointQuantizationConfig,
     add_bias_and_int4_state,
     add_param,
     check_group_size,
@@ -35,7 +36,7 @@ from pagedserve.model_executor.quantization.packed import (
     set_zero_point_int4_weight,
     unpack_int4,
 )
-from pagedserve.model_executor.quantization.unquantized import UnquantizedConfig, UnquantizedLinearMethod
+from pagedserve.model_executor.quantization.unquantized import UnquantizedLinearMethod
 
 if TYPE_CHECKING:
     from pagedserve.model_executor.layers.linear import Linear
@@ -114,15 +115,10 @@ def _method_for_scheme(scheme: dict[str, Any], fmt: str | None, linear_backend: 
                      "supported: W4A16 pack-quantized, W8A8 int8 with dynamic per-token activations, FP8 weights.")
 
 
-class CompressedTensorsConfig(QuantizationConfig):
+class CompressedTensorsConfig(CheckpointQuantizationConfig):
     name = "compressed-tensors"
 
-    def __init__(self, linear_backend: str = "auto", device: torch.device | None = None,
-                 checkpoint_config: dict | None = None) -> None:
-        if device is not None and device.type != "cpu":
-            raise ValueError("quantization='compressed-tensors' is implemented for the CPU only.")
-        cfg = checkpoint_config or {}
-        self.float_config = UnquantizedConfig(linear_backend, device)
+    def read_checkpoint_config(self, cfg: dict) -> None:
         backend = self.float_config.method.backend
         self.ignore = list(cfg.get("ignore") or [])
         # (targets, method) per config group, each method built once and shared by the layers it targets

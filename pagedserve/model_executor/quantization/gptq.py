@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pagedserve.model_executor.quantization.base import LinearMethodBase, QuantizationConfig
+from pagedserve.model_executor.quantization.base import LinearMethodBase
 from pagedserve.model_executor.quantization.int4 import Int4LinearMethod
 from pagedserve.model_executor.quantization.packed import (
+    CheckpointQuantizationConfig,
     add_bias_and_int4_state,
     add_param,
     check_group_size,
@@ -28,7 +29,6 @@ from pagedserve.model_executor.quantization.packed import (
     set_zero_point_int4_weight,
     unpack_int4,
 )
-from pagedserve.model_executor.quantization.unquantized import UnquantizedConfig
 
 if TYPE_CHECKING:
     from pagedserve.model_executor.layers.linear import Linear
@@ -56,14 +56,10 @@ class GPTQLinearMethod(Int4LinearMethod):
         drop_params(layer, "qweight", "qzeros", "scales", "g_idx")
 
 
-class GPTQConfig(QuantizationConfig):
+class GPTQConfig(CheckpointQuantizationConfig):
     name = "gptq"
 
-    def __init__(self, linear_backend: str = "auto", device: torch.device | None = None,
-                 checkpoint_config: dict | None = None) -> None:
-        if device is not None and device.type != "cpu":
-            raise ValueError("quantization='gptq' is implemented for the CPU only.")
-        cfg = checkpoint_config or {}
+    def read_checkpoint_config(self, cfg: dict) -> None:
         if cfg.get("bits", 4) != 4:
             raise ValueError(f"quantization='gptq' supports 4-bit weights, the checkpoint has {cfg.get('bits')}.")
         fmt = cfg.get("checkpoint_format", "gptq")
@@ -71,7 +67,6 @@ class GPTQConfig(QuantizationConfig):
             raise ValueError(f"quantization='gptq': unknown checkpoint_format {fmt!r} (gptq, gptq_v2).")
         self.method = GPTQLinearMethod(int(cfg.get("group_size", 128)), 1 if fmt == "gptq" else 0)
         self.quantize_lm_head = bool(cfg.get("lm_head", False))
-        self.float_config = UnquantizedConfig(linear_backend, device)
 
     def get_linear_method(self, layer: nn.Module, prefix: str = "") -> LinearMethodBase:
         if prefix == "lm_head" and not self.quantize_lm_head:

@@ -4,15 +4,34 @@ by shard), 4-bit values unpacked from int32 words, and which layers a checkpoint
 from __future__ import annotations
 
 import re
+from abc import abstractmethod
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from pagedserve.model_executor.quantization.base import QuantizationConfig
 from pagedserve.model_executor.quantization.int4 import set_int4_kernel_weight
+from pagedserve.model_executor.quantization.unquantized import UnquantizedConfig
 
 if TYPE_CHECKING:
     from pagedserve.model_executor.layers.linear import Linear
+
+class CheckpointQuantizationConfig(QuantizationConfig):
+    """A pre-quantized checkpoint's format, read from config.json's quantization_config; the layers the checkpoint
+    left in float run `float_config`'s method (`--linear-backend`)."""
+
+    def __init__(self, linear_backend: str = "auto", device: torch.device | None = None,
+                 checkpoint_config: dict | None = None) -> None:
+        if device is not None and device.type != "cpu":
+            raise ValueError(f"quantization={self.name!r} is implemented for the CPU only.")
+        self.float_config = UnquantizedConfig(linear_backend, device)
+        self.read_checkpoint_config(checkpoint_config or {})
+
+    @abstractmethod
+    def read_checkpoint_config(self, cfg: dict) -> None:
+        """The format's settings from quantization_config; ValueError for what it cannot run."""
+
 
 # the checkpoint's projections a fused layer of ours holds (models/decoder_lm.py loads them shard by shard)
 FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
