@@ -18,9 +18,21 @@ from pagedserve.core.scheduler import ScheduledRequest
 from pagedserve.model_executor.input_batch import TokenSpan, prepare_batch, runs_as_decode
 from pagedserve.model_executor.model_config import ModelConfig, resolve_model_dir
 from pagedserve.model_executor.model_loader import allocate_kv_cache, kv_bytes_per_block, load_model
+from pagedserve.model_executor.quantization.base import QuantizationConfig
+from pagedserve.model_executor.quantization.packed import CheckpointQuantizationConfig
+from pagedserve.model_executor.quantization.registry import get_quantization_config, resolve_quantization
 from pagedserve.model_executor.sampler import (SAMPLING_EPS, SamplingMetadata, inverse_cdf_sample,
                                                processed_logits, sampling_probs)
 from pagedserve.spec_decode.drafter import Drafter, DrafterContext
+
+
+def _draft_quant_config(cfg: ModelConfig, context: DrafterContext) -> QuantizationConfig:
+    """The target's `--quantization` (int8, int4: quantized as the weights load) where both checkpoints are float; a
+    pre-quantized checkpoint's format is its own, read from the draft's config.json."""
+    if cfg.quantization_config is None and not isinstance(context.quant_config, CheckpointQuantizationConfig):
+        return context.quant_config
+    return get_quantization_config(resolve_quantization(None, cfg.quantization_config), "auto", context.device,
+                                   cfg.quantization_config)
 
 
 class DraftModelDrafter(Drafter):
@@ -38,7 +50,8 @@ class DraftModelDrafter(Drafter):
         self.device = context.device
         self.kv_dtype = context.kv_dtype
         self.block_size = context.block_size
-        self.model = load_model(cfg, context.device, context.dtype, context.quant_config, context.attn_backend)
+        self.model = load_model(cfg, context.device, context.dtype, _draft_quant_config(cfg, context),
+                                context.attn_backend)
         self.generator = torch.Generator(device=context.device).manual_seed(context.seed)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_valid: dict[str, int] = {}  # request id -> leading positions whose draft K/V is valid

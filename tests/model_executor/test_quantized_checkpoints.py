@@ -150,3 +150,14 @@ def test_gptq_act_order_linear_matches_dequantized_product():
     x = torch.randn(5, 128)
     ref = x @ dequantize_int4(q, zeros, scales, g_idx).t()
     assert torch.allclose(layer(x), ref, atol=1e-4, rtol=0), (layer(x) - ref).abs().max()
+
+
+def test_gptq_target_with_float_draft_model(tmp_path):
+    """A pre-quantized checkpoint's format is its own: the draft model (float) is not loaded as GPTQ, and greedy
+    output is the target's alone."""
+    ckpt, ref = make_quantized_checkpoint("llama", "gptq", tmp_path, group_size=32)
+    llm = LLM(str(ckpt), dtype="float32", num_threads=1,
+              speculative_config={"model": str(tmp_path / "float"), "num_speculative_tokens": 3})
+    prompts = mixed_prompts(llm.get_tokenizer(), 2, lengths=(5, 40), seed=9)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    assert_greedy_match(outs, hf_greedy(ref, prompts, GREEDY.max_tokens))
