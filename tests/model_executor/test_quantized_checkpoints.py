@@ -124,7 +124,11 @@ def test_unsupported_schemes_are_value_errors(tmp_path):
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="gptq' supports 4-bit weights"):
         LLM(str(ckpt), dtype="float32", num_threads=1)
-    cfg["quantization_config"].update(bits=4, group_size=48)  # does not divide the 64 inputs
+    cfg["quantization_config"].update(bits=4, lm_head=True)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="quantized LM head"):
+        LLM(str(ckpt), dtype="float32", num_threads=1)
+    cfg["quantization_config"].update(lm_head=False, group_size=48)  # does not divide the 64 inputs
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="group size 48 does not divide"):
         LLM(str(ckpt), dtype="float32", num_threads=1)

@@ -65,10 +65,9 @@ class GPTQConfig(CheckpointQuantizationConfig):
         fmt = cfg.get("checkpoint_format", "gptq")
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"quantization='gptq': unknown checkpoint_format {fmt!r} (gptq, gptq_v2).")
+        if cfg.get("lm_head", False):
+            raise ValueError("quantization='gptq': a quantized LM head (lm_head: true) is not supported yet.")
         self.method = GPTQLinearMethod(int(cfg.get("group_size", 128)), 1 if fmt == "gptq" else 0)
-        self.quantize_lm_head = bool(cfg.get("lm_head", False))
 
     def get_linear_method(self, layer: nn.Module, prefix: str = "") -> LinearMethodBase:
-        if prefix == "lm_head" and not self.quantize_lm_head:
-            return self.float_config.method
-        return self.method
+        return self.float_config.method if prefix == "lm_head" else self.method
