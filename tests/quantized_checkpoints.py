@@ -13,7 +13,10 @@ Formats, each packed here in its documented layout (independently of pagedserve'
         (ORDER = 0, 2, 4, 6, 1, 3, 5, 7); qzeros [G, N/8] likewise; scales [G, N] float16.
   ct-w4a16 / ct-w8a8 / ct-fp8  compressed-tensors, written by the `compressed-tensors` package's own compressors
         (pack-quantized int4 per group; int8 per channel with dynamic per-token int8 activations; FP8 e4m3 weights
-        per channel or per tensor); the reference is the package's decompression.
+        per channel or per tensor); the reference is the package's decompression. The package no longer writes the
+        older act-order "group" (desc_act=True here), so that one is packed here in its layout: weight_packed [N, K/8]
+        int32 along the inputs (value i in bits 4i..4i+3, the signed value + 8), weight_scale [N, G],
+        weight_zero_point [N/8, G] int32 along the outputs (+ 8), weight_shape, weight_g_idx [K].
 Quantization is round-to-nearest per group (min/max, or max|w| when symmetric); LM heads stay float as those tools
 leave them.
 """
@@ -78,6 +81,14 @@ def pack_awq(q, zeros, scales) -> dict[str, torch.Tensor]:
     return {"qweight": torch.from_numpy(pack_words(q.t().numpy(), AWQ_ORDER)),
             "qzeros": torch.from_numpy(pack_words(zeros.t().numpy(), AWQ_ORDER)),
             "scales": scales.t().contiguous()}
+
+
+def pack_ct_w4a16(q, zeros, scales, g_idx, symmetric: bool) -> dict[str, torch.Tensor]:
+    packed = {"weight_packed": torch.from_numpy(pack_words(q.numpy())), "weight_scale": scales,
+              "weight_shape": torch.tensor(q.shape), "weight_g_idx": g_idx.to(torch.int32)}
+    if not symmetric:
+        packed["weight_zero_point"] = torch.from_numpy(pack_words(zeros.t().numpy()).T.copy())
+    return packed
 
 
 def _ct_scheme(fmt: str, group_size: int, symmetric: bool, per_tensor: bool):
@@ -148,7 +159,7 @@ def quantize_checkpoint(float_dir: Path, fmt: str, out_dir, *, group_size: int =
             continue
         prefix, module = name.removesuffix(".weight"), name.split(".")[-2]
         del packed_tensors[name]
-        if fmt.startswith("ct-"):
+        if fmt.startswith("ct-") and not desc_act:
             packed, ref_tensors[name] = _ct_compress(w, scheme, ct_format)
             packed_tensors.update({f"{prefix}.{k}": v for k, v in packed.items()})
             continue
@@ -164,7 +175,8 @@ def quantize_checkpoint(float_dir: Path, fmt: str, out_dir, *, group_size: int =
             g_idx[orders[key]] = torch.arange(in_features) // group
         q, zeros, scales = rtn_int4(w, g_idx, symmetric)
         ref_tensors[name] = dequantize_int4(q, zeros, scales, g_idx).contiguous()
-        packed = pack_gptq(q, zeros, scales, g_idx, gptq_v2) if fmt == "gptq" else pack_awq(q, zeros, scales)
+        packed = pack_gptq(q, zeros, scales, g_idx, gptq_v2) if fmt == "gptq" else \
+            pack_awq(q, zeros, scales) if fmt == "awq" else pack_ct_w4a16(q, zeros, scales, g_idx, symmetric)
         packed_tensors.update({f"{prefix}.{k}": v.contiguous() for k, v in packed.items()})
     save_file(ref_tensors, str(ref / "model.safetensors"), metadata={"format": "pt"})
     save_file(packed_tensors, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
@@ -178,6 +190,8 @@ def quantize_checkpoint(float_dir: Path, fmt: str, out_dir, *, group_size: int =
 
         qcfg = QuantizationConfig(config_groups={"group_0": scheme}, format=ct_format, ignore=["lm_head"],
                                   quantization_status="compressed").model_dump(mode="json", exclude_none=True)
+        if desc_act:
+            qcfg["config_groups"]["group_0"]["weights"]["actorder"] = "group"
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["quantization_config"] = qcfg
     (ckpt / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -56,6 +56,14 @@ def test_compressed_tensors_w4a16_matches_hf(tmp_path):
     _check(*make_quantized_checkpoint("qwen3", "ct-w4a16", tmp_path, group_size=32, symmetric=True))
 
 
+def test_compressed_tensors_w4a16_group_act_order_matches_hf(tmp_path):
+    """The older act-order "group" (weight_g_idx; packed by tests/quantized_checkpoints.py, as the package no longer
+    writes it), with zero points."""
+    pytest.importorskip("compressed_tensors")
+    llm = _check(*make_quantized_checkpoint("llama", "ct-w4a16", tmp_path, group_size=32, desc_act=True))
+    assert llm.llm_engine.runner.model.layers[1].self_attn.qkv_proj.int4_input_perm is not None
+
+
 def test_compressed_tensors_w8a8_int8_matches_hf_with_per_token_activations(tmp_path):
     pytest.importorskip("compressed_tensors")
     ckpt, ref = make_quantized_checkpoint("llama", "ct-w8a8", tmp_path)
@@ -81,6 +89,7 @@ def test_compressed_tensors_fp8_weights_match_hf(tmp_path, per_tensor):
     ("ct-w4a16", 64, False, False, False),
     ("ct-w4a16", 128, True, False, False),
     ("ct-w4a16", -1, False, False, False),  # per channel
+    ("ct-w4a16", 64, True, True, False),  # act-order "group": weight_g_idx
 ])
 def test_int4_formats_group_sizes_match_hf(tmp_path, fmt, group_size, symmetric, desc_act, gptq_v2):
     if fmt.startswith("ct-"):

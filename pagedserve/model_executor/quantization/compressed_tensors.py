@@ -6,8 +6,8 @@ layers are float. The schemes run here:
     repacked once onto the int4 kernel (int4.py), exactly. Tensors (N outputs, K inputs, G groups): weight_packed
     [N, K / 8] int32 (8 values a word along the input dimension, value i in bits 4i..4i+3, each the signed value
     + 8), weight_scale [N, G], weight_zero_point [N / 8, G] int32 (packed along the outputs, + 8 as well; asymmetric
-    only), weight_shape [2]. (Act-order "weight" needs nothing here; the older "group" act-order, with a
-    weight_g_idx, is not read yet.)
+    only), weight_shape [2]; with the older act-order "group" (alias "dynamic") weight_g_idx [K], the group of each
+    input channel, as GPTQ's g_idx (act-order "weight" keeps groups in place and needs nothing).
   * W8A8 int8, format "int-quantized": int8 weights with one scale per output channel (or one per tensor) and
     activations quantized per token as they come - pagedserve's int8 path (int8.py), whose native kernel quantizes
     each row of activations exactly so (symmetric, max|x| / 127). Tensors: weight [N, K] int8, weight_scale [N, 1].
@@ -43,8 +43,8 @@ if TYPE_CHECKING:
 
 
 class CompressedTensorsW4A16(Int4LinearMethod):
-    def __init__(self, group_size: int, symmetric: bool) -> None:
-        self.group_size, self.symmetric = group_size, symmetric
+    def __init__(self, group_size: int, symmetric: bool, group_actorder: bool) -> None:
+        self.group_size, self.symmetric, self.group_actorder = group_size, symmetric, group_actorder
 
     def create_weights(self, layer: Linear, in_features: int, out_features: int, bias: bool) -> None:
         group = check_group_size("compressed-tensors", self.group_size, in_features)
@@ -55,14 +55,17 @@ class CompressedTensorsW4A16(Int4LinearMethod):
         if not self.symmetric:
             add_param(layer, "weight_zero_point", (out_features // 8, groups), torch.int32, output_dim=0,
                       packed_factor=8)
+        if self.group_actorder:
+            add_param(layer, "weight_g_idx", (in_features,), torch.int32, output_dim=None, shared_by_shards=True)
         add_bias_and_int4_state(layer, out_features, bias, group)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         q = unpack_int4(layer.weight_packed.data, 1)  # [N, K]: the signed values + 8
         zeros = unpack_int4(layer.weight_zero_point.data, 0) if not self.symmetric \
             else torch.full_like(layer.weight_scale.data, 8, dtype=torch.int32)
-        set_zero_point_int4_weight(layer, q, zeros, layer.weight_scale.data, layer.int4_group_size)
-        drop_params(layer, "weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
+        set_zero_point_int4_weight(layer, q, zeros, layer.weight_scale.data, layer.int4_group_size,
+                                   layer.weight_g_idx.data if self.group_actorder else None)
+        drop_params(layer, "weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 
 
 class CompressedTensorsW8A8Int8(Int8LinearMethod):
@@ -101,9 +104,10 @@ def _method_for_scheme(scheme: dict[str, Any], fmt: str | None, linear_backend: 
     fmt = scheme.get("format") or fmt
     bits, kind, strategy = weights.get("num_bits"), weights.get("type", "int"), weights.get("strategy")
     if fmt == "pack-quantized" and bits == 4 and kind == "int" and inputs is None \
-            and strategy in ("group", "channel") and weights.get("actorder") in (None, "weight", "static"):
+            and strategy in ("group", "channel"):
+        group_actorder = weights.get("actorder") in ("group", "dynamic")  # a weight_g_idx per layer
         return CompressedTensorsW4A16(weights["group_size"] if strategy == "group" else -1,
-                                      bool(weights.get("symmetric", True)))
+                                      bool(weights.get("symmetric", True)), group_actorder)
     if fmt in ("int-quantized", "naive-quantized") and bits == 8 and kind == "int" and weights.get("symmetric", True) \
             and strategy in ("channel", "tensor") and inputs is not None and inputs.get("dynamic") \
             and inputs.get("strategy") == "token" and inputs.get("num_bits") == 8:
