@@ -10,7 +10,8 @@ layers are float. The schemes run here:
     input channel, as GPTQ's g_idx (act-order "weight" keeps groups in place and needs nothing).
   * W8A8 int8, format "int-quantized": int8 weights with one scale per output channel (or one per tensor) and
     activations quantized per token as they come - pagedserve's int8 path (int8.py), whose native kernel quantizes
-    each row of activations exactly so (symmetric, max|x| / 127). Tensors: weight [N, K] int8, weight_scale [N, 1].
+    each row of activations exactly so (symmetric, max|x| / 127; fbgemm, where the build has no native int8, takes one
+    scale per tensor). Tensors: weight [N, K] int8, weight_scale [N, 1] (one per tensor broadcasts).
   * FP8 weights, format "float-quantized" / "naive-quantized": weight [N, K] float8_e4m3fn, weight_scale [N, 1] or
     per tensor (input_scale of static activations is read and not used) - dequantized to the model dtype at load
     (the CPU has no FP8 GEMM), then the float linears.
