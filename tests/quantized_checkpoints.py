@@ -101,7 +101,8 @@ def _ct_scheme(fmt: str, group_size: int, symmetric: bool, per_tensor: bool):
         return QuantizationScheme(targets=["Linear"], weights=weights), "pack-quantized"
     if fmt == "ct-w8a8":
         return QuantizationScheme(
-            targets=["Linear"], weights=QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel"),
+            targets=["Linear"], weights=QuantizationArgs(num_bits=8, type="int", symmetric=True,
+                                                         strategy="tensor" if per_tensor else "channel"),
             input_activations=QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token",
                                                dynamic=True)), "int-quantized"
     weights = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor" if per_tensor else "channel")

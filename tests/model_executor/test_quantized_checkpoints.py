@@ -64,9 +64,10 @@ def test_compressed_tensors_w4a16_group_act_order_matches_hf(tmp_path):
     assert llm.llm_engine.runner.model.layers[1].self_attn.qkv_proj.int4_input_perm is not None
 
 
-def test_compressed_tensors_w8a8_int8_matches_hf_with_per_token_activations(tmp_path):
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["per-channel", "per-tensor"])
+def test_compressed_tensors_w8a8_int8_matches_hf_with_per_token_activations(tmp_path, per_tensor):
     pytest.importorskip("compressed_tensors")
-    ckpt, ref = make_quantized_checkpoint("llama", "ct-w8a8", tmp_path)
+    ckpt, ref = make_quantized_checkpoint("llama", "ct-w8a8", tmp_path, per_tensor=per_tensor)
     llm = _check(ckpt, ref, hf_model_hook=fake_quantize_activations_per_token)
     proj = llm.llm_engine.runner.model.layers[0].mlp.gate_up_proj
     assert proj.weight.numel() == 0 and (proj.small_gemm_weight is not None or proj.fbgemm_weight is not None)
