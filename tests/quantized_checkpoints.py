@@ -17,6 +17,8 @@ Formats, each packed here in its documented layout (independently of pagedserve'
         older act-order "group" (desc_act=True here), so that one is packed here in its layout: weight_packed [N, K/8]
         int32 along the inputs (value i in bits 4i..4i+3, the signed value + 8), weight_scale [N, G],
         weight_zero_point [N/8, G] int32 along the outputs (+ 8), weight_shape, weight_g_idx [K].
+  fp8   vLLM's / transformers' fp8: weight float8_e4m3fn with weight_scale_inv [N/bn, K/bk] per block (w = q * s),
+        or one weight_scale per tensor and a static input_scale.
 Quantization is round-to-nearest per group (min/max, or max|w| when symmetric); LM heads stay float as those tools
 leave them.
 """
@@ -32,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_checkpoint
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-FORMATS = ("gptq", "awq", "ct-w4a16", "ct-w8a8", "ct-fp8")
+FORMATS = ("gptq", "awq", "ct-w4a16", "ct-w8a8", "ct-fp8", "fp8")
 _ATTN_IN, _MLP_IN = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 
 
@@ -91,6 +93,19 @@ def pack_ct_w4a16(q, zeros, scales, g_idx, symmetric: bool) -> dict[str, torch.T
     return packed
 
 
+def pack_fp8(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """vLLM's fp8 tensors of w (scales from max|w| / 448, e4m3's largest) and their dequantization."""
+    if block is None:
+        scale = w.abs().amax() / 448
+        q = (w / scale).to(torch.float8_e4m3fn)
+        return {"weight": q, "weight_scale": scale.reshape(()), "input_scale": torch.tensor(0.05)}, q.float() * scale
+    (bn, bk), (n, k) = block, w.shape
+    scale = w.reshape(n // bn, bn, k // bk, bk).abs().amax((1, 3)) / 448
+    full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+    q = (w / full).to(torch.float8_e4m3fn)
+    return {"weight": q, "weight_scale_inv": scale}, q.float() * full
+
+
 def _ct_scheme(fmt: str, group_size: int, symmetric: bool, per_tensor: bool):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
@@ -133,7 +148,7 @@ def _ct_compress(w: torch.Tensor, scheme, fmt: str) -> tuple[dict[str, torch.Ten
 def make_quantized_checkpoint(arch: str, fmt: str, out_dir, *, seed: int = 0, **kwargs) -> tuple[Path, Path]:
     """(checkpoint, reference) directories of a tiny `arch` model with every decoder linear in `fmt`; kwargs: the
     format's settings (quantize_checkpoint) and the model config's overrides."""
-    settings = {k: kwargs.pop(k) for k in ("group_size", "symmetric", "desc_act", "gptq_v2", "per_tensor")
+    settings = {k: kwargs.pop(k) for k in ("group_size", "symmetric", "desc_act", "gptq_v2", "per_tensor", "fp8_block")
                 if k in kwargs}
     out_dir = Path(out_dir)
     return quantize_checkpoint(make_tiny_checkpoint(arch, out_dir / "float", **kwargs), fmt, out_dir, seed=seed,
@@ -142,7 +157,7 @@ def make_quantized_checkpoint(arch: str, fmt: str, out_dir, *, seed: int = 0, **
 
 def quantize_checkpoint(float_dir: Path, fmt: str, out_dir, *, group_size: int = 32, symmetric: bool = False,
                         desc_act: bool = False, gptq_v2: bool = False, per_tensor: bool = False,
-                        seed: int = 0) -> tuple[Path, Path]:
+                        fp8_block: tuple[int, int] | None = None, seed: int = 0) -> tuple[Path, Path]:
     """(checkpoint, reference) directories under `out_dir` of the float checkpoint `float_dir` (one safetensors
     file) with every decoder linear in `fmt`."""
     out_dir = Path(out_dir)
@@ -162,6 +177,10 @@ def quantize_checkpoint(float_dir: Path, fmt: str, out_dir, *, group_size: int =
         del packed_tensors[name]
         if fmt.startswith("ct-") and not desc_act:
             packed, ref_tensors[name] = _ct_compress(w, scheme, ct_format)
+            packed_tensors.update({f"{prefix}.{k}": v for k, v in packed.items()})
+            continue
+        if fmt == "fp8":
+            packed, ref_tensors[name] = pack_fp8(w, fp8_block)
             packed_tensors.update({f"{prefix}.{k}": v for k, v in packed.items()})
             continue
         in_features = w.shape[1]
@@ -184,6 +203,10 @@ def quantize_checkpoint(float_dir: Path, fmt: str, out_dir, *, group_size: int =
     if fmt == "gptq":
         qcfg = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": desc_act, "sym": symmetric,
                 "checkpoint_format": "gptq_v2" if gptq_v2 else "gptq"}
+    elif fmt == "fp8":
+        qcfg = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic" if fp8_block else "static"}
+        if fp8_block:
+            qcfg["weight_block_size"] = list(fp8_block)
     elif fmt == "awq":
         qcfg = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
     else:

@@ -79,6 +79,12 @@ def test_compressed_tensors_fp8_weights_match_hf(tmp_path, per_tensor):
     _check(*make_quantized_checkpoint("llama", "ct-fp8", tmp_path, per_tensor=per_tensor))
 
 
+@pytest.mark.parametrize("block", [(32, 32), None], ids=["block-32x32", "per-tensor-static"])
+def test_fp8_checkpoint_matches_hf(tmp_path, block):
+    """vLLM's fp8 format (quant_method "fp8"): block scales (weight_scale_inv) or one per tensor."""
+    _check(*make_quantized_checkpoint("llama", "fp8", tmp_path, fp8_block=block))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt,group_size,symmetric,desc_act,gptq_v2", [
     ("gptq", 128, False, False, False),
@@ -113,7 +119,7 @@ def test_quantization_argument_against_the_checkpoints_format(tmp_path):
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["quantization_config"]["quant_method"] = "bitsandbytes"
     (ckpt / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="quant_method 'bitsandbytes'; supported: gptq, awq, compressed-tensors"):
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes'; supported: gptq, awq, compressed-tensors, fp8"):
         EngineArgs(model=str(ckpt)).create_engine_config()
 
 

@@ -23,7 +23,6 @@ from pagedserve.model_executor.quantization.packed import (
     add_param,
     check_group_size,
     drop_params,
-    layer_names,
     set_zero_point_int4_weight,
     unpack_int4,
 )
@@ -65,7 +64,4 @@ class AWQConfig(CheckpointQuantizationConfig):
         self.not_converted = list(cfg.get("modules_to_not_convert") or [])
 
     def get_linear_method(self, layer: nn.Module, prefix: str = "") -> LinearMethodBase:
-        names = layer_names(prefix)
-        if prefix == "lm_head" or any(skip in name for name in names for skip in self.not_converted):
-            return self.float_config.method
-        return self.method
+        return self.float_config.method if self.leaves_float(prefix, self.not_converted) else self.method

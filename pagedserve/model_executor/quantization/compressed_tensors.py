@@ -13,8 +13,7 @@ layers are float. The schemes run here:
     each row of activations exactly so (symmetric, max|x| / 127; fbgemm, where the build has no native int8, takes one
     scale per tensor). Tensors: weight [N, K] int8, weight_scale [N, 1] (one per tensor broadcasts).
   * FP8 weights, format "float-quantized" / "naive-quantized": weight [N, K] float8_e4m3fn, weight_scale [N, 1] or
-    per tensor (input_scale of static activations is read and not used) - dequantized to the model dtype at load
-    (the CPU has no FP8 GEMM), then the float linears.
+    per tensor - dequantized to the model dtype at load (fp8.py).
 """
 from __future__ import annotations
 
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 from pagedserve.model_executor.quantization.base import LinearMethodBase
+from pagedserve.model_executor.quantization.fp8 import Fp8DequantLinearMethod
 from pagedserve.model_executor.quantization.int4 import Int4LinearMethod
 from pagedserve.model_executor.quantization.int8 import Int8LinearMethod
 from pagedserve.model_executor.quantization.packed import (
@@ -37,7 +37,6 @@ from pagedserve.model_executor.quantization.packed import (
     set_zero_point_int4_weight,
     unpack_int4,
 )
-from pagedserve.model_executor.quantization.unquantized import UnquantizedLinearMethod
 
 if TYPE_CHECKING:
     from pagedserve.model_executor.layers.linear import Linear
@@ -82,24 +81,6 @@ class CompressedTensorsW8A8Int8(Int8LinearMethod):
         drop_params(layer, "weight", "weight_scale")
 
 
-class CompressedTensorsFP8(UnquantizedLinearMethod):
-    def __init__(self, backend: str, static_input_scale: bool) -> None:
-        super().__init__(backend)
-        self.static_input_scale = static_input_scale
-
-    def create_weights(self, layer: Linear, in_features: int, out_features: int, bias: bool) -> None:
-        super().create_weights(layer, in_features, out_features, bias)  # float: fp8 converts exactly as it loads
-        layer.weight.output_dim = 0
-        add_param(layer, "weight_scale", (out_features, 1), torch.float32, output_dim=0)
-        if self.static_input_scale:
-            add_param(layer, "input_scale", (1,), torch.float32, output_dim=None)
-
-    def process_weights_after_loading(self, layer: Linear) -> None:
-        layer.weight.data.mul_(layer.weight_scale.data.to(layer.weight.dtype))
-        drop_params(layer, "weight_scale", "input_scale")
-        super().process_weights_after_loading(layer)
-
-
 def _method_for_scheme(scheme: dict[str, Any], fmt: str | None, linear_backend: str) -> LinearMethodBase:
     weights, inputs = scheme.get("weights") or {}, scheme.get("input_activations")
     fmt = scheme.get("format") or fmt
@@ -115,7 +96,7 @@ def _method_for_scheme(scheme: dict[str, Any], fmt: str | None, linear_backend: 
         return CompressedTensorsW8A8Int8()
     if fmt in ("float-quantized", "naive-quantized") and bits == 8 and kind == "float" \
             and strategy in ("channel", "tensor"):
-        return CompressedTensorsFP8(linear_backend, inputs is not None and not inputs.get("dynamic", False))
+        return Fp8DequantLinearMethod(linear_backend, None, inputs is not None and not inputs.get("dynamic", False))
     raise ValueError(f"quantization='compressed-tensors': scheme {scheme} (format {fmt}) is not supported; "
                      "supported: W4A16 pack-quantized, W8A8 int8 with dynamic per-token activations, FP8 weights.")
 

@@ -70,4 +70,4 @@ class GPTQConfig(CheckpointQuantizationConfig):
         self.method = GPTQLinearMethod(int(cfg.get("group_size", 128)), 1 if fmt == "gptq" else 0)
 
     def get_linear_method(self, layer: nn.Module, prefix: str = "") -> LinearMethodBase:
-        return self.float_config.method if prefix == "lm_head" else self.method
+        return self.float_config.method if self.leaves_float(prefix, []) else self.method

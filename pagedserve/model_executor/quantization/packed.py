@@ -32,6 +32,11 @@ class CheckpointQuantizationConfig(QuantizationConfig):
     def read_checkpoint_config(self, cfg: dict) -> None:
         """The format's settings from quantization_config; ValueError for what it cannot run."""
 
+    def leaves_float(self, prefix: str, skipped: list[str]) -> bool:
+        """Whether layer `prefix` is float in the checkpoint: the LM head, and the layers whose checkpoint names
+        contain one of `skipped` (vLLM's rule for AWQ's modules_to_not_convert and FP8's ignored_layers)."""
+        return prefix == "lm_head" or any(skip in name for name in layer_names(prefix) for skip in skipped)
+
 
 # the checkpoint's projections a fused layer of ours holds (models/decoder_lm.py loads them shard by shard)
 FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

@@ -18,8 +18,9 @@ QUANTIZATION_METHODS: dict[str, str] = {
     "gptq": "pagedserve.model_executor.quantization.gptq:GPTQConfig",
     "awq": "pagedserve.model_executor.quantization.awq:AWQConfig",
     "compressed-tensors": "pagedserve.model_executor.quantization.compressed_tensors:CompressedTensorsConfig",
+    "fp8": "pagedserve.model_executor.quantization.fp8:Fp8Config",
 }
-CHECKPOINT_FORMATS = ("gptq", "awq", "compressed-tensors")  # weights quantized in the checkpoint, as it describes
+CHECKPOINT_FORMATS = ("gptq", "awq", "compressed-tensors", "fp8")  # weights quantized in the checkpoint, as it describes
 
 
 def validate_quantization(name: str | None) -> None:
