@@ -20,7 +20,8 @@ QUANTIZATION_METHODS: dict[str, str] = {
     "compressed-tensors": "pagedserve.model_executor.quantization.compressed_tensors:CompressedTensorsConfig",
     "fp8": "pagedserve.model_executor.quantization.fp8:Fp8Config",
 }
-CHECKPOINT_FORMATS = ("gptq", "awq", "compressed-tensors", "fp8")  # weights quantized in the checkpoint, as it describes
+# weights quantized in the checkpoint, as its quantization_config describes
+CHECKPOINT_FORMATS = ("gptq", "awq", "compressed-tensors", "fp8")
 
 
 def validate_quantization(name: str | None) -> None:
