@@ -56,6 +56,7 @@ def test_compressed_tensors_w4a16_matches_hf(tmp_path):
     _check(*make_quantized_checkpoint("qwen3", "ct-w4a16", tmp_path, group_size=32, symmetric=True))
 
 
+@pytest.mark.slow
 def test_compressed_tensors_w4a16_group_act_order_matches_hf(tmp_path):
     """The older act-order "group" (weight_g_idx; packed by tests/quantized_checkpoints.py, as the package no longer
     writes it), with zero points."""
