@@ -25,6 +25,7 @@ leave them.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -148,7 +149,8 @@ def _ct_compress(w: torch.Tensor, scheme, fmt: str) -> tuple[dict[str, torch.Ten
 def make_quantized_checkpoint(arch: str, fmt: str, out_dir, *, seed: int = 0, **kwargs) -> tuple[Path, Path]:
     """(checkpoint, reference) directories of a tiny `arch` model with every decoder linear in `fmt`; kwargs: the
     format's settings (quantize_checkpoint) and the model config's overrides."""
-    settings = {k: kwargs.pop(k) for k in ("group_size", "symmetric", "desc_act", "gptq_v2", "per_tensor", "fp8_block")
+    settings = {k: kwargs.pop(k) for k in ("group_size", "symmetric", "desc_act", "gptq_v2", "per_tensor", "fp8_block",
+                                           "float_modules")
                 if k in kwargs}
     out_dir = Path(out_dir)
     return quantize_checkpoint(make_tiny_checkpoint(arch, out_dir / "float", **kwargs), fmt, out_dir, seed=seed,
@@ -157,9 +159,11 @@ def make_quantized_checkpoint(arch: str, fmt: str, out_dir, *, seed: int = 0, **
 
 def quantize_checkpoint(float_dir: Path, fmt: str, out_dir, *, group_size: int = 32, symmetric: bool = False,
                         desc_act: bool = False, gptq_v2: bool = False, per_tensor: bool = False,
-                        fp8_block: tuple[int, int] | None = None, seed: int = 0) -> tuple[Path, Path]:
+                        fp8_block: tuple[int, int] | None = None, float_modules: tuple[str, ...] = (),
+                        seed: int = 0) -> tuple[Path, Path]:
     """(checkpoint, reference) directories under `out_dir` of the float checkpoint `float_dir` (one safetensors
-    file) with every decoder linear in `fmt`."""
+    file) with every decoder linear in `fmt` but those whose names contain one of `float_modules` (listed in the
+    config as AWQ's modules_to_not_convert, compressed-tensors' ignore regexes, fp8's ignored_layers)."""
     out_dir = Path(out_dir)
     ckpt, ref = out_dir / fmt, out_dir / f"{fmt}-reference"
     for d in (ckpt, ref):
@@ -171,7 +175,8 @@ def quantize_checkpoint(float_dir: Path, fmt: str, out_dir, *, group_size: int =
     if fmt.startswith("ct-"):
         scheme, ct_format = _ct_scheme(fmt, group_size, symmetric, per_tensor)
     for name, w in tensors.items():
-        if not name.startswith("model.layers.") or not name.endswith("proj.weight") or w.ndim != 2:
+        if not name.startswith("model.layers.") or not name.endswith("proj.weight") or w.ndim != 2 \
+                or any(m in name for m in float_modules):
             continue
         prefix, module = name.removesuffix(".weight"), name.split(".")[-2]
         del packed_tensors[name]
@@ -207,12 +212,15 @@ def quantize_checkpoint(float_dir: Path, fmt: str, out_dir, *, group_size: int =
         qcfg = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic" if fp8_block else "static"}
         if fp8_block:
             qcfg["weight_block_size"] = list(fp8_block)
+        qcfg["ignored_layers"] = list(float_modules)
     elif fmt == "awq":
-        qcfg = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
+        qcfg = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
+                "modules_to_not_convert": list(float_modules)}
     else:
         from compressed_tensors.quantization import QuantizationConfig
 
-        qcfg = QuantizationConfig(config_groups={"group_0": scheme}, format=ct_format, ignore=["lm_head"],
+        ignore = ["lm_head"] + [f"re:.*{re.escape(m)}.*" for m in float_modules]
+        qcfg = QuantizationConfig(config_groups={"group_0": scheme}, format=ct_format, ignore=ignore,
                                   quantization_status="compressed").model_dump(mode="json", exclude_none=True)
         if desc_act:
             qcfg["config_groups"]["group_0"]["weights"]["actorder"] = "group"

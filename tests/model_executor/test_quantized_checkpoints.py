@@ -106,6 +106,21 @@ def test_int4_formats_group_sizes_match_hf(tmp_path, fmt, group_size, symmetric,
                                       desc_act=desc_act, gptq_v2=gptq_v2, **WIDE))
 
 
+@pytest.mark.parametrize("fmt", ["awq", "ct-w4a16", "fp8"])
+def test_layers_the_checkpoint_left_in_float(tmp_path, fmt):
+    """AWQ's modules_to_not_convert, compressed-tensors' ignore (regular expressions), fp8's ignored_layers: those
+    layers load as float weights, the others quantized."""
+    if fmt.startswith("ct-"):
+        pytest.importorskip("compressed_tensors")
+    llm = _check(*make_quantized_checkpoint("llama", fmt, tmp_path, float_modules=("layers.1.mlp",),
+                                            fp8_block=(32, 32)))
+    layers = llm.llm_engine.runner.model.layers
+    for proj in (layers[1].mlp.gate_up_proj, layers[1].mlp.down_proj):
+        assert type(proj.linear_method).__name__ == "UnquantizedLinearMethod"
+    assert type(layers[0].mlp.down_proj.linear_method).__name__ != "UnquantizedLinearMethod"
+    assert type(layers[1].self_attn.qkv_proj.linear_method).__name__ != "UnquantizedLinearMethod"
+
+
 def test_quantization_argument_against_the_checkpoints_format(tmp_path):
     ckpt, _ = make_quantized_checkpoint("llama", "gptq", tmp_path, group_size=32)
     float_dir = tmp_path / "float"
