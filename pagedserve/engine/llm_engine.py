@@ -213,9 +213,14 @@ class LLMEngine:
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget an adapter no request uses any more (its slot and host copy are dropped)."""
+        """Forget an adapter no request uses any more (its slot and host copy are dropped); ValueError while
+        requests of it are queued or running."""
         if self.scheduler.lora_slots is None:
             return False
+        users = [r for r in self.scheduler.requests.values()
+                 if r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id]
+        if users:
+            raise ValueError(f"LoRA adapter {lora_int_id} is in use by {len(users)} request(s).")
         self.scheduler.lora_slots.remove(lora_int_id)
         self.runner.lora_manager.remove_adapter(lora_int_id)
         return True
