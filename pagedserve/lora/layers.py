@@ -10,7 +10,9 @@ zeros to R = max_lora_rank). One step (Punica's BGMV / S-LoRA's idea, without a 
 
 So a step mixing adapters and the base model is three products per projection, whatever the mix; the cost is
 max_loras x rank extra columns (small next to the base product at serving ranks). Fused projections (QKV,
-gate/up) get one A per slice (q, k, v each have their own) and expand into their output columns.
+gate/up) get one A per slice (q, k, v each have their own) and expand into their output columns. The products run
+on the same GEMM paths as the base linears (`products`: an unquantized config's layers, so on a CPU the native
+small GEMM on packed weights for decode-sized steps, oneDNN above), repacked when a slot's adapter changes.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from pagedserve.model_executor.layers.linear import Linear
+from pagedserve.model_executor.quantization.base import QuantizationConfig
 
 
 class LoRAMapping:
@@ -42,15 +45,22 @@ class LoRAMapping:
 
 class LoRALinear(nn.Module):
     def __init__(self, base: Linear, slice_sizes: list[int], mapping: LoRAMapping, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, products: QuantizationConfig) -> None:
+        """products: the (unquantized) config whose linear layers multiply the stacks."""
         super().__init__()
         self.base = base
         self.in_features, self.out_features = base.in_features, base.out_features
         self.mapping = mapping
         self.slice_sizes = slice_sizes
+        self.products = products
         s, r = mapping.max_loras, mapping.max_rank
+        # the stacks as loaded (what the product layers are packed from)
         self.lora_a = torch.zeros(len(slice_sizes), s, r, base.in_features, dtype=dtype, device=device)
         self.lora_b = [torch.zeros(s, r, size, dtype=dtype, device=device) for size in slice_sizes]
+        # (shrink, [expand per slice]): the product layers, in a tuple so that they stay outside the module tree
+        # (the model's own linears are what it walks)
+        self._products: tuple[Linear, list[Linear]]
+        self._pack()
 
     def set_slot(self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Per output slice the adapter's (A [rank, in], B [out, rank] scaled), or None for a slice it leaves alone."""
@@ -61,6 +71,18 @@ class LoRALinear(nn.Module):
                 a, b = ab
                 self.lora_a[j, slot, :a.shape[0]].copy_(a)
                 self.lora_b[j][slot, :b.shape[1]].copy_(b.t())
+        self._pack()
+
+    def _product(self, weight: torch.Tensor) -> Linear:
+        """A linear layer computing x @ weight^T (weight [out, in]) on the products' GEMM path."""
+        layer = Linear(weight.shape[1], weight.shape[0], False, self.products)
+        layer.weight = nn.Parameter(weight.contiguous().clone(), requires_grad=False)
+        layer.process_weights_after_loading()
+        return layer
+
+    def _pack(self) -> None:
+        self._products = (self._product(self.lora_a.view(-1, self.in_features)),
+                          [self._product(b.view(-1, size).t()) for b, size in zip(self.lora_b, self.slice_sizes)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -68,13 +90,14 @@ class LoRALinear(nn.Module):
         if mask is None:
             return y
         num_slices = len(self.slice_sizes)
-        h = torch.matmul(x, self.lora_a.view(-1, self.in_features).t()).view(x.shape[0], num_slices, -1)
+        shrink, expand = self._products
+        h = shrink(x.contiguous()).view(x.shape[0], num_slices, -1)
         h.mul_(mask.unsqueeze(1))
         if num_slices == 1:
-            return y.addmm_(h[:, 0], self.lora_b[0].view(-1, self.out_features))
+            return y.add_(expand[0](h[:, 0]))
         offset = 0
         for j, size in enumerate(self.slice_sizes):  # per output slice of the fused projection (2 or 3)
-            y[:, offset:offset + size].addmm_(h[:, j], self.lora_b[j].view(-1, size))
+            y[:, offset:offset + size].add_(expand[j](h[:, j].contiguous()))
             offset += size
         return y
 

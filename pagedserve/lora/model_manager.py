@@ -16,6 +16,7 @@ from pagedserve.lora.config import LoRAConfig
 from pagedserve.lora.layers import LoRALinear, LoRAMapping
 from pagedserve.lora.peft_loader import LoRAWeights, load_adapter
 from pagedserve.lora.request import LoRARequest
+from pagedserve.model_executor.quantization.base import QuantizationConfig
 
 # each LoRA layer's output slices: the checkpoint's projections fused into it, in order
 SLICES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
@@ -23,7 +24,9 @@ SLICES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
 
 
 class LoRAModelManager:
-    def __init__(self, model: nn.Module, config: LoRAConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, config: LoRAConfig, device: torch.device, dtype: torch.dtype,
+                 products: QuantizationConfig) -> None:
+        """products: the unquantized config (the base linears' GEMM backend) that multiplies the adapter stacks."""
         if any(not hasattr(layer.mlp, "gate_up_proj") for layer in model.layers):
             raise ValueError("LoRA is supported on the dense decoder models (not on mixture-of-experts layers).")
         self.model = model
@@ -38,7 +41,7 @@ class LoRAModelManager:
                      "gate_up_proj": [half, half], "down_proj": [mlp.down_proj.out_features]}
             wrapped = {}
             for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
-                wrapped[name] = LoRALinear(getattr(owner, name), sizes[name], self.mapping, dtype, device)
+                wrapped[name] = LoRALinear(getattr(owner, name), sizes[name], self.mapping, dtype, device, products)
                 setattr(owner, name, wrapped[name])
             self.layers.append(wrapped)
         self.fused_decode = model.fused_decode  # runs the steps without adapter rows
