@@ -91,13 +91,15 @@ class LoRALinear(nn.Module):
             return y
         num_slices = len(self.slice_sizes)
         shrink, expand = self._products
-        h = shrink(x.contiguous()).view(x.shape[0], num_slices, -1)
-        h.mul_(mask.unsqueeze(1))
+        h = shrink(x.contiguous())
         if num_slices == 1:
-            return y.add_(expand[0](h[:, 0]))
+            return y.add_(expand[0](h.mul_(mask)))
+        # select and regroup in one op: [T, slice, slots x R] -> [slice, T, slots x R], each slice's rows contiguous
+        selected = torch.empty((num_slices, *mask.shape), dtype=h.dtype, device=h.device)
+        torch.mul(h.view(x.shape[0], num_slices, -1).transpose(0, 1), mask, out=selected)
         offset = 0
         for j, size in enumerate(self.slice_sizes):  # per output slice of the fused projection (2 or 3)
-            y[:, offset:offset + size].add_(expand[j](h[:, j].contiguous()))
+            y[:, offset:offset + size].add_(expand[j](selected[j]))
             offset += size
         return y
 
