@@ -17,6 +17,7 @@ from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.startup import StartupStages
 from pagedserve.engine.structured_output import StructuredOutputManager
+from pagedserve.errors import InvalidRequestError
 from pagedserve.executor import create_executor
 from pagedserve.kv_transfer.block_io import read_kv_blocks
 from pagedserve.kv_transfer.connector import KVConnector
@@ -231,7 +232,11 @@ class LLMEngine:
             raise ValueError(f"request id {processed.request_id!r} is already in use.")
         params = processed.params
         if processed.lora_request is not None:  # its weights, read now: a bad file fails this request alone
-            self.runner.lora_manager.add_adapter(processed.lora_request)
+            try:
+                self.runner.lora_manager.add_adapter(processed.lora_request)
+            except (OSError, ValueError) as exc:
+                raise InvalidRequestError(f"LoRA adapter {processed.lora_request.lora_name!r}: {exc}",
+                                          param="lora_request") from exc
         sequences: list[Request] = []
         for i in range(params.n):
             seq_id = processed.request_id if params.n == 1 else f"{processed.request_id}#{i}"

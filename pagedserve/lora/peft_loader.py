@@ -23,6 +23,23 @@ class LoRAWeights:
 
 def load_adapter(lora_path: str, max_lora_rank: int, num_layers: int) -> LoRAWeights:
     config = read_adapter_config(lora_path, max_lora_rank)
+    try:
+        parts = _read_tensors(lora_path, num_layers)
+    except ValueError:
+        raise
+    except Exception as exc:  # safetensors' own error for a truncated or foreign file, OSError
+        raise ValueError(f"lora_path {lora_path!r}: unreadable adapter_model.safetensors ({exc}).") from exc
+    modules = {}
+    for (layer, module), ab in parts.items():
+        if set(ab) != {"A", "B"} or ab["A"].shape[0] != config.rank or ab["B"].shape[1] != config.rank:
+            raise ValueError(f"lora_path {lora_path!r}: layer {layer} {module} needs lora_A [r, in] and lora_B "
+                             f"[out, r] with r={config.rank}.")
+        modules[(layer, module)] = (ab["A"], ab["B"] * config.scaling)
+    return LoRAWeights(config.rank, modules)
+
+
+def _read_tensors(lora_path: str, num_layers: int) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """(layer, module) -> {"A": tensor, "B": tensor}, float32."""
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     with safe_open(str(Path(lora_path) / "adapter_model.safetensors"), framework="pt") as f:
         for key in f.keys():
@@ -34,10 +51,4 @@ def load_adapter(lora_path: str, max_lora_rank: int, num_layers: int) -> LoRAWei
                 raise ValueError(f"lora_path {lora_path!r}: tensor {key!r} names layer {layer}; the model has "
                                  f"{num_layers}.")
             parts.setdefault((layer, module), {})[which] = f.get_tensor(key).float()
-    modules = {}
-    for (layer, module), ab in parts.items():
-        if set(ab) != {"A", "B"} or ab["A"].shape[0] != config.rank or ab["B"].shape[1] != config.rank:
-            raise ValueError(f"lora_path {lora_path!r}: layer {layer} {module} needs lora_A [r, in] and lora_B "
-                             f"[out, r] with r={config.rank}.")
-        modules[(layer, module)] = (ab["A"], ab["B"] * config.scaling)
-    return LoRAWeights(config.rank, modules)
+    return parts

@@ -6,6 +6,7 @@ unchanged while adapters are loaded; prefix caching that never shares KV between
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -120,12 +121,17 @@ def test_bad_lora_requests(llm, adapters, model_dir, tmp_path):
     big.mkdir()
     adapter_dir = adapters[2][0].lora_path  # rank 16
     for f in ("adapter_config.json", "adapter_model.safetensors"):
-        (big / f).write_bytes((__import__("pathlib").Path(adapter_dir) / f).read_bytes())
+        (big / f).write_bytes((Path(adapter_dir) / f).read_bytes())
     config = json.loads((big / "adapter_config.json").read_text())
     config["r"] = 32
     (big / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="max_lora_rank"):
         llm.generate("hello", GREEDY, lora_request=LoRARequest("big", 10, str(big)), use_tqdm=False)
+    (big / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    config["r"] = 16
+    (big / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unreadable adapter_model.safetensors"):
+        llm.generate("hello", GREEDY, lora_request=LoRARequest("corrupt", 11, str(big)), use_tqdm=False)
     with pytest.raises(ValueError, match="lora requests"):
         llm.generate(["a", "b"], GREEDY, lora_request=[None], use_tqdm=False)
     with pytest.raises(ValueError, match="lora_int_id"):
