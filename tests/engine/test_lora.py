@@ -143,3 +143,21 @@ def test_lora_needs_enable_lora(model_dir, adapters):
     llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64, num_threads=1)
     with pytest.raises(ValueError, match="enable_lora"):
         llm.generate("hello", GREEDY, lora_request=adapters[0][0], use_tqdm=False)
+
+
+def test_kv_events_carry_the_adapter(llm, adapters, tiny_tokenizer):
+    """vLLM's BlockStored.lora_id: the adapter's id for its blocks, None for the base model's."""
+    from test_engine_events import recorded
+
+    engine = llm.llm_engine
+    engine.events.subscribe(True)
+    try:
+        prompts = mixed_prompts(tiny_tokenizer, n=2, lengths=(40, 40), seed=5)
+        run(llm, prompts, [adapters[1][0], None])
+        stored = [k for e in recorded(engine, private=True) for k in e.get("kv_events", ())
+                  if k["type"] == "BlockStored"]
+    finally:
+        engine.events.unsubscribe(True)
+    by_tokens = {tuple(k["token_ids"][:8]): k["lora_id"] for k in stored if k["parent_block_hash"] is None}
+    assert by_tokens[tuple(prompts[0][:8])] == adapters[1][0].lora_int_id
+    assert by_tokens[tuple(prompts[1][:8])] is None
