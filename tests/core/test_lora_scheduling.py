@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_scheduler import make_request, make_scheduler, step
 
 from pagedserve.core.lora_slots import LoRASlots
@@ -110,3 +112,36 @@ def test_prefix_cache_never_shared_between_adapters():
         while sched.has_unfinished_requests():
             step(sched)
         assert request.num_cached_tokens == expect_hit, rid
+
+
+@settings(max_examples=60, deadline=None)
+@given(max_loras=st.integers(1, 3), budget=st.integers(4, 40), num_blocks=st.integers(12, 40),
+       requests=st.lists(st.tuples(st.one_of(st.none(), st.integers(1, 5)), st.integers(1, 20), st.integers(1, 6),
+                                   st.integers(0, 3)), min_size=1, max_size=14))
+def test_lora_scheduling_invariants(max_loras, budget, num_blocks, requests):
+    """Whatever arrives (adapters or none, arrival steps, lengths) and however tight the budget and the pool: at
+    most max_loras adapters run, each in its own slot, every scheduled adapter has a slot, everyone finishes (no
+    request left behind), and every block is back in the pool."""
+    sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_loras=max_loras, max_num_batched_tokens=budget,
+                           max_num_seqs=6)
+    sched.lora_slots.max_bypass_steps = 2
+    arrivals = sorted(((arrive, i, adapter, length, out) for i, (adapter, length, out, arrive)
+                       in enumerate(requests)), key=lambda a: (a[0], a[1]))
+    finished = set()
+    for step_no in range(2000):
+        while arrivals and arrivals[0][0] <= step_no:
+            _, i, adapter, length, out = arrivals.pop(0)
+            sched.add_request(with_lora(make_request(f"r{i}", length, max_tokens=out, ignore_eos=True), adapter))
+        if not arrivals and not sched.has_unfinished_requests():
+            break
+        out = step(sched)
+        active = running_adapters(sched)
+        assert len(active) <= max_loras
+        assert len(set(out.lora_slots.values())) == len(out.lora_slots)
+        for item in out.scheduled:
+            if item.request.lora_request is not None:
+                assert item.request.lora_request.lora_int_id in out.lora_slots
+        finished |= {item.request.request_id for item in out.scheduled if item.request.is_finished}
+    assert not arrivals and not sched.has_unfinished_requests(), "requests left unfinished (starved?)"
+    assert finished == {f"r{i}" for i in range(len(requests))}
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
