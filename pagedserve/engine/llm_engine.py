@@ -213,6 +213,15 @@ class LLMEngine:
         self.runner.lora_manager.add_adapter(lora_request)
         return True
 
+    def _check_lora_id(self, lora: LoRARequest) -> None:
+        """An id names one adapter while requests of it are in the engine (the scheduler gives slots by id)."""
+        for request in self.scheduler.requests.values():
+            other = request.lora_request
+            if other is not None and other.lora_int_id == lora.lora_int_id and other != lora:
+                raise InvalidRequestError(f"lora_int_id {lora.lora_int_id} is in use by another adapter "
+                                          f"({other.lora_name!r} at {other.lora_path!r}); give each adapter its own "
+                                          f"id.", param="lora_request")
+
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter no request uses any more (its slot and host copy are dropped); ValueError while
         requests of it are queued or running."""
@@ -232,6 +241,7 @@ class LLMEngine:
             raise ValueError(f"request id {processed.request_id!r} is already in use.")
         params = processed.params
         if processed.lora_request is not None:  # its weights, read now: a bad file fails this request alone
+            self._check_lora_id(processed.lora_request)
             try:
                 self.runner.lora_manager.add_adapter(processed.lora_request)
             except (OSError, ValueError) as exc:

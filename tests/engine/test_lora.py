@@ -136,6 +136,12 @@ def test_bad_lora_requests(llm, adapters, model_dir, tmp_path):
         llm.generate(["a", "b"], GREEDY, lora_request=[None], use_tqdm=False)
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("x", 0, "/p")
+    engine = llm.llm_engine
+    engine.add_request("holder", [5, 6, 7], GREEDY, lora_request=adapters[0][0])
+    with pytest.raises(ValueError, match="in use by another adapter"):  # same id, another directory
+        engine.add_request("clash", [5, 6, 7], GREEDY, lora_request=LoRARequest("other", adapters[0][0].lora_int_id,
+                                                                                adapters[1][0].lora_path))
+    engine.abort_request("holder")
     assert not llm.llm_engine.has_unfinished_requests()
 
 
