@@ -167,3 +167,18 @@ def test_kv_events_carry_the_adapter(llm, adapters, tiny_tokenizer):
     by_tokens = {tuple(k["token_ids"][:8]): k["lora_id"] for k in stored if k["parent_block_hash"] is None}
     assert by_tokens[tuple(prompts[0][:8])] == adapters[1][0].lora_int_id
     assert by_tokens[tuple(prompts[1][:8])] is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_adapter_on_other_families(arch, tiny_model_dir, tiny_tokenizer, tmp_path):
+    """q/k/v bias (Qwen2: PEFT's delta adds to the biased projection) and per-head q/k norms after the projection
+    (Qwen3: the delta is applied before them, as PEFT's q_proj/k_proj outputs are)."""
+    base = tiny_model_dir(arch)
+    adapter_dir, merged_dir = make_peft_adapter(base, tmp_path, rank=8, seed=7)
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=8, num_kv_blocks=128, num_threads=1)
+    prompts = mixed_prompts(tiny_tokenizer, n=3, lengths=(5, 60), seed=6)
+    outs = run(llm, prompts, [LoRARequest("a", 1, str(adapter_dir)), None, LoRARequest("a", 1, str(adapter_dir))])
+    refs = [hf_greedy(merged_dir, [prompts[0]], MAX_TOKENS)[0], hf_greedy(base, [prompts[1]], MAX_TOKENS)[0],
+            hf_greedy(merged_dir, [prompts[2]], MAX_TOKENS)[0]]
+    assert_greedy_match(outs, refs, min_identical_frac=1.0, logprob_atol=1e-4)
