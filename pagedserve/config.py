@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from pagedserve.core.scheduler import SchedulerConfig
 from pagedserve.json_args import parse_json_object
 from pagedserve.kv_transfer.config import KVTransferConfig
+from pagedserve.lora.config import LoRAConfig
 from pagedserve.model_executor.model_config import ModelConfig
 
 
@@ -71,6 +72,11 @@ class EngineArgs:
     #      alone for a second tier in host memory
     kv_transfer_config: dict | str | None = None
     kv_offloading_size: float | None = None
+    # ---- multi-LoRA (vLLM's flags; docs/SERVING.md#lora-adapters)
+    enable_lora: bool = False
+    max_loras: int = 1  # distinct adapters in one step (slots)
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters cached in host memory; None: max_loras
 
     def __post_init__(self) -> None:
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
@@ -119,6 +125,10 @@ class EngineArgs:
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size x "
                              f"pipeline_parallel_size = {self.world_size} needs 'mp' or 'ray'.")
+        self.lora = LoRAConfig.create(self.max_loras, self.max_lora_rank, self.max_cpu_loras) \
+            if self.enable_lora else None
+        if self.lora is not None and (self.world_size > 1 or self.speculative is not None):
+            raise ValueError("enable_lora works with one rank and without speculative decoding for now.")
         if self.kv_transfer is not None and self.world_size > 1:  # the connector moves rank 0's KV blocks only
             raise ValueError("kv_transfer_config / kv_offloading_size work with one rank; tensor_parallel_size x "
                              f"pipeline_parallel_size is {self.world_size}.")
@@ -159,7 +169,8 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget, max_model_len=model.max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.scheduling_policy,
-            num_lookahead_tokens=spec.num_lookahead_tokens if spec is not None else 0)
+            num_lookahead_tokens=spec.num_lookahead_tokens if spec is not None else 0,
+            max_loras=self.lora.max_loras if self.lora is not None else 0)
         return EngineConfig(
             model=model,
             cache=CacheConfig(self.block_size, dtype_name(kv_dtype), self.enable_prefix_caching,
@@ -175,7 +186,8 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             speculative=spec,
             kv_transfer=self.kv_transfer,
-            trace_file=self.trace_file)
+            trace_file=self.trace_file,
+            lora=self.lora)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -395,3 +407,4 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     kv_transfer: KVTransferConfig | None = None
     trace_file: str | None = None
+    lora: LoRAConfig | None = None  # --enable-lora

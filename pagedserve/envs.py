@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the types `envs.NAME` has (read through __getattr__ below)
     PAGEDSERVE_KV_TRANSFER_SECRET: str | None
     PAGEDSERVE_FAULT_INJECT_TOKEN: str | None
     PAGEDSERVE_SERVER_DEV_MODE: bool
+    PAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING: bool
 
 DEFAULT_GOMP_SPINCOUNT = "10000"
 
@@ -98,6 +99,10 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[str, Callable[[], Any]]] = {
         "1: `pagedserve serve` adds the development routes (POST /reset_prefix_cache), as vLLM's "
         "VLLM_SERVER_DEV_MODE; 0 (default): they do not exist (404).",
         _flag("PAGEDSERVE_SERVER_DEV_MODE", False)),
+    "PAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING": (
+        "1: a server started with --enable-lora adds POST /v1/load_lora_adapter and /v1/unload_lora_adapter, as "
+        "vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; 0 (default): adapters are the --lora-modules ones.",
+        _flag("PAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING", False)),
     "OPENAI_API_KEY": (
         "The key `pagedserve bench serve` sends (as vLLM's benchmark client), for a server started with --api-key.",
         _str("OPENAI_API_KEY", None)),

@@ -177,8 +177,10 @@ class KVCacheManager:
         while len(hashes) < num_full:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            # The salt enters the first block's key; the chain carries it to every later block.
+            # The salt and the LoRA adapter enter the first block's key; the chain carries them to every later block.
             extra = (request.cache_salt,) if i == 0 and request.cache_salt is not None else ()
+            if i == 0 and request.lora_request is not None:  # (salt, adapter): never a salt's key alone
+                extra = (request.cache_salt, request.lora_request.cache_key)
             hashes.append(self.hash_fn(parent, request.all_token_ids[i * bs:(i + 1) * bs], extra))
 
     def stored_and_allocated(self, requests: list[Request]) -> tuple[int, int]:

@@ -40,7 +40,8 @@ def encode_block_hash(block_hash: BlockHash | None) -> str | int | None:
 # ------------------------------------------------------------------------ vLLM-compatible KV-cache events
 @dataclass
 class BlockStored:
-    """Blocks newly registered in the prefix cache (vLLM's fields; lora_id and medium are always None here)."""
+    """Blocks newly registered in the prefix cache (vLLM's fields; lora_id: the LoRA adapter's id, None for the base
+    model; medium is always None here)."""
     block_hashes: list[str | int]
     parent_block_hash: str | int | None
     token_ids: list[int]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 
+from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -47,6 +48,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         sample_index: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -57,6 +59,8 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.sample_index = sample_index
+        self.lora_request = lora_request
+        self.lora_blocked_steps = 0  # steps it waited for a LoRA slot (core/lora_slots.py)
 
         self.status = RequestStatus.WAITING
         self.all_token_ids: list[int] = list(prompt_token_ids)

@@ -25,6 +25,7 @@ from typing import Protocol
 
 from pagedserve.core.block_pool import BlockHash
 from pagedserve.core.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit, cdiv
+from pagedserve.core.lora_slots import LoRASlots
 from pagedserve.core.request import Request, RequestStatus
 
 
@@ -38,6 +39,7 @@ class SchedulerConfig:
     policy: str = "fcfs"  # fcfs | priority
     # Slots allocated beyond the scheduled tokens: a draft model writes its KV for its proposals there.
     num_lookahead_tokens: int = 0
+    max_loras: int = 0  # LoRA: at most this many distinct adapters among the running requests (0: LoRA off)
 
 
 @dataclass
@@ -87,6 +89,8 @@ class SchedulerOutput:
     # (block id, payload) of blocks loaded from outside the pool, to write before the forward reads them
     kv_saves: list[tuple[int, BlockHash]] = field(default_factory=list)
     kv_loads: list[tuple[int, bytes]] = field(default_factory=list)
+    # LoRA: adapter id -> its slot in the runner's stacked weights, for every running request's adapter
+    lora_slots: dict[int, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -154,6 +158,7 @@ class Scheduler:
         self.external_hit_tokens = 0
         # ids of requests in a batch whose output is not applied yet (empty unless batches are pipelined)
         self.in_flight: set[str] = set()
+        self.lora_slots = LoRASlots(config.max_loras) if config.max_loras else None
 
     # ----------------------------------------------------------------- queue management
     def add_request(self, request: Request) -> None:
@@ -243,11 +248,19 @@ class Scheduler:
         #    requests had to preempt: the pool is short, and admitting would only cause more preemption.
         running_preempted = len(out.preempted_request_ids) > num_preempted_before
         preempted_now = set(out.preempted_request_ids)
+        lora_slots = self.lora_slots
+        active_loras = lora_slots.active_adapters(self.running) if lora_slots is not None else set()
+        bypassed: list[Request] = []  # blocked by the LoRA adapter limit: back to the queue, in order, below
         while len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs and not running_preempted \
                 and len(out.scheduled) < seats:
             request = self.waiting.peek()
             if request.request_id in preempted_now:  # it just gave its KV away; all behind it rank lower
                 break
+            if lora_slots is not None and not lora_slots.admits(request, active_loras):
+                if not lora_slots.may_bypass(request):
+                    break
+                bypassed.append(self.waiting.pop())
+                continue
             hit = self.kv.get_computed_blocks(request)
             if self.kv.prefix_in_flight(request, hit):
                 break  # its next block is being written by a running request: hit it next step instead
@@ -273,6 +286,12 @@ class Scheduler:
             self._insert_running(request)
             out.scheduled.append(ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id)))
             budget -= num_new
+            if request.lora_request is not None:
+                active_loras.add(request.lora_request.lora_int_id)
+        for request in reversed(bypassed):
+            self.waiting.add(request, front=True)
+        if lora_slots is not None and active_loras:
+            out.lora_slots = lora_slots.assign(active_loras)
 
         out.num_scheduled_tokens = cfg.max_num_batched_tokens - budget
         out.kv_saves = self.kv.take_blocks_to_save()

@@ -54,6 +54,7 @@ process if hundreds of streams on a fast GPU ever make the event loop the bottle
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -71,6 +72,7 @@ from pagedserve.engine.protocol import EngineHealth
 from pagedserve.engine.request_stream import RequestStream, merge_delta
 from pagedserve.errors import (EngineDeadError, EngineRequestError, EngineShuttingDown, InvalidRequestError,
                                QueueFullError, RequestAborted)
+from pagedserve.lora.request import LoRARequest
 from pagedserve.metrics.loggers import LoggingStatLogger, StatLoggerBase, StatLoggerManager
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -248,11 +250,12 @@ class AsyncLLM:
     # ----------------------------------------------------------------------------- asyncio API
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                           priority: int = 0, cache_salt: str | None = None,
-                          prompt_param: str = "prompt") -> RequestStream:
+                          prompt_param: str = "prompt", lora_request: LoRARequest | None = None) -> RequestStream:
         """Validate, check the queue, queue the request and wait until the engine has taken it."""
         self._check_accepting()
         processed = await self.input_processor.process_async(request_id, prompt, params, priority=priority,
-                                                             cache_salt=cache_salt, prompt_param=prompt_param)
+                                                             cache_salt=cache_salt, prompt_param=prompt_param,
+                                                             lora_request=lora_request)
         loop = asyncio.get_running_loop()
         if request_id in self._streams:
             raise InvalidRequestError(f"Request id {request_id!r} is already in flight.", param="request_id")
@@ -300,9 +303,20 @@ class AsyncLLM:
         """Forget every cached prefix (POST /reset_prefix_cache), between two engine steps. False while requests
         hold blocks (as LLM.reset_prefix_cache)."""
         self._check_accepting()
+        return await self._between_steps(self.engine.kv_cache_manager.block_pool.reset_prefix_cache)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read an adapter's weights on the engine thread, between two steps (ValueError if it does not fit)."""
+        return await self._between_steps(functools.partial(self.engine.add_lora, lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self._between_steps(functools.partial(self.engine.remove_lora, lora_int_id))
+
+    async def _between_steps(self, call: Callable[[], Any]) -> Any:
+        """`call()` on the engine thread between two steps; its result or its exception."""
         future: Future = Future()
         with self._cond:
-            self._calls.append((self.engine.kv_cache_manager.block_pool.reset_prefix_cache, future))
+            self._calls.append((call, future))
             self._cond.notify()
         return await asyncio.wrap_future(future)
 

@@ -331,6 +331,7 @@ class EngineEventRecorder:
         events = []
         for item in out.scheduled:
             hashes = item.request.block_hashes
+            lora = item.request.lora_request
             indices = [i for i, h in enumerate(hashes) if h in stored]
             stored.difference_update(hashes[i] for i in indices)
             while indices:
@@ -340,7 +341,8 @@ class EngineEventRecorder:
                 first, last = indices[0], indices[n - 1]
                 parent = encode_block_hash(hashes[first - 1]) if first else None
                 events.append(BlockStored([encode_block_hash(h) for h in hashes[first:last + 1]], parent,
-                                          item.request.all_token_ids[first * bs:(last + 1) * bs], bs))
+                                          item.request.all_token_ids[first * bs:(last + 1) * bs], bs,
+                                          lora.lora_int_id if lora is not None else None))
                 indices = indices[n:]
         return events
 

@@ -22,6 +22,8 @@ from pagedserve.config import EngineConfig, KVCacheConfig
 from pagedserve.engine.grammar_compiler import CompiledGrammar, GrammarCompiler
 from pagedserve.engine.structured_output import StructuredOutputManager
 from pagedserve.errors import InvalidRequestError
+from pagedserve.lora.adapter_config import read_adapter_config
+from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -41,6 +43,7 @@ class ProcessedRequest:
     priority: int = 0
     cache_salt: str | None = None
     grammar: CompiledGrammar | None = None  # structured output: compiled once for all n sequences
+    lora_request: LoRARequest | None = None
 
 
 class InputProcessor:
@@ -188,18 +191,21 @@ class InputProcessor:
     # ------------------------------------------------------------------------------ the gate
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                 arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
-                prompt_param: str = "prompt") -> ProcessedRequest:
+                prompt_param: str = "prompt", lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """Validate and, for structured output, compile (blocking this thread up to the compile timeout)."""
-        processed = self._validate(request_id, prompt, params, arrival_time, priority, cache_salt, prompt_param)
+        processed = self._validate(request_id, prompt, params, arrival_time, priority, cache_salt, prompt_param,
+                                   lora_request)
         if params.structured_outputs is None:
             return processed
         return dataclasses.replace(processed, grammar=self._compiler().compile(params.structured_outputs))
 
     async def process_async(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                             arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
-                            prompt_param: str = "prompt") -> ProcessedRequest:
+                            prompt_param: str = "prompt", lora_request: LoRARequest | None = None
+                            ) -> ProcessedRequest:
         """`process` for the event loop: the grammar compiles on its worker while the loop serves others."""
-        processed = self._validate(request_id, prompt, params, arrival_time, priority, cache_salt, prompt_param)
+        processed = self._validate(request_id, prompt, params, arrival_time, priority, cache_salt, prompt_param,
+                                   lora_request)
         if params.structured_outputs is None:
             return processed
         return dataclasses.replace(processed,
@@ -212,7 +218,8 @@ class InputProcessor:
         return self.grammars
 
     def _validate(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_time: float | None,
-                  priority: int, cache_salt: str | None, prompt_param: str) -> ProcessedRequest:
+                  priority: int, cache_salt: str | None, prompt_param: str,
+                  lora_request: LoRARequest | None = None) -> ProcessedRequest:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams.", param="sampling_params")
         if priority != 0 and self.config.scheduler.policy != "priority":
@@ -221,6 +228,7 @@ class InputProcessor:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt must be a non-empty string.", param="cache_salt")
         self._check_params(params)
+        self.check_lora(lora_request)
         token_ids = self.tokenize(prompt, prompt_param)
         if not token_ids:
             raise InvalidRequestError(f"{prompt_param} must not be empty.", param=prompt_param)
@@ -231,7 +239,21 @@ class InputProcessor:
         self._check_logprob_entries(params, max_tokens)
         return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
                                 max_tokens, time.time() if arrival_time is None else arrival_time, priority,
-                                cache_salt)
+                                cache_salt, lora_request=lora_request)
+
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        """The adapter's directory and adapter_config.json (its weights are read when the engine takes it)."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError("lora_request must be a LoRARequest.", param="lora_request")
+        if self.config.lora is None:
+            raise InvalidRequestError("LoRA adapters need an engine started with enable_lora=True (--enable-lora).",
+                                      param="lora_request")
+        try:
+            read_adapter_config(lora_request.lora_path, self.config.lora.max_lora_rank)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="lora_request") from exc
 
 
 # ------------------------------------------------------------------------------------------ chat

@@ -17,9 +17,11 @@ from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.startup import StartupStages
 from pagedserve.engine.structured_output import StructuredOutputManager
+from pagedserve.errors import InvalidRequestError
 from pagedserve.executor import create_executor
 from pagedserve.kv_transfer.block_io import read_kv_blocks
 from pagedserve.kv_transfer.connector import KVConnector
+from pagedserve.lora.request import LoRARequest
 from pagedserve.metrics.loggers import StepStats
 from pagedserve.metrics.stats import EngineStats, IterationStats, SchedulerStats
 from pagedserve.model_executor.model_loader import kv_bytes_per_block
@@ -197,22 +199,60 @@ class LLMEngine:
         return self.input_processor.default_max_tokens(num_prompt_tokens)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Validate (InvalidRequestError, a ValueError, names the parameter) and queue a request."""
         self.add_processed_request(self.input_processor.process(
-            request_id, prompt, params, arrival_time=arrival_time, priority=priority, cache_salt=cache_salt))
+            request_id, prompt, params, arrival_time=arrival_time, priority=priority, cache_salt=cache_salt,
+            lora_request=lora_request))
+
+    # ------------------------------------------------------------------ LoRA adapters (vLLM's names)
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read the adapter's weights into the host cache (ValueError if they do not fit the model)."""
+        self.input_processor.check_lora(lora_request)
+        self.runner.lora_manager.add_adapter(lora_request)
+        return True
+
+    def _check_lora_id(self, lora: LoRARequest) -> None:
+        """An id names one adapter while requests of it are in the engine (the scheduler gives slots by id)."""
+        for request in self.scheduler.requests.values():
+            other = request.lora_request
+            if other is not None and other.lora_int_id == lora.lora_int_id and other != lora:
+                raise InvalidRequestError(f"lora_int_id {lora.lora_int_id} is in use by another adapter "
+                                          f"({other.lora_name!r} at {other.lora_path!r}); give each adapter its own "
+                                          f"id.", param="lora_request")
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter no request uses any more (its slot and host copy are dropped); ValueError while
+        requests of it are queued or running."""
+        if self.scheduler.lora_slots is None:
+            return False
+        users = [r for r in self.scheduler.requests.values()
+                 if r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id]
+        if users:
+            raise ValueError(f"LoRA adapter {lora_int_id} is in use by {len(users)} request(s).")
+        self.scheduler.lora_slots.remove(lora_int_id)
+        self.runner.lora_manager.remove_adapter(lora_int_id)
+        return True
 
     def add_processed_request(self, processed: ProcessedRequest) -> None:
         """Queue a request the input processor already validated (the async engine validates off-thread)."""
         if processed.request_id in self.output_processor.requests:
             raise ValueError(f"request id {processed.request_id!r} is already in use.")
         params = processed.params
+        if processed.lora_request is not None:  # its weights, read now: a bad file fails this request alone
+            self._check_lora_id(processed.lora_request)
+            try:
+                self.runner.lora_manager.add_adapter(processed.lora_request)
+            except (OSError, ValueError) as exc:
+                raise InvalidRequestError(f"LoRA adapter {processed.lora_request.lora_name!r}: {exc}",
+                                          param="lora_request") from exc
         sequences: list[Request] = []
         for i in range(params.n):
             seq_id = processed.request_id if params.n == 1 else f"{processed.request_id}#{i}"
             sequences.append(Request(seq_id, processed.prompt_token_ids, params, processed.max_tokens,
                                      self.model_config.eos_token_ids, processed.arrival_time, processed.priority,
-                                     processed.cache_salt, sample_index=i))
+                                     processed.cache_salt, sample_index=i, lora_request=processed.lora_request))
         self.output_processor.add_request(processed, sequences)
         for seq in sequences:
             if processed.grammar is not None:

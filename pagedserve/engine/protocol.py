@@ -13,6 +13,7 @@ from pagedserve.config import EngineConfig, KVCacheConfig
 from pagedserve.engine.events import EngineEventRecorder
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.request_stream import RequestStream
+from pagedserve.lora.request import LoRARequest
 from pagedserve.metrics.loggers import StatLoggerBase
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -46,7 +47,7 @@ class EngineClient(Protocol):
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                           priority: int = 0, cache_salt: str | None = None,
-                          prompt_param: str = "prompt") -> RequestStream:
+                          prompt_param: str = "prompt", lora_request: LoRARequest | None = None) -> RequestStream:
         """Validate and queue; raises InvalidRequestError (400) or QueueFullError (429) before any work."""
         ...
 
@@ -58,6 +59,10 @@ class EngineClient(Protocol):
     def health(self) -> EngineHealth: ...
 
     async def reset_prefix_cache(self) -> bool: ...
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool: ...  # ValueError if the adapter does not fit
+
+    async def remove_lora(self, lora_int_id: int) -> bool: ...
 
     def add_stat_logger(self, stat_logger: StatLoggerBase) -> None: ...
 

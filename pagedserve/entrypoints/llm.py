@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from pagedserve.config import EngineArgs
 from pagedserve.engine.input_processor import render_chat
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -42,6 +43,7 @@ class LLM:
         prompt_token_ids: list[int] | list[list[int]] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in the order of the prompts. Invalid input raises
         InvalidRequestError (a ValueError) before anything runs. A request the engine failed (a step raised while
@@ -54,13 +56,16 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {len(inputs)} prompts.")
         if priority is not None and len(priority) != len(inputs):
             raise ValueError(f"got {len(priority)} priorities for {len(inputs)} prompts.")
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(inputs)
+        if len(loras) != len(inputs):
+            raise ValueError(f"got {len(loras)} lora requests for {len(inputs)} prompts.")
         ids = []
         try:
             for i, ((prompt, cache_salt), p) in enumerate(zip(inputs, params)):
                 request_id = str(next(self._counter))
                 p = _with_kind(p, RequestOutputKind.FINAL_ONLY)
                 self.llm_engine.add_request(request_id, prompt, p, priority=priority[i] if priority else 0,
-                                            cache_salt=cache_salt)
+                                            cache_salt=cache_salt, lora_request=loras[i])
                 ids.append(request_id)
         except ValueError:
             self.llm_engine.abort_request(ids)

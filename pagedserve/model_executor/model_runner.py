@@ -15,6 +15,7 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedserve.kv_transfer.block_io import write_kv_blocks
+from pagedserve.lora.model_manager import LoRAModelManager
 from pagedserve.model_executor.attention.metadata import AttentionMetadata
 from pagedserve.model_executor.attention.selector import get_attention_backend
 from pagedserve.model_executor.cuda_graphs import DecodeGraphs, wants_cuda_graphs
@@ -109,7 +110,10 @@ class ModelRunner:
             if config.speculative is not None and parallel.is_driver else None
         # CUDA graphs for decode-only steps (cuda_graphs.py)
         self.use_cuda_graphs = wants_cuda_graphs(self.attn_backend, device, config.enforce_eager,
-                                                 parallel.layout.world_size)
+                                                 parallel.layout.world_size) and config.lora is None
+        # multi-LoRA: the projections wrapped in LoRA layers, adapters in slots (lora/model_manager.py)
+        self.lora_manager = LoRAModelManager(self.model, config.lora, device, self.dtype, get_quantization_config(
+            None, config.load.linear_backend, device)) if config.lora is not None else None
         self.decode_graphs: DecodeGraphs | None = None  # built with the KV cache (graphs record its addresses)
 
     # ------------------------------------------------------------------ KV cache
@@ -149,6 +153,9 @@ class ModelRunner:
         chunks = [prompt_chunk(item) for item in items]
         spans = self._spans(items, chunks)
         batch = prepare_batch(spans, self.block_size, self.device)
+        if self.lora_manager is not None:
+            self.lora_manager.prepare_step(out.lora_slots, [(item.request.lora_request, len(span.token_ids))
+                                                            for item, span in zip(items, spans)], self.device)
         # A speculative batch is verified against masks, so every constrained row's mask comes first there.
         speculative = any(item.spec_token_ids for item in sampling_items)
         masks = token_masks.start_masks([i.request.request_id for i in sampling_items],

@@ -41,6 +41,7 @@ from pagedserve.entrypoints.openai.serving_completion import OpenAIServingComple
 from pagedserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagedserve.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from pagedserve.entrypoints.openai.serving_engine import ClientDisconnected, OpenAIServing
+from pagedserve.entrypoints.openai.serving_models import OpenAIServingModels, add_lora_routes, parse_lora_module
 from pagedserve.entrypoints.openai.vllm_compat import (add_compat_args, add_compat_routes, add_cors,
                                                        load_chat_template, load_generation_defaults, uvicorn_kwargs)
 
@@ -100,6 +101,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--step-timeout-s", type=float, default=DEFAULT_STEP_TIMEOUT_S,
                    help="/health answers 503 while an engine step has run longer than this (a hung KV store or "
                         "kernel), until it returns (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S)")
+    p.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None,
+                   help="LoRA adapters served with --enable-lora: name=path (a PEFT directory) or JSON, as vLLM")
     add_compat_args(p)
     EngineArgs.add_cli_args(p)  # --served-model-name, --max-num-seqs, --num-kv-blocks, ... (vLLM names)
     p.set_defaults(func=run_server)
@@ -215,10 +218,15 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
     chat_template = load_chat_template(arg("chat_template", None))
     defaults = load_generation_defaults(arg("generation_config", None), None if config.model.is_default_model
                                         else config.model.path)
+    models = OpenAIServingModels(engine_client, [served, *(names if isinstance(names, list) else ())],
+                                 arg("lora_modules", None) or [])
+    if models.static_lora_modules and not models.enable_lora:
+        raise SystemExit("--lora-modules needs --enable-lora.")
     for serving in (completion, chat, base):
         serving.served_model_aliases = frozenset(names if isinstance(names, list) else ())
         serving.chat_template = chat_template
         serving.default_sampling = defaults
+        serving.models = models
 
     registry = CollectorRegistry()
     cache_info = {"block_size": config.cache.block_size, "num_gpu_blocks": engine_client.kv_cache_config.num_blocks,
@@ -234,6 +242,7 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
+        await models.init_static_loras()
         yield
         if shutdown_engine_on_exit:
             await asyncio.to_thread(engine_client.shutdown)
@@ -279,14 +288,19 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
 
     @app.get("/v1/models", response_model=api_docs.ModelList, responses=api_docs.ROUTE_RESPONSES["models"])
     async def list_models():
-        return JSONResponse(ModelList(data=[model_card()]).model_dump())
+        return JSONResponse(ModelList(data=[model_card(), *models.lora_cards(created, max_model_len)]).model_dump())
 
     @app.get("/v1/models/{model_id:path}", response_model=api_docs.ModelCard, responses=api_docs.ROUTE_RESPONSES["model"])
     async def retrieve_model(model_id: str):
+        lora_card = next((c for c in models.lora_cards(created, max_model_len) if c.id == model_id), None)
+        if lora_card is not None:
+            return JSONResponse(lora_card.model_dump())
         if model_id != served:
             return error_response(OpenAIError(404, f"The model `{model_id}` does not exist.", param="model",
                                               code="model_not_found"))
         return JSONResponse(model_card().model_dump())
+
+    add_lora_routes(app, models, guarded)
 
     # ------------------------------------------------------------------------------ utilities
     @app.post("/tokenize", response_model=api_docs.TokenizeResponse, responses=api_docs.ROUTE_RESPONSES["tokenize"])

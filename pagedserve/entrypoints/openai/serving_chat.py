@@ -32,7 +32,7 @@ class OpenAIServingChat(OpenAIServing):
         self.reasoning_parser = reasoning_parser  # --reasoning-parser: reasoning_content split off the content
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request | None = None):
-        self.check_model(req.model)
+        lora_request = self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs requires logprobs=true.", param="top_logprobs")
         if req.stream_options is not None and not req.stream:
@@ -64,8 +64,9 @@ class OpenAIServingChat(OpenAIServing):
             prompt = self.input_processor.truncate_prompt(prompt, params.truncate_prompt_tokens)
         request_id = new_request_id("chatcmpl")
         created = int(time.time())
-        model = self.served_model_name
-        streams = await self.submit(request_id, [prompt], params, req, prompt_param="messages")
+        model = req.model if lora_request is not None else self.served_model_name
+        streams = await self.submit(request_id, [prompt], params, req, prompt_param="messages",
+                                    lora_request=lora_request)
         if req.stream:
             return SSEResponse(self._stream(req, plan, request_id, created, model, prompt, streams[0]),
                                on_close=lambda: self.abort_streams(streams))

@@ -49,7 +49,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return texts, token_ids
 
     async def create_completion(self, req: CompletionRequest, raw_request: Request | None = None):
-        self.check_model(req.model)
+        lora_request = self.check_model(req.model)
         best_of = req.best_of or req.n
         if best_of < req.n:
             raise BadRequest(f"best_of ({best_of}) must be >= n ({req.n}).", param="best_of")
@@ -73,8 +73,8 @@ class OpenAIServingCompletion(OpenAIServing):
             texts = [self.tokenizer.decode(p) for p in prompts] if req.echo else texts
         request_id = new_request_id("cmpl")
         created = int(time.time())
-        model = self.served_model_name
-        streams = await self.submit(request_id, prompts, params, req)
+        model = req.model if lora_request is not None else self.served_model_name
+        streams = await self.submit(request_id, prompts, params, req, lora_request=lora_request)
         if req.stream:
             gen = self._stream(req, request_id, created, model, texts, prompts, streams)
             return SSEResponse(gen, on_close=lambda: self.abort_streams(streams))

@@ -25,6 +25,7 @@ from pagedserve.entrypoints.openai.protocol import (ChatLogProb, ChatLogProbsCon
                                                     _SamplingFields)
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.errors import InvalidRequestError
+from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pagedserve.api")
@@ -96,6 +97,7 @@ class OpenAIServing:
     served_model_aliases: frozenset[str] = frozenset()
     chat_template: str | None = None
     default_sampling: dict[str, Any] = {}  # --generation-config: defaults for fields a request leaves unset
+    models: Any = None  # serving_models.OpenAIServingModels where LoRA is enabled: adapter names resolve there
 
     def __init__(self, engine_client: EngineClient, served_model_name: str, log_requests: bool = False) -> None:
         self.engine_client = engine_client
@@ -111,8 +113,11 @@ class OpenAIServing:
         return self.engine_client.input_processor
 
     # ------------------------------------------------------------------------------------ checks
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model); 404 for a model this server does not serve."""
         if model is not None and model != self.served_model_name and model not in self.served_model_aliases:
+            if self.models is not None and self.models.enable_lora:
+                return self.models.resolve(model)
             raise OpenAIError(404, f"The model `{model}` does not exist. This server serves "
                                    f"`{self.served_model_name}`.", param="model", code="model_not_found")
 
@@ -157,7 +162,8 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------------------ submitting
     async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                     req: _SamplingFields, prompt_param: str = "prompt") -> list[RequestStream]:
+                     req: _SamplingFields, prompt_param: str = "prompt",
+                     lora_request: LoRARequest | None = None) -> list[RequestStream]:
         """Add one engine request per prompt; all or nothing (a rejection aborts the accepted ones)."""
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
         if self.log_requests:
@@ -165,7 +171,8 @@ class OpenAIServing:
                         len(prompts), [len(p) for p in prompts], params, req.user)
         tasks = [asyncio.ensure_future(self.engine_client.add_request(
                      rid, p, params, priority=req.priority, cache_salt=req.cache_salt,
-                     prompt_param=prompt_param if len(prompts) == 1 else f"{prompt_param}[{i}]"))
+                     prompt_param=prompt_param if len(prompts) == 1 else f"{prompt_param}[{i}]",
+                     lora_request=lora_request))
                  for i, (rid, p) in enumerate(zip(ids, prompts))]
         try:
             results = await asyncio.gather(*tasks, return_exceptions=True)
