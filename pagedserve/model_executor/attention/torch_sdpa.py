@@ -3,8 +3,8 @@
   * K/V write: an indexed store at (block, offset) of each slot;
   * decodes: one batched SDPA over the blocks gathered through the padded block table, masked past each row's
     context length;
-  * prefill chunks: one SDPA per chunk: a chunk with no earlier context attends to its own new K/V (causal), a
-    later chunk gathers its context through its block table (causal with an offset).
+  * prefill chunks: one SDPA per chunk: a chunk with no earlier context attends to its own new K/V (causal, or
+    bidirectional for an encoder's span: PrefillSpan.causal False), a later chunk gathers its context through its block table (causal with an offset).
 
 The tests compare the other backends with this one, and the engine's greedy outputs on it with Hugging Face's.
 The CPU backend (cpu.py) runs these same paths wherever its kernels do not apply.
@@ -65,6 +65,7 @@ class TorchSDPABackend(AttentionBackend):
             keys = k_cache[span.block_ids].reshape(-1, num_kv_heads, head_dim)[:span.context_len].to(q.dtype)
             values = v_cache[span.block_ids].reshape(-1, num_kv_heads, head_dim)[:span.context_len].to(q.dtype)
         o = F.scaled_dot_product_attention(qs, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
-                                           attn_mask=span.causal_mask, is_causal=span.causal_mask is None,
+                                           attn_mask=span.causal_mask,
+                                           is_causal=span.causal_mask is None and span.causal,
                                            scale=scale, enable_gqa=True)
         out[sl] = o.squeeze(0).transpose(0, 1)

@@ -1,0 +1,86 @@
+"""The pooler against a direct per-sequence computation, and the sentence-transformers config it reads."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.model_executor.pooler import PoolerConfig, pool, truncate_dimensions
+
+
+def _write_st_config(tmp_path, mode_key, normalize, hf=None):
+    (tmp_path / "config.json").write_text(json.dumps(hf or {}))
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 8, mode_key: True}))
+
+
+@pytest.mark.parametrize("mode_key,kind", [("pooling_mode_lasttoken", "LAST"), ("pooling_mode_mean_tokens", "MEAN"),
+                                          ("pooling_mode_cls_token", "CLS")])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_pool_matches_per_sequence_reference(tmp_path, mode_key, kind, normalize):
+    _write_st_config(tmp_path, mode_key, normalize)
+    cfg = PoolerConfig.from_model_dir(tmp_path, "CLS" if kind != "CLS" else "LAST")
+    assert (cfg.pooling_type, cfg.normalize) == (kind, normalize)
+    torch.manual_seed(0)
+    lens = [3, 1, 7]
+    seqs = [torch.randn(n, 8) for n in lens]
+    out = pool(torch.cat(seqs), torch.tensor(lens), cfg)
+    for got, s in zip(out, seqs):
+        want = {"LAST": s[-1], "CLS": s[0], "MEAN": s.mean(0)}[kind]
+        if normalize:
+            want = F.normalize(want, dim=-1)
+        assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_defaults_without_sentence_transformers_config(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    cfg = PoolerConfig.from_model_dir(tmp_path, "LAST")
+    assert (cfg.pooling_type, cfg.normalize, cfg.is_matryoshka) == ("LAST", True, False)
+
+
+def test_unsupported_pooling_mode_is_a_value_error(tmp_path):
+    _write_st_config(tmp_path, "pooling_mode_max_tokens", False)
+    with pytest.raises(ValueError, match="pooling"):
+        PoolerConfig.from_model_dir(tmp_path, "LAST")
+
+
+def test_dimensions_checked_and_truncated(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    plain = PoolerConfig.from_model_dir(tmp_path, "LAST")
+    plain.check_dimensions(None, 8)
+    with pytest.raises(ValueError, match="dimensions"):
+        plain.check_dimensions(4, 8)
+    (tmp_path / "config.json").write_text(json.dumps({"matryoshka_dimensions": [4, 8]}))
+    mrl = PoolerConfig.from_model_dir(tmp_path, "LAST")
+    mrl.check_dimensions(4, 8)
+    for bad in (3, 0, 9):
+        with pytest.raises(ValueError, match="dimensions"):
+            mrl.check_dimensions(bad, 8)
+    e = F.normalize(torch.randn(2, 8), dim=-1)
+    t = truncate_dimensions(e, 4)
+    assert t.shape == (2, 4)
+    assert torch.allclose(t, F.normalize(e[:, :4], dim=-1))
+    assert torch.allclose(t.norm(dim=-1), torch.ones(2))
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_bidirectional_prefill_span(backend):
+    """A non-causal span (encoders) attends to every token of its sequence, in the SDPA and CPU backends."""
+    from pagedserve.model_executor.attention.metadata import AttentionMetadata, PrefillSpan
+    from pagedserve.model_executor.attention.selector import get_attention_backend
+
+    attn = get_attention_backend(backend, torch.device("cpu"))
+    torch.manual_seed(0)
+    t, h, d, bs = 5, 2, 16, 4
+    q, k, v = (torch.randn(t, h, d) for _ in range(3))
+    kv = attn.allocate_kv_cache(1, 4, bs, h, d, torch.float32, torch.device("cpu"))[0]
+    meta = AttentionMetadata(torch.arange(t), 0, None, None, bs,
+                             [PrefillSpan(0, t, t, torch.tensor([0, 1]), None, causal=False)])
+    out = attn.forward(q, k, v, kv[0], kv[1], meta, d ** -0.5)
+    want = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)).transpose(0, 1)
+    assert torch.allclose(out, want, atol=1e-5)
