@@ -1,6 +1,6 @@
 """Soak: `pagedserve router` in front of 2 real replicas and a hung upstream, under chaos, on loopback (issue 47).
 
-    python benchmarks/router_soak.py [--duration 600] [--model DIR] [--concurrency 6] [--kill-every 40]
+    python benchmarks/router_soak.py [--duration 600] [--model DIR] [--concurrency 6] [--kill-every 40] [--redis]
 
 Setup: two `pagedserve serve` replicas (the tiny llama test checkpoint unless --model; greedy, seed 0) and a
 stand-in upstream whose /health answers 200 but which never answers a generation (tests/entrypoints/
@@ -9,7 +9,11 @@ standin_upstream.py, mode slow with an endless delay), all three behind `pagedse
 non-streamed and streamed, compared with reference outputs taken from one replica before the chaos starts;
 streams abandoned after their first event; bodies over --max-request-body-bytes with the key (413 expected);
 64 MiB chunked bodies without the key (401 or a closed connection expected, never read). Every --kill-every
-seconds a replica (alternately) is SIGKILLed and restarted on its port after --down-for seconds.
+seconds a replica (alternately) is SIGKILLed and restarted on its port after --down-for seconds. With --redis the
+replicas share KV through a real redis-server on loopback (`--kv-transfer-config` redis store, blocks MAC'd with a
+shared secret, a small maxmemory with LRU eviction), so a restarted replica loads the other's prefix blocks; the
+Redis server itself is SIGKILLed and restarted once, half-way through (a store that is down is a miss, never a
+wrong output).
 
 Report (a markdown table): requests by outcome, wrong outputs (a 200 whose text differs from the reference),
 hung clients (no answer within read timeout + 30 s), leaked in-flight counts (the router's /workers once every
@@ -20,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,16 +54,21 @@ PROMPTS = [f"{topic} " * 6 + "and then" for topic in
 class Replica:
     """A `pagedserve serve` process on a fixed port, killed and restarted by the chaos thread."""
 
-    def __init__(self, model: str | None, port: int, log_dir: Path) -> None:
+    def __init__(self, model: str | None, port: int, log_dir: Path, redis_url: str | None = None) -> None:
         self.port, self.url = port, f"http://127.0.0.1:{port}"
         self.cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", *([model] if model else []),
                     "--host", "127.0.0.1", "--port", str(port), "--api-key", KEY, "--num-threads", "1", "--seed", "0",
                     "--max-num-seqs", "16", "--disable-uvicorn-access-log", "--disable-log-stats"]
+        self.env = None
+        if redis_url:
+            self.cmd += ["--kv-transfer-config", json.dumps({"kv_connector": "redis", "url": redis_url,
+                                                             "kv_role": "kv_both"})]
+            self.env = os.environ | {"PAGEDSERVE_KV_TRANSFER_SECRET": "soak-secret"}
         self.log = open(log_dir / f"replica-{port}.log", "ab")
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 300.0) -> None:
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=str(ROOT))
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=str(ROOT), env=self.env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -82,6 +93,35 @@ class Replica:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+class RedisServer:
+    """A real redis-server on a loopback port with a small maxmemory (LRU), killed and restarted by the chaos."""
+
+    def __init__(self, port: int, log_dir: Path) -> None:
+        self.port, self.url = port, f"redis://127.0.0.1:{port}/0"
+        self.cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                    "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"]
+        self.log = open(log_dir / "redis.log", "ab")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        for _ in range(100):
+            if subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True).stdout == b"PONG\n":
+                return
+            time.sleep(0.1)
+        raise RuntimeError("redis-server did not start")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def info(self, field: str) -> str:
+        out = subprocess.run(["redis-cli", "-p", str(self.port), "info"], capture_output=True, text=True).stdout
+        match = re.search(rf"^{field}:(\S+)", out, re.M)
+        return match.group(1) if match else "?"
 
 
 def rss_mib(pid: int, field: str) -> float:
@@ -150,6 +190,15 @@ class Soak:
                 self.count(self.one(rng, client))
 
 
+def redis_chaos(redis: RedisServer, at: float, down_for: float, log: list[str]) -> None:
+    time.sleep(max(0.0, at - time.monotonic()))
+    redis.kill()
+    log.append("killed redis")
+    time.sleep(down_for)
+    redis.start()
+    log.append("restarted redis")
+
+
 def chaos(replicas: list[Replica], every: float, down_for: float, until: float, log: list[str]) -> None:
     turn = 0
     while time.monotonic() + every < until:
@@ -173,6 +222,7 @@ def main() -> int:
     p.add_argument("--down-for", type=float, default=5.0)
     p.add_argument("--read-timeout", type=float, default=10.0, help="the router's --read-timeout")
     p.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--redis", action="store_true", help="the replicas share KV through a real redis-server")
     p.add_argument("--output", type=Path, default=None, help="also write the results as JSON")
     args = p.parse_args()
 
@@ -182,7 +232,13 @@ def main() -> int:
         from tiny_models import build_tiny_tokenizer, make_tiny_checkpoint
 
         model = str(make_tiny_checkpoint("llama", log_dir / "tiny_llama", tokenizer=build_tiny_tokenizer()))
-    replicas = [Replica(model, free_port(), log_dir) for _ in range(2)]
+    redis = None
+    if args.redis:
+        if shutil.which("redis-server") is None:
+            p.error("--redis needs redis-server (Debian package redis-server)")
+        redis = RedisServer(free_port(), log_dir)
+        redis.start()
+    replicas = [Replica(model, free_port(), log_dir, redis.url if redis else None) for _ in range(2)]
     hung = StandinUpstream("slow", 1e9)  # /health 200, generations never answered
     router = None
     try:
@@ -214,6 +270,9 @@ def main() -> int:
         threads = [threading.Thread(target=soak.client_loop, args=(i, until)) for i in range(args.concurrency)]
         threads.append(threading.Thread(target=chaos, args=(replicas, args.kill_every, args.down_for, until,
                                                             chaos_log)))
+        if redis is not None:
+            threads.append(threading.Thread(target=redis_chaos, args=(redis, start + args.duration / 2,
+                                                                      args.down_for, chaos_log)))
         for t in threads:
             t.start()
         for t in threads:
@@ -229,8 +288,13 @@ def main() -> int:
             "wrong_outputs": soak.outcomes["WRONG OUTPUT"], "hung_clients": soak.outcomes["HUNG CLIENT"],
             "leaked_in_flight": leaked, "router_peak_rss_mib": round(rss_mib(router.pid, "VmHWM"), 1),
             "router_final_rss_mib": round(rss_mib(router.pid, "VmRSS"), 1),
-            "kills": sum(1 for e in chaos_log if e.startswith("killed")), "chaos": chaos_log, "workers": httpx.get(url + "/workers", headers=headers).json(),
+            "kills": sum(1 for e in chaos_log if e.startswith("killed http")), "chaos": chaos_log,
+            "workers": httpx.get(url + "/workers", headers=headers).json(), "redis": None,
         }
+        if redis is not None:
+            results["redis"] = {"used_memory": redis.info("used_memory_human"), "keys": redis.info("db0"),
+                                "evicted_keys": redis.info("evicted_keys")}
+            results["kv_connector"] = connector_counters(replicas)
         print_table(results)
         if args.output:
             args.output.write_text(json.dumps(results, indent=2))
@@ -244,10 +308,26 @@ def main() -> int:
         for r in replicas:
             r.stop()
         hung.stop()
+        if redis is not None:
+            redis.kill()
+
+
+def connector_counters(replicas: list[Replica]) -> dict[str, float]:
+    """The replicas' KV-connector counters, summed (each since its last restart)."""
+    totals: Counter[str] = Counter()
+    for replica in replicas:
+        text = httpx.get(replica.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
+        for line in text.splitlines():
+            if line.startswith(("pagedserve:kv_connector_", "pagedserve:external_prefix_cache_")):
+                name, value = line.rsplit(" ", 1)
+                totals[name.split("{")[0].removeprefix("pagedserve:")] += float(value)
+    return dict(totals)
 
 
 def print_table(results: dict) -> None:
-    print(f"\nrouter soak: {results['duration_s']} s, 2 replicas + 1 hung upstream, {results['kills']} replica kills\n")
+    store = ", a shared redis-server killed once" if results["redis"] else ""
+    print(f"\nrouter soak: {results['duration_s']} s, 2 replicas + 1 hung upstream{store}, {results['kills']} "
+          "replica kills\n")
     print("| measure | value |\n|---|---|")
     for key in ("requests", "wrong_outputs", "hung_clients", "leaked_in_flight", "router_peak_rss_mib",
                 "router_final_rss_mib"):
@@ -255,6 +335,10 @@ def print_table(results: dict) -> None:
     print("\n| outcome | count |\n|---|---|")
     for outcome, n in sorted(results["outcomes"].items()):
         print(f"| {outcome} | {n} |")
+    if results["redis"]:
+        print("\n| redis / KV connector (replicas since their last restart) | value |\n|---|---|")
+        for key, value in {**results["redis"], **results["kv_connector"]}.items():
+            print(f"| {key} | {value} |")
 
 
 if __name__ == "__main__":

@@ -193,6 +193,11 @@ class EngineArgs:
                                     help='JSON, e.g. \'{"kv_connector": "redis", "url": "redis://127.0.0.1:6379"}\' '
                                          '(kv_connector cpu | redis | directory; kv_role kv_both | kv_producer | '
                                          'kv_consumer; kv_buffer_size; path; save_policy evict | write_through)')
+            elif f.name == "served_model_name":  # vLLM: several names; the first is the one responses carry
+                parser.add_argument(flag, nargs="+", default=None,
+                                    help="name(s) the API accepts as `model`; the first is reported")
+            elif f.name == "kv_cache_memory_fraction":  # vLLM's --gpu-memory-utilization lands here (SERVING.md)
+                parser.add_argument(flag, "--gpu-memory-utilization", dest=f.name, type=float, default=f.default)
             elif f.name == "kv_offloading_size":
                 parser.add_argument(flag, type=float, default=None,
                                     help="GiB of host memory for a second KV tier (evicted blocks are kept there)")
@@ -206,7 +211,10 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        if isinstance(values.get("served_model_name"), list):  # aliases are the server's: the engine has the first
+            values["served_model_name"] = values["served_model_name"][0]
+        return cls(**values)
 
 
 logger = logging.getLogger("pagedserve")

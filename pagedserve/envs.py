@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # the types `envs.NAME` has (read through __getattr__ below)
     OPENAI_API_KEY: str | None
     PAGEDSERVE_KV_TRANSFER_SECRET: str | None
     PAGEDSERVE_FAULT_INJECT_TOKEN: str | None
+    PAGEDSERVE_SERVER_DEV_MODE: bool
 
 DEFAULT_GOMP_SPINCOUNT = "10000"
 
@@ -93,6 +94,10 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[str, Callable[[], Any]]] = {
         "Default of `pagedserve serve --admin-api-key`: the key that alone gets the full view of /v1/events "
         "(other clients' token ids).",
         _str("PAGEDSERVE_ADMIN_API_KEY", None)),
+    "PAGEDSERVE_SERVER_DEV_MODE": (
+        "1: `pagedserve serve` adds the development routes (POST /reset_prefix_cache), as vLLM's "
+        "VLLM_SERVER_DEV_MODE; 0 (default): they do not exist (404).",
+        _flag("PAGEDSERVE_SERVER_DEV_MODE", False)),
     "OPENAI_API_KEY": (
         "The key `pagedserve bench serve` sends (as vLLM's benchmark client), for a server started with --api-key.",
         _str("OPENAI_API_KEY", None)),

@@ -50,7 +50,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    prompt_logprobs: None = None
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then one dict per prompt token
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Set when the engine failed this request alone (e.g. a tokenizer error); finish_reason is "abort".
     error: str | None = None
 

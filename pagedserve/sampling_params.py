@@ -95,8 +95,20 @@ class SamplingParams:
     detokenize: bool = True  # False: token ids only (no text, no decoded logprob tokens), as in vLLM
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    # Token controls (vLLM's names; applied by model_executor/token_controls.py). logit_bias: token id -> bias
+    # added to its logit, OpenAI's [-100, 100] (keys may be strings of ids, as JSON sends them).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # sample only among these
+    bad_words: list[str] | None = None  # never generate these words (tokenized by the InputProcessor)
+    bad_words_token_ids: list[list[int]] | None = None  # set by the InputProcessor from bad_words
+    # Per prompt token (after the first): its logprob and the top-N, computed in the prefill's forward. A request
+    # asking for them bypasses prefix-cache hits (a cached prefix has no logits), as in vLLM.
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: max_model_len - 1)
 
     def __post_init__(self) -> None:
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -137,6 +149,13 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", self.logprobs, "a non-negative integer")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or isinstance(self.prompt_logprobs, bool) or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", self.prompt_logprobs, "a non-negative integer")
+        if self.truncate_prompt_tokens is not None and (
+                not isinstance(self.truncate_prompt_tokens, int) or isinstance(self.truncate_prompt_tokens, bool)
+                or not (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)):
+            raise bad("truncate_prompt_tokens", self.truncate_prompt_tokens, "-1 or an integer >= 1")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -147,6 +166,13 @@ class SamplingParams:
             raise bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative integers")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of non-negative integers")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list)
+                                           or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise bad("bad_words", self.bad_words, "a list of non-empty strings")
 
     @property
     def greedy(self) -> bool:
@@ -164,6 +190,27 @@ class SamplingParams:
     @property
     def max_stop_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
+
+
+def _logit_bias(bias: object) -> dict[int, float]:
+    """logit_bias with int keys (JSON sends "123") and float values in OpenAI's [-100, 100]."""
+    if not isinstance(bias, dict):
+        raise InvalidRequestError(f"logit_bias must be a map of token id to bias, got {type(bias).__name__}.",
+                                  param="logit_bias")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            token = -1
+        if isinstance(key, bool) or token < 0:
+            raise InvalidRequestError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}.",
+                                      param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100.0 <= value <= 100.0:
+            raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {value!r} for {key!r}.",
+                                      param="logit_bias")
+        out[token] = float(value)
+    return out
 
 
 @dataclass

@@ -25,7 +25,7 @@ _TESTS = Path(__file__).resolve().parent
 for _folder in (_TESTS, *sorted(p for p in _TESTS.iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))):
     sys.path.insert(0, str(_folder))
 
-from tiny_models import ARCHS, build_tiny_tokenizer, make_tiny_checkpoint  # noqa: E402
+from tiny_models import ARCHS, MOE_ARCHS, build_tiny_tokenizer, make_tiny_checkpoint  # noqa: E402
 
 # Hypothesis: the same examples on every run of a commit ("ci", the default: a red run reproduces, a green one
 # cannot turn red by chance); HYPOTHESIS_PROFILE=thorough draws new, more examples (scripts/test.sh thorough).
@@ -119,8 +119,8 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
     cache: dict[tuple, Path] = {}
 
     def get(arch: str, **kwargs) -> Path:
-        if arch not in ARCHS:
-            raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
+        if arch not in ARCHS + MOE_ARCHS:
+            raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS + MOE_ARCHS}")
         key = (arch, json.dumps(kwargs, sort_keys=True, default=repr))
         if key not in cache:
             name = arch if not kwargs else f"{arch}-{len(cache)}"
@@ -129,6 +129,12 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def model_dir(tiny_model_dir):
+    """The tiny llama checkpoint most engine and server tests run on (a module may define its own)."""
+    return tiny_model_dir("llama")
 
 
 @pytest.fixture(scope="session")

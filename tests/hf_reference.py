@@ -49,12 +49,16 @@ class HFResult:
 
 @functools.lru_cache(maxsize=4)
 def load_hf_model(model_dir: str):
-    """Load a checkpoint in float32, eval mode, with eos disabled in its generation config."""
+    """Load a checkpoint (or a GGUF file) in float32, eval mode, with eos disabled in its generation config."""
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    path = Path(model_dir)
+    if path.suffix == ".gguf":  # transformers dequantizes a GGUF file itself
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     pad = model.generation_config.pad_token_id
     if pad is None:

@@ -13,6 +13,8 @@ Architectures (``ARCHS``):
     llama-tied    LlamaForCausalLM, tie_word_embeddings=True (no lm_head.weight in the checkpoint)
     llama3-rope   LlamaForCausalLM with llama3 rope scaling (factor 8, original_max_position_embeddings 64)
     mistral       MistralForCausalLM, sliding_window=None
+    mistral-sw    MistralForCausalLM, sliding_window=32 (the prompts cross it: every layer attends to the last 32)
+    qwen2-sw      Qwen2ForCausalLM, use_sliding_window, window 32 from layer 1 (max_window_layers=1): mixed layers
     qwen2         Qwen2ForCausalLM, non-zero q/k/v biases
     qwen3         Qwen3ForCausalLM, non-trivial q_norm/k_norm, head_dim=32 != hidden/heads=16
     sharded       same as "llama" (other seed) saved in several shards + model.safetensors.index.json
@@ -46,7 +48,14 @@ __all__ = [
 ]
 
 # "-hd128": head_dim 128 (SmolLM2's, Qwen3's, most 7B models'), wider than hidden_size / heads, end to end
-ARCHS = ("llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "sharded", "llama-hd128", "qwen3-hd128")
+# (new architectures go at the end: each arch's seed is its index, and the others' weights must not change)
+ARCHS = ("llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "sharded", "llama-hd128", "qwen3-hd128",
+         "mistral-sw", "qwen2-sw")
+
+# mixture-of-experts families (not in ARCHS: the engine-feature matrices over ARCHS are dense-only for now);
+# every 2nd Qwen3-MoE layer sparse with layer 0 dense (mlp_only_layers), so both MLP kinds run
+MOE_ARCHS = ("mixtral", "qwen2-moe", "qwen3-moe")
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32, num_hidden_layers=3, output_router_logits=False)
 
 TINY_VOCAB_SIZE = 768
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")  # ids 0, 1, 2
@@ -205,7 +214,7 @@ _BASE = dict(
 
 OUT_GAIN_TIED = 5.0
 QK_NORM_RANGE = (1.5, 3.0)
-_ARCH_SEEDS = {a: i for i, a in enumerate(ARCHS)}
+_ARCH_SEEDS = {a: i for i, a in enumerate(ARCHS + MOE_ARCHS)}
 
 
 def _arch_spec(arch: str) -> tuple[str, dict[str, Any]]:
@@ -230,8 +239,12 @@ def _arch_spec(arch: str) -> tuple[str, dict[str, Any]]:
         )
     if arch == "mistral":
         return "MistralForCausalLM", dict(_BASE, sliding_window=None)
+    if arch == "mistral-sw":
+        return "MistralForCausalLM", dict(_BASE, sliding_window=32)
     if arch == "qwen2":
         return "Qwen2ForCausalLM", dict(_BASE, use_sliding_window=False, sliding_window=None)
+    if arch == "qwen2-sw":
+        return "Qwen2ForCausalLM", dict(_BASE, use_sliding_window=True, sliding_window=32, max_window_layers=1)
     if arch == "qwen3":
         # head_dim 32 while hidden/heads = 16: catches code that derives head_dim from hidden size.
         return "Qwen3ForCausalLM", dict(
@@ -241,7 +254,17 @@ def _arch_spec(arch: str) -> tuple[str, dict[str, Any]]:
         return "Qwen3ForCausalLM", dict(
             _BASE, head_dim=128, use_sliding_window=False, sliding_window=None, attention_bias=False
         )
-    raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
+    if arch == "mixtral":
+        return "MixtralForCausalLM", dict(_BASE, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                          sliding_window=None, num_hidden_layers=2)
+    if arch == "qwen2-moe":
+        return "Qwen2MoeForCausalLM", dict(_BASE, **_MOE, num_experts=4, shared_expert_intermediate_size=48,
+                                           norm_topk_prob=False, use_sliding_window=False, sliding_window=None)
+    if arch == "qwen3-moe":
+        return "Qwen3MoeForCausalLM", dict(_BASE, **_MOE, num_experts=6, norm_topk_prob=True, head_dim=32,
+                                           mlp_only_layers=[0], decoder_sparse_step=1, use_sliding_window=False,
+                                           sliding_window=None, attention_bias=False)
+    raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS + MOE_ARCHS}")
 
 
 def _config_class(model_cls_name: str):
@@ -307,6 +330,8 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
             normal(p, 1.5 / math.sqrt(p.shape[1]))  # peaked attention: positions/masks matter
         elif leaf in ("o_proj", "down_proj"):
             normal(p, out_gain / math.sqrt(p.shape[1]))
+        elif p.dim() == 3:  # stacked experts [E, out, in] (transformers' MoE layout in memory)
+            normal(p, 1.0 / math.sqrt(p.shape[2]))
         elif name.endswith(".weight") and p.dim() == 2:
             normal(p, 1.0 / math.sqrt(p.shape[1]))
         else:

@@ -24,9 +24,10 @@ from pagedserve.model_executor.quantization.int8 import Int8Config
 from tools.eval_demo_model import held_out_windows, load_model_float32, mean_loss
 
 
-def quantize_hf_linears(model: torch.nn.Module, allow_native: bool = True) -> torch.nn.Module:
-    """Every nn.Linear of `model` replaced by pagedserve's int8 Linear (allow_native=False: fbgemm's kernel)."""
-    config = Int8Config(allow_native=allow_native)
+def quantize_hf_linears(model: torch.nn.Module, allow_native: bool = True, config=None) -> torch.nn.Module:
+    """Every nn.Linear of `model` replaced by pagedserve's int8 Linear (allow_native=False: fbgemm's kernel), or by
+    the Linear of another QuantizationConfig `config` (the int4 row of docs' quality table)."""
+    config = config or Int8Config(allow_native=allow_native)
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, torch.nn.Linear):

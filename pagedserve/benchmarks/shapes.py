@@ -38,7 +38,7 @@ from typing import Any
 @dataclass(frozen=True)
 class ModelShape:
     name: str
-    architecture: str  # LlamaForCausalLM | Qwen3ForCausalLM
+    architecture: str  # LlamaForCausalLM | Qwen3ForCausalLM | Qwen3MoeForCausalLM
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -56,10 +56,15 @@ class ModelShape:
     bos: str | None = None
     eos: str = "<|endoftext|>"
     hub_id: str = ""  # the real model this shape copies, for the docs
+    # mixture of experts (Qwen3MoeForCausalLM): every layer sparse, experts of width moe_intermediate_size
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
 
     @property
     def model_type(self) -> str:
-        return {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}[self.architecture]
+        return {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
+                "Qwen3MoeForCausalLM": "qwen3_moe"}[self.architecture]
 
     @property
     def dim_head(self) -> int:
@@ -69,9 +74,9 @@ class ModelShape:
     def num_params(self, include_embedding: bool = True) -> int:
         h, d = self.hidden_size, self.dim_head
         attn = h * self.num_heads * d + 2 * h * self.num_kv_heads * d + self.num_heads * d * h
-        if self.model_type == "qwen3":
+        if self.model_type.startswith("qwen3"):
             attn += 2 * d  # q_norm, k_norm
-        mlp = 3 * h * self.intermediate_size
+        mlp = self._mlp_params(self.num_experts)
         per_layer = attn + mlp + 2 * h
         total = self.num_layers * per_layer + h  # final norm
         if include_embedding:
@@ -84,8 +89,15 @@ class ModelShape:
         """Parameters that take part in a matmul for every token: all linears + the LM head."""
         h, d = self.hidden_size, self.dim_head
         attn = h * self.num_heads * d + 2 * h * self.num_kv_heads * d + self.num_heads * d * h
-        mlp = 3 * h * self.intermediate_size
+        mlp = self._mlp_params(self.num_experts_per_tok)  # a token runs only its top-k experts
         return self.num_layers * (attn + mlp) + self.vocab_size * h
+
+    def _mlp_params(self, experts: int) -> int:
+        """One layer's MLP over `experts` experts (with the router), or the dense MLP."""
+        h = self.hidden_size
+        if not self.num_experts:
+            return 3 * h * self.intermediate_size
+        return experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
 
     def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.dim_head * dtype_bytes
@@ -108,6 +120,9 @@ class ModelShape:
         )
         if self.rope_scaling:
             kw["rope_scaling"] = dict(self.rope_scaling)
+        if self.num_experts:
+            kw.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                      moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=True)
         ids = dict((t, i) for i, t in self.special_tokens)
         kw["eos_token_id"] = ids.get(self.eos)
         kw["bos_token_id"] = ids.get(self.bos) if self.bos else None
@@ -144,6 +159,13 @@ SHAPES: dict[str, ModelShape] = {
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                    max_position_embeddings=131072, special_tokens=_LLAMA3_SPECIALS, bos="<|begin_of_text|>",
                    eos="<|end_of_text|>", hub_id="meta-llama/Llama-3.2-1B"),
+        # Qwen3-30B-A3B's layer with 2 of its 48 layers (the whole model is 61 GB in bf16; make the layer count
+        # fit the machine with --override num_layers=N)
+        ModelShape("qwen3-30b-a3b-2l", "Qwen3MoeForCausalLM", hidden_size=2048, num_layers=2, num_heads=32,
+                   num_kv_heads=4, head_dim=128, intermediate_size=6144, vocab_size=151936, rope_theta=1000000.0,
+                   max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                   num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                   special_tokens=_QWEN_SPECIALS, eos="<|im_end|>", hub_id="Qwen/Qwen3-30B-A3B"),
         # Tiny shapes for tests and smoke runs (not real models).
         ModelShape("tiny-llama", "LlamaForCausalLM", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                    intermediate_size=128, vocab_size=512, max_position_embeddings=2048,
@@ -279,8 +301,8 @@ def make_model(shape: ModelShape, out_dir: str, dtype: str = "float32", seed: in
 
     t0 = time.perf_counter()
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    config_cls = {"LlamaForCausalLM": transformers.LlamaConfig, "Qwen3ForCausalLM": transformers.Qwen3Config}[
-        shape.architecture]
+    config_cls = {"LlamaForCausalLM": transformers.LlamaConfig, "Qwen3ForCausalLM": transformers.Qwen3Config,
+                  "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig}[shape.architecture]
     model_cls = getattr(transformers, shape.architecture)
     config = config_cls(**shape.hf_config_kwargs())
     config.architectures = [shape.architecture]

@@ -71,7 +71,8 @@ class KVCacheManager:
         At least the last token is left to compute: its logits are what the next sample needs.
         Pure lookup: no reference is taken until allocate_slots.
         """
-        if not self.enable_caching:
+        # prompt logprobs come from the prefill's logits: a request asking them computes its whole prompt
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return NO_HIT
         self._update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
@@ -88,7 +89,7 @@ class KVCacheManager:
         written by a running request. Waiting a step lets it hit that block (n > 1 samples, identical prompts
         arriving together) instead of computing it again; blocks are registered only once written, so it cannot
         hit them in this step."""
-        if not self.pending_hashes:
+        if not self.pending_hashes or request.sampling_params.prompt_logprobs is not None:
             return False
         index = len(hit.blocks)
         return index < (request.num_tokens - 1) // self.block_size and \

@@ -285,7 +285,8 @@ class Scheduler:
     def _fetch_external(self, request: Request, hit: PrefixHit) -> list[bytes]:
         """Payloads of the blocks after the pool's hit that the KV connector holds."""
         num_full = self._num_loadable_blocks(request)
-        if self.external_kv is None or len(hit.blocks) >= num_full:
+        if self.external_kv is None or len(hit.blocks) >= num_full \
+                or request.sampling_params.prompt_logprobs is not None:  # it computes its whole prompt
             return []
         return self.external_kv.fetch(request.block_hashes[len(hit.blocks):num_full])
 

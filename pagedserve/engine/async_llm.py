@@ -148,6 +148,7 @@ class AsyncLLM:
         self._num_pending_seqs = 0  # sequences in _adds
         self._num_waiting = 0  # sequences in the engine's waiting queue (engine thread's last snapshot)
         self._aborts: deque[str] = deque()
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()  # run on the engine thread between steps
         self._fail_all_exc: BaseException | None = None
         self._stop = False
         self._draining = False
@@ -295,6 +296,16 @@ class AsyncLLM:
             if not stream.closed:
                 self.abort_nowait(request_id)
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (POST /reset_prefix_cache), between two engine steps. False while requests
+        hold blocks (as LLM.reset_prefix_cache)."""
+        self._check_accepting()
+        future: Future = Future()
+        with self._cond:
+            self._calls.append((self.engine.kv_cache_manager.block_pool.reset_prefix_cache, future))
+            self._cond.notify()
+        return await asyncio.wrap_future(future)
+
     async def abort(self, request_id: str | Iterable[str]) -> None:
         self.abort_nowait(request_id)
 
@@ -350,7 +361,7 @@ class AsyncLLM:
         try:
             while True:
                 with self._cond:
-                    while not (self._stop or self._adds or self._aborts or self._fail_all_exc is not None
+                    while not (self._stop or self._adds or self._aborts or self._calls or self._fail_all_exc is not None
                                or self.engine.has_unfinished_requests()):
                         timeout = self.stat_logger_manager.next_log_in(time.monotonic())
                         if timeout is not None and timeout <= 0:
@@ -363,6 +374,14 @@ class AsyncLLM:
                     self._aborts.clear()
                     self._num_pending_seqs = 0
                     fail_exc, self._fail_all_exc = self._fail_all_exc, None
+                    calls = list(self._calls)
+                    self._calls.clear()
+                for fn, future in calls:  # between steps: the engine's state is the engine thread's alone
+                    if future.set_running_or_notify_cancel():
+                        try:
+                            future.set_result(fn())
+                        except Exception as exc:
+                            future.set_exception(exc)
                 try:
                     self._iteration(adds, aborts, fail_exc)
                 except Exception as exc:  # a bug in this loop, not in a request: keep serving

@@ -118,6 +118,9 @@ class InputProcessor:
         if params.logprobs is not None and params.logprobs > limits.max_logprobs:
             raise InvalidRequestError(f"logprobs must be <= {limits.max_logprobs} (--max-logprobs), got "
                                       f"{params.logprobs}.", param="logprobs")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > limits.max_logprobs:
+            raise InvalidRequestError(f"prompt_logprobs must be <= {limits.max_logprobs} (--max-logprobs), got "
+                                      f"{params.prompt_logprobs}.", param="prompt_logprobs")
         if len(params.stop) > limits.max_stop_strings:
             raise InvalidRequestError(f"At most {limits.max_stop_strings} stop strings are allowed "
                                       f"(--max-stop-strings), got {len(params.stop)}.", param="stop",
@@ -132,7 +135,35 @@ class InputProcessor:
                                       f"(--max-stop-token-ids), got {len(params.stop_token_ids)}.",
                                       param="stop_token_ids", code="too_many_stop_token_ids")
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        if params.logit_bias:
+            self.check_token_ids(list(params.logit_bias), "logit_bias")
+        if params.allowed_token_ids:
+            self.check_token_ids(params.allowed_token_ids, "allowed_token_ids")
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         self.check_num_sequences(1, params.n)
+
+    def truncate_prompt(self, token_ids: list[int], keep: int) -> list[int]:
+        """truncate_prompt_tokens (vLLM): the last `keep` tokens; -1 keeps as many as the context allows."""
+        limit = self.config.model.max_model_len - 1
+        if keep == -1:
+            keep = limit
+        if keep > limit:
+            raise InvalidRequestError(f"truncate_prompt_tokens must be <= max_model_len - 1 ({limit}), got {keep}.",
+                                      param="truncate_prompt_tokens")
+        return token_ids[-keep:]
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens as it would appear at a word start and after a space (vLLM's two spellings)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("bad_words needs a tokenizer (this engine has none).", param="bad_words")
+        seqs: list[list[int]] = []
+        for word in words:
+            for spelling in (word.lstrip(), " " + word.lstrip()):
+                ids = list(self.tokenizer.encode(spelling, add_special_tokens=False))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
 
     def _check_logprob_entries(self, params: SamplingParams, max_tokens: int) -> None:
         """Every sampled token of every sequence keeps its top-`logprobs` (and its own) until the response is
@@ -193,6 +224,9 @@ class InputProcessor:
         token_ids = self.tokenize(prompt, prompt_param)
         if not token_ids:
             raise InvalidRequestError(f"{prompt_param} must not be empty.", param=prompt_param)
+        if params.truncate_prompt_tokens is not None:
+            token_ids = self.truncate_prompt(token_ids, params.truncate_prompt_tokens)
+            prompt = token_ids  # the text no longer matches the tokens
         max_tokens = self._check_length(len(token_ids), params.max_tokens, prompt_param)
         self._check_logprob_entries(params, max_tokens)
         return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,

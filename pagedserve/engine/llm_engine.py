@@ -15,6 +15,7 @@ from pagedserve.engine.events import EngineEventRecorder
 from pagedserve.engine.fault_injection import FaultInjector
 from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest
 from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.startup import StartupStages
 from pagedserve.engine.structured_output import StructuredOutputManager
 from pagedserve.executor import create_executor
 from pagedserve.kv_transfer.block_io import read_kv_blocks
@@ -31,20 +32,25 @@ logger = logging.getLogger("pagedserve")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, warm_up: bool = True) -> None:
+    def __init__(self, config: EngineConfig, *, warm_up: bool = True, startup: StartupStages | None = None) -> None:
         """`config`: EngineArgs.create_engine_config(). Loads the model, sizes and allocates the KV cache
-        (`kv_cache_config`), builds the scheduler and the processors, and warms up."""
+        (`kv_cache_config`), builds the scheduler and the processors, and warms up. `startup` gets each stage's
+        duration (the server logs them with its own)."""
         from transformers import AutoTokenizer
 
         t_start = time.perf_counter()
+        self.startup = startup if startup is not None else StartupStages()
         configure_threads(config.parallel.num_threads)
         self.config = config
         self.model_config = config.model
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer)
-        self.executor = create_executor(config)
+        with self.startup.stage("tokenizer"):
+            self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer)
+        with self.startup.stage("model load"):
+            self.executor = create_executor(config)
         self.runner = self.executor.driver  # rank 0's runner, in this process
-        self.kv_cache_config = self._size_kv_cache()
-        self.executor.allocate_kv_cache(self.kv_cache_config.num_blocks)
+        with self.startup.stage("KV cache allocation"):
+            self.kv_cache_config = self._size_kv_cache()
+            self.executor.allocate_kv_cache(self.kv_cache_config.num_blocks)
         self.kv_cache_manager = KVCacheManager(self.kv_cache_config.num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching,
                                                config.cache.prefix_caching_hash_algo)
@@ -63,14 +69,20 @@ class LLMEngine:
         self.max_batches_in_flight_seen = 0  # most batches ever in flight at once (a statistic)
         if warm_up:
             self.warm_up()
-        self.kv_connector = self._connect_kv_store() if config.kv_transfer is not None else None
+        self.kv_connector = None
+        if config.kv_transfer is not None:
+            with self.startup.stage("KV connector"):
+                self.kv_connector = self._connect_kv_store()
         if config.trace_file is not None:  # after the warm-up: the trace holds real traffic only
             self.events.open_trace(config.trace_file)
         logger.info("Engine ready in %.1f s", time.perf_counter() - t_start)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, *, warm_up: bool = True) -> "LLMEngine":
-        return cls(args.create_engine_config(), warm_up=warm_up)
+        startup = StartupStages()
+        with startup.stage("config"):
+            config = args.create_engine_config()
+        return cls(config, warm_up=warm_up, startup=startup)
 
     def shutdown(self) -> None:
         """Stop the executor's workers (a no-op for one process)."""
@@ -130,7 +142,9 @@ class LLMEngine:
         if self.runner.device.type == "cpu":
             from pagedserve.model_executor.kernels import cpu_kernels
 
-            cpu_kernels()
+            with self.startup.stage("native kernels"):
+                cpu_kernels()
+        t_requests = time.perf_counter()
         cfg = self.config
         room = min(cfg.model.max_model_len, self.kv_cache_config.num_tokens)
         num_prompt = max(1, min(2 * cfg.cache.block_size + 3, room - 2))
@@ -153,6 +167,7 @@ class LLMEngine:
         self.max_batches_in_flight_seen = 0
         self.output_processor.take_stats()
         self.last_iteration = IterationStats()
+        self.startup.add("warm-up", time.perf_counter() - t_requests)
         logger.info("Warm-up (kernels, prefill, cached-prefix prefill, decode, sampler, a full-budget step) "
                     "took %.2f s", time.perf_counter() - t0)
 
@@ -292,6 +307,8 @@ class LLMEngine:
         progressed = self.scheduler.update_from_output(sched_out, runner_out.sampled, runner_out.spec_token_ids)
         self._save_kv(self.kv_cache_manager.take_blocks_to_save())  # write-through: the blocks written just now
         now = time.time()
+        if runner_out.prompt_logprobs:
+            self.output_processor.process_prompt_logprobs(runner_out.prompt_logprobs)
         to_stop, failed = self.output_processor.process_tokens(progressed, runner_out.logprobs, now)
         if grammars.matchers:  # a completed grammar ends its sequence ("stop"), like EOS (no drafts: one token)
             to_stop += grammars.accept([(r.request_id, r.all_token_ids[-1]) for r, _ in progressed if not r.is_finished])

@@ -37,6 +37,8 @@ class _UserRequest:
     samples: list[_Sample]
     metrics: RequestMetrics
     progressed: set[int] = field(default_factory=set)  # sample indices with news this step
+    prompt_logprobs: list[dict[int, Logprob]] | None = None  # entries for prompt tokens 1.. (when asked)
+    sent_prompt_logprobs: bool = False  # DELTA outputs carry them once
 
     @property
     def request_id(self) -> str:
@@ -65,7 +67,8 @@ class OutputProcessor:
                            if params.detokenize else None,
                            [] if params.logprobs is not None else None) for seq in sequences]
         user = _UserRequest(processed, samples, RequestMetrics(processed.arrival_time,
-                                                               num_prompt_tokens=len(processed.prompt_token_ids)))
+                                                               num_prompt_tokens=len(processed.prompt_token_ids)),
+                            prompt_logprobs=[] if params.prompt_logprobs is not None else None)
         self.requests[processed.request_id] = user
         for sample in samples:
             self._sequences[sample.request.request_id] = (user, sample)
@@ -87,6 +90,20 @@ class OutputProcessor:
         return stats
 
     # ------------------------------------------------------------------------------ a step's tokens
+    def process_prompt_logprobs(self, chunks: dict[str, tuple[int, list[dict[int, Logprob]]]]) -> None:
+        """Append each prefill chunk's prompt logprobs; entries seen already (a prefill computed again after a
+        preemption) are skipped."""
+        for seq_id, (start, entries) in chunks.items():
+            user, sample = self._sequences.get(seq_id, (None, None))
+            if user is None or user.prompt_logprobs is None or start > len(user.prompt_logprobs):
+                continue
+            new = entries[len(user.prompt_logprobs) - start:]
+            if sample.detokenizer is not None:
+                for entry in new:
+                    for tid, lp in entry.items():
+                        lp.decoded_token = self.tokenizer.decode([tid])
+            user.prompt_logprobs.extend(new)
+
     def process_tokens(self, progressed: list[tuple[Request, int]],
                        logprobs: dict[str, list[dict[int, Logprob]]],
                        now: float) -> tuple[list[str], dict[str, str]]:
@@ -176,8 +193,12 @@ class OutputProcessor:
         if finished:
             self._finish(user, now)
         p = user.processed
+        prompt_logprobs = None
+        if user.prompt_logprobs is not None and not (delta and user.sent_prompt_logprobs):
+            prompt_logprobs = [None, *user.prompt_logprobs]
+            user.sent_prompt_logprobs = True
         return RequestOutput(p.request_id, p.prompt, p.prompt_token_ids, completions, finished, user.metrics,
-                             user.metrics.num_cached_tokens)
+                             user.metrics.num_cached_tokens, prompt_logprobs)
 
     @staticmethod
     def _completion(sample: _Sample, delta: bool) -> CompletionOutput:

@@ -7,7 +7,6 @@ import sys
 from pagedserve import envs
 
 
-
 def _add_generate_parser(subparsers) -> None:
     from pagedserve.config import EngineArgs
 
@@ -40,8 +39,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    envs.set_openmp_defaults()  # before any command imports torch
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(subparsers)
@@ -51,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from pagedserve.entrypoints.router import add_router_parser
     from pagedserve.entrypoints.dashboard.replay import add_replay_parser
     from pagedserve.entrypoints.diagnose import add_diagnose_parser
-    from pagedserve.entrypoints.data_parallel import add_data_parallel_arg, run_data_parallel
+    from pagedserve.entrypoints.data_parallel import add_data_parallel_arg
 
     add_data_parallel_arg(add_serve_parser(subparsers))
     add_proxy_parser(subparsers)
@@ -59,9 +57,16 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_parser(subparsers)
     add_replay_parser(subparsers)
     add_diagnose_parser(subparsers)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    envs.set_openmp_defaults()  # before any command imports torch
+    args = build_parser().parse_args(argv)
     try:
         if getattr(args, "data_parallel_size", 1) != 1:  # serve -dp N: N replicas of this command behind a router
+            from pagedserve.entrypoints.data_parallel import run_data_parallel
+
             return run_data_parallel(args, sys.argv[1:] if argv is None else argv)
         return args.func(args) or 0
     except ValueError as exc:

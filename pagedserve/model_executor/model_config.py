@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedserve.model_executor.gguf_loader import gguf_checkpoint_dir, is_gguf_file
 from pagedserve.model_executor.models.registry import SUPPORTED_ARCHITECTURES
 
 
@@ -30,6 +31,8 @@ class ModelConfig:
     checkpoint_dtype: str | None
     eos_token_ids: frozenset[int]
     bos_token_id: int | None
+    sliding_window: int | None  # a sliding layer attends to the last this many positions (None: full attention)
+    layer_types: tuple[str, ...] | None  # per layer "sliding_attention" | "full_attention" (None: all slide)
     # ---- resolved for serving (from_dir's arguments)
     dtype: str  # the weights' and activations' dtype: float32 | bfloat16 | float16
     max_model_len: int  # prompt + output tokens of one request
@@ -55,8 +58,10 @@ class ModelConfig:
         # a window without use_sliding_window (Mistral's configs) is in use; Qwen's configs say when it is not
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         max_pos = cfg.get("max_position_embeddings", 2048)
-        if sliding:  # we implement full attention only: stay inside the window, where the two agree
-            max_pos = min(max_pos, sliding)
+        layer_types = cfg.get("layer_types")
+        if layer_types is None and sliding and "max_window_layers" in cfg:  # Qwen2's layers from this one slide
+            layer_types = ["sliding_attention" if i >= cfg["max_window_layers"] else "full_attention"
+                           for i in range(cfg["num_hidden_layers"])]
         if max_model_len is not None and max_model_len > max_pos:
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
                              f"({max_pos}).")
@@ -79,12 +84,20 @@ class ModelConfig:
             checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             eos_token_ids=_eos_ids(model_dir, cfg),
             bos_token_id=cfg.get("bos_token_id"),
+            sliding_window=sliding or None,
+            layer_types=tuple(layer_types) if layer_types else None,
             dtype=dtype,
             max_model_len=max_model_len or max_pos,
             served_model_name=served_model_name or str(model_dir),
             tokenizer=tokenizer or str(model_dir),
             is_default_model=is_default_model,
         )
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The window of the checkpoint's layer `layer` (global index), None where it attends to everything."""
+        if self.sliding_window is None or (self.layer_types and self.layer_types[layer] != "sliding_attention"):
+            return None
+        return self.sliding_window
 
     @property
     def path(self) -> str:
@@ -111,8 +124,12 @@ def _read_json(path: Path) -> dict:
 
 
 def resolve_model_dir(model: str, revision: str | None = None) -> Path:
-    """A local checkpoint directory, or a hub id downloaded (or found in the local HF cache) via huggingface_hub."""
+    """A local checkpoint directory, a GGUF file (converted once: gguf_loader.py), or a hub id downloaded (or found in the local HF cache) via huggingface_hub."""
     path = Path(model).expanduser()
+    if path.suffix == ".gguf" or is_gguf_file(path):
+        if not is_gguf_file(path):
+            raise ValueError(f"Model path {model!r} is not a GGUF file.")
+        return gguf_checkpoint_dir(path)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ValueError(f"{path} has no config.json: not a Hugging Face checkpoint directory.")

@@ -23,9 +23,17 @@ from pagedserve.model_executor.input_batch import TokenSpan, prepare_batch, runs
 from pagedserve.model_executor.model_loader import allocate_kv_cache, kv_bytes_per_block, load_model
 from pagedserve.model_executor.parallel_state import SINGLE, ParallelState
 from pagedserve.model_executor.platform import available_memory, torch_dtype
+from pagedserve.model_executor.prompt_logprobs import (
+    PromptChunk,
+    PromptLogprobRows,
+    compute_prompt_logprobs,
+    prompt_chunk,
+    prompt_logprob_rows,
+)
 from pagedserve.model_executor.quantization.registry import get_quantization_config
 from pagedserve.model_executor.rejection_sampler import DraftBatch, rejection_sample
 from pagedserve.model_executor.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata
+from pagedserve.model_executor.token_controls import bad_word_bans
 from pagedserve.outputs import Logprob
 from pagedserve.spec_decode.drafter import DrafterContext
 from pagedserve.spec_decode.selector import make_drafter
@@ -58,6 +66,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)  # one per new token, if asked
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts proposed for the next step
     forward_time: float = 0.0  # the model forward alone (no input prep, no sampling)
+    # request id -> (index of the first entry, entries): prompt logprobs of this step's prefill chunk; entry j is
+    # the prompt token at position j + 1 (the first prompt token has none)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -70,6 +81,7 @@ class StartedStep:
     token_masks: TokenMaskSource | None  # its matchers' requests get no drafts
     logits: torch.Tensor | None
     forward_time: float  # this rank's forward alone (no input prep, no sampling)
+    prompt_rows: PromptLogprobRows | None = None  # when a prefill chunk asked for prompt logprobs
 
 
 class ModelRunner:
@@ -133,7 +145,9 @@ class ModelRunner:
         # decode rows first: attention batches them together
         items = sorted(out.scheduled, key=lambda s: not runs_as_decode(s.num_new_tokens))
         sampling_items = [item for item in items if item.samples]
-        batch = prepare_batch(self._spans(items), self.block_size, self.device)
+        chunks = [prompt_chunk(item) for item in items]
+        spans = self._spans(items, chunks)
+        batch = prepare_batch(spans, self.block_size, self.device)
         # A speculative batch is verified against masks, so every constrained row's mask comes first there.
         speculative = any(item.spec_token_ids for item in sampling_items)
         masks = token_masks.start_masks([i.request.request_id for i in sampling_items],
@@ -144,14 +158,19 @@ class ModelRunner:
             logits = self.decode_graphs.run(batch)
         else:
             logits = self.run_model(batch.input_ids, batch.positions, batch.attn_metadata, batch.logits_indices)
-        return StartedStep(len(out.scheduled), sampling_items, masks, token_masks, logits, time.perf_counter() - t0)
+        return StartedStep(len(out.scheduled), sampling_items, masks, token_masks, logits, time.perf_counter() - t0,
+                           prompt_logprob_rows(items, spans, chunks, self.device))
 
     @torch.inference_mode()
     def finish_step(self, step: StartedStep) -> ModelRunnerOutput:
         """Sampling (and the next drafts) from the step's logits."""
         result = ModelRunnerOutput(forward_time=step.forward_time)
+        logits = step.logits
+        if step.prompt_rows is not None:
+            result.prompt_logprobs = compute_prompt_logprobs(logits, step.prompt_rows.chunks)
+            logits = logits[step.prompt_rows.sample_rows]
         if step.sampling_items:
-            self._sample(step.logits, step.sampling_items, result, step.masks, step.token_masks)
+            self._sample(logits, step.sampling_items, result, step.masks, step.token_masks)
             if self.drafter is not None:
                 constrained = step.token_masks.matchers if step.token_masks is not None else {}
                 result.spec_token_ids = self.drafter.propose(step.sampling_items, result.sampled,
@@ -164,15 +183,17 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
 
     @staticmethod
-    def _spans(items: list[ScheduledRequest]) -> list[TokenSpan]:
+    def _spans(items: list[ScheduledRequest], chunks: list[PromptChunk | None]) -> list[TokenSpan]:
         spans = []
-        for item in items:
+        for item, chunk in zip(items, chunks):
             r = item.request
             first = r.num_computed_tokens
             # drafts follow the known tokens (num_new_tokens counts them); a sampling span has logits at its last
             # known token and at every draft
             tokens = r.all_token_ids[first:first + item.num_new_tokens] + item.spec_token_ids
+            # a chunk asking prompt logprobs has logits at every position (its rows come first, the sample row last)
             spans.append(TokenSpan(tokens, first, item.block_ids,
+                                   len(tokens) if chunk is not None else
                                    len(item.spec_token_ids) + 1 if item.samples else 0))
         return spans
 
@@ -184,7 +205,9 @@ class ModelRunner:
         speculative = any(drafts)
         rows = [len(d) + 1 for d in drafts]
         row_requests = [r for r, n in zip(requests, rows) for _ in range(n)] if speculative else requests
-        meta = self._sampling_metadata(row_requests)
+        # a verification row after draft tokens sees them as output (bad_words match across them)
+        row_drafts = [d[:i] for d, n in zip(drafts, rows) for i in range(n)] if speculative else None
+        meta = self._sampling_metadata(row_requests, row_drafts)
         token_mask_bias = masks.bias.result() if masks is not None and masks.bias is not None else None
         if token_mask_bias is not None:  # one mask row per request (constrained requests never draft)
             meta.token_mask_bias = token_mask_bias.repeat_interleave(
@@ -226,7 +249,7 @@ class ModelRunner:
             out.logprobs.sampled_logprobs[index] = again.logprobs.sampled_logprobs
             out.logprobs.sampled_ranks[index] = again.logprobs.sampled_ranks
 
-    def _sampling_metadata(self, row_requests: list) -> SamplingMetadata:
+    def _sampling_metadata(self, row_requests: list, row_drafts: list[list[int]] | None = None) -> SamplingMetadata:
         params = [r.sampling_params for r in row_requests]
         generators = {}
         banned = {}
@@ -240,6 +263,9 @@ class ModelRunner:
                 generators[row] = g
             if r.num_output_tokens < p.min_tokens:
                 banned[row] = sorted(r.eos_token_ids | set(p.stop_token_ids))
+            if p.bad_words_token_ids:
+                output = list(r.output_token_ids) + row_drafts[row] if row_drafts else r.output_token_ids
+                banned[row] = banned.get(row, []) + bad_word_bans(p.bad_words_token_ids, output)
         any_penalty = any(p.needs_penalties for p in params)
         return SamplingMetadata.build(
             params, generators,

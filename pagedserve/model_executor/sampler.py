@@ -1,6 +1,7 @@
 """Turns one step's logits into next tokens for a batch of sequences (semantics follow vLLM V1).
 
-Order: logprobs from the raw logits -> penalties -> banned tokens -> greedy argmax | temperature, top-k, top-p,
+Order: logprobs from the raw logits -> penalties -> logit_bias, allowed_token_ids -> banned tokens (min_tokens,
+bad_words) -> greedy argmax | temperature, top-k, top-p,
 min-p, inverse-CDF draw. Penalties and bans apply to greedy rows too.
 
 Random rows sample by inverse CDF: one uniform u per row, the token is the first whose cumulative probability
@@ -18,6 +19,11 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from pagedserve.model_executor.kernels import cpu_kernels
+from pagedserve.model_executor.token_controls import (
+    allowed_token_tensors,
+    apply_token_controls,
+    logit_bias_tensors,
+)
 from pagedserve.sampling_params import SamplingParams
 
 # Temperatures below this are greedy; the same bound as SamplingParams.greedy.
@@ -50,6 +56,10 @@ class SamplingMetadata:
     max_num_logprobs: int | None = None  # None: no logprobs; k >= 0: top-k plus the sampled token
     # Structured output: [N, >= V] float32 logit bias, 0 where a row may sample the token, -inf where not; or None.
     token_mask_bias: torch.Tensor | None = None
+    # Token controls (token_controls.py): logit_bias as flat (rows, cols, values), allowed_token_ids as flat
+    # (rows, cols) of the restricted rows; None when no row uses them.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    allowed_token_ids: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -96,6 +106,8 @@ class SamplingMetadata:
             output_token_ids=list(output_token_ids) if needs_penalties else None,
             banned_token_ids={row: list(ids) for row, ids in banned_token_ids.items() if ids},
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
+            logit_bias=logit_bias_tensors(params, device),
+            allowed_token_ids=allowed_token_tensors(params, device),
         )
 
 
@@ -137,11 +149,13 @@ def processed_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[
     # rows with nothing to apply take the argmax of the logits as they are: bf16 converts to float32 exactly, so the
     # argmax is the same, without writing and reading a float32 copy (at 32 x 49152, 6 MB less per step).
     in_place = (not metadata.all_greedy or metadata.repetition_penalty is not None or bool(metadata.banned_token_ids)
-                or metadata.token_mask_bias is not None)
+                or metadata.token_mask_bias is not None or metadata.logit_bias is not None
+                or metadata.allowed_token_ids is not None)
     if in_place or metadata.max_num_logprobs is not None or logits.dtype not in (torch.float32, torch.bfloat16):
         logits = logits.to(torch.float32, copy=in_place)
     raw_logprobs = None if metadata.max_num_logprobs is None else torch.log_softmax(logits, dim=-1)
     logits = apply_penalties(logits, metadata)
+    logits = apply_token_controls(logits, metadata.logit_bias, metadata.allowed_token_ids)
     logits = apply_banned_tokens(logits, metadata.banned_token_ids)
     if metadata.token_mask_bias is not None:
         apply_token_mask_bias(logits, metadata.token_mask_bias)

@@ -1,4 +1,5 @@
 """`bench make-model` shapes, the random-weight checkpoint writer, and the roofline arithmetic."""
+import dataclasses
 import json
 import os
 
@@ -113,6 +114,17 @@ def test_measure_peaks_small():
 
 def test_every_shape_is_a_known_architecture():
     for s in SHAPES.values():
-        assert s.model_type in ("llama", "qwen3")
+        assert s.model_type in ("llama", "qwen3", "qwen3_moe")
         assert s.num_heads % s.num_kv_heads == 0
         assert all(0 <= i < s.vocab_size for i, _ in s.special_tokens)
+
+
+def test_moe_shape_counts_active_experts_only_in_matmul_params():
+    s = SHAPES["qwen3-30b-a3b-2l"]
+    h, e = s.hidden_size, s.num_experts
+    dense = dataclasses.replace(s, num_experts=0)  # the same shape without the MoE fields
+    expert = 3 * h * s.moe_intermediate_size
+    assert s.num_params() - dense.num_params() == s.num_layers * (e * expert + h * e - 3 * h * s.intermediate_size)
+    assert s.matmul_params() - dense.matmul_params() == s.num_layers * (
+        s.num_experts_per_tok * expert + h * e - 3 * h * s.intermediate_size)
+    assert s.hf_config_kwargs()["num_experts"] == 128

@@ -14,11 +14,6 @@ from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import RequestOutputKind
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
 def make_llm(model_dir, **kwargs) -> LLM:
     kwargs.setdefault("num_kv_blocks", 128)
     kwargs.setdefault("max_model_len", 512)

@@ -21,11 +21,6 @@ from pagedserve.metrics.prometheus import PrometheusStatLogger, render
 PROMPT_LEN = 100  # 6 full blocks before the last token
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
 def block_keys(llm, prompt: list[int]) -> list[str]:
     """The store keys of the prompt's full blocks, in order."""
     engine = llm.llm_engine

@@ -11,11 +11,6 @@ from pagedserve.core.kv_cache_manager import cdiv
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
 def make_llm(model_dir, **kwargs) -> LLM:
     kwargs.setdefault("num_kv_blocks", 256)
     kwargs.setdefault("dtype", "float32")  # compared with HF's float32: not `auto` (bf16 on some CPUs)

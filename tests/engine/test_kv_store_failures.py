@@ -6,6 +6,7 @@ import os
 import resource
 import signal
 import time
+import traceback
 
 import pytest
 from test_kv_transfer import BLOCK, generate, make_llm, tokens
@@ -13,40 +14,57 @@ from test_kv_transfer import BLOCK, generate, make_llm, tokens
 from pagedserve.kv_transfer.stores import DirectoryStore
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture
-def file_size_limit():
-    """Set RLIMIT_FSIZE for the test's writes (a write past it fails with EFBIG, as on a full disk), then restore."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal that kills the process
-    yield lambda limit: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    signal.signal(signal.SIGXFSZ, handler)
-
-
 def tmp_files(path) -> list[str]:
     return [f.name for f in path.iterdir() if f.name.startswith(".tmp-")]
 
 
-def test_failed_directory_write_leaves_nothing_and_backs_off(tmp_path, file_size_limit):
+def limit_file_size(limit: int) -> None:
+    """RLIMIT_FSIZE: a write past limit bytes fails with EFBIG, as on a full disk. Only in_forked_child: the limit
+    holds for every file the process writes, so in pytest's own process it also fails pytest's writes to a log file
+    already past it (CI's output went to one, and the run stopped mid-suite with exit 1)."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal that kills the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+def in_forked_child(body) -> None:
+    """Run body() in a forked child; its exception's traceback comes back as this test's failure."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        os.close(read_fd)
+        error = b""
+        try:
+            body()
+        except BaseException:  # noqa: BLE001 - everything goes back to the parent
+            error = traceback.format_exc().encode()
+        os.write(write_fd, error)
+        os._exit(1 if error else 0)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as pipe:
+        error = pipe.read().decode()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"the child failed:\n{error}"
+
+
+def test_failed_directory_write_leaves_nothing_and_backs_off(tmp_path):
     """A write that fails half-way leaves no temporary file (before: one per failed block, forever); writes then
     back off (no retry per step), reads go on."""
-    store = DirectoryStore(str(tmp_path), retry_after_s=0.3)
-    store.put([("kept", b"k" * 100)])
-    file_size_limit(1000)
-    store.put([("big", b"x" * 5000), ("next", b"y" * 10)])
-    assert store.num_failures == 1 and tmp_files(tmp_path) == []
-    assert store.missing(["big", "next"]) == []  # lookups and writes are backed off: nothing to save for now
-    store.put([("small", b"s" * 10)])
-    assert store.num_failures == 1 and not (tmp_path / "small").exists()
-    assert store.get_prefix(["kept"]) == [b"k" * 100]  # reads are not held back
-    time.sleep(0.35)
-    store.put([("small", b"s" * 10)])
-    assert store.get_prefix(["small"]) == [b"s" * 10] and store.missing(["big", "small"]) == ["big"]
+
+    def body():
+        store = DirectoryStore(str(tmp_path), retry_after_s=0.3)
+        store.put([("kept", b"k" * 100)])
+        limit_file_size(1000)
+        store.put([("big", b"x" * 5000), ("next", b"y" * 10)])
+        assert store.num_failures == 1 and tmp_files(tmp_path) == []
+        assert store.missing(["big", "next"]) == []  # lookups and writes are backed off: nothing to save for now
+        store.put([("small", b"s" * 10)])
+        assert store.num_failures == 1 and not (tmp_path / "small").exists()
+        assert store.get_prefix(["kept"]) == [b"k" * 100]  # reads are not held back
+        time.sleep(0.35)
+        store.put([("small", b"s" * 10)])
+        assert store.get_prefix(["small"]) == [b"s" * 10] and store.missing(["big", "small"]) == ["big"]
+
+    in_forked_child(body)
 
 
 def test_stale_temporary_files_are_swept_at_start(tmp_path):

@@ -16,11 +16,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 BLOCK = 16
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
 def make_llm(model_dir, **kwargs) -> LLM:
     kwargs.setdefault("num_kv_blocks", 24)
     return LLM(str(model_dir), num_threads=1, dtype="float32", block_size=BLOCK, **kwargs)

@@ -25,11 +25,6 @@ from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
 def expected_tokens(model_dir, prompt: list[int]) -> list[int]:
     out = make_llm(model_dir).generate({"prompt_token_ids": prompt}, PARAMS, use_tqdm=False)[0]
     return out.outputs[0].token_ids

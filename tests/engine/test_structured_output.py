@@ -24,11 +24,6 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"typ
 GRAMMAR = 'start: "def " NAME "(" NAME? "):"\nNAME: /[a-z_]{1,8}/'
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
 @pytest.fixture(scope="module", params=[True, False], ids=["masks-overlapped", "checked-first"])
 def llm(model_dir, request):
     """Both ways of running the masks (engine/structured_output.py): beside the forward on a worker thread, and
@@ -364,8 +359,13 @@ def test_tool_calls_named_and_required_streamed_equal_full(server):
 
 
 def test_server_builds_the_grammar_tokenizer_at_start_up(server):
-    """Built before the server is ready, so the first constrained request's step does not pay for it."""
-    assert "Structured output (llguidance) ready in" in server.log()
+    """Built before the server is ready, so the first constrained request's step does not pay for it; it is one of
+    the start-up stages the server logs, each with its duration."""
+    line = next(line for line in server.log().splitlines() if "Start-up stages:" in line)
+    for stage in ("process start and imports", "config", "tokenizer", "model load", "KV cache allocation",
+                  "native kernels", "warm-up", "structured output (llguidance)", "HTTP app", "total"):
+        assert re.search(re.escape(stage) + r" \d+\.\d\d s", line), (stage, line)
+    assert re.search(r"Port open: accepting requests \d+\.\d\d s after the process started", server.log())
 
 
 @pytest.mark.server

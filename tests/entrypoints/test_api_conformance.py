@@ -62,6 +62,12 @@ def _ids_out_of_vocab(value: Any, vocab: int) -> bool:
     return False
 
 
+def _bad_logit_bias(bias: Any, vocab: int) -> bool:
+    if not isinstance(bias, dict):
+        return False
+    return any(not k.isdigit() or int(k) >= vocab or not -100 <= v <= 100 for k, v in bias.items())
+
+
 CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                      "guided_grammar")
 
@@ -91,14 +97,25 @@ def business_rule_broken(path: str, body: Any, error: dict[str, Any], vocab: int
         return "min_tokens > max_tokens"
     if field == "min_tokens" and max_tokens is None and body.get("min_tokens", 0) > 0:
         return "min_tokens > the default max_tokens (what the context leaves after the prompt)"
-    if field == "best_of" and body.get("best_of") is not None and body["best_of"] != body.get("n", 1):
-        return "best_of != n"
+    best_of, n = body.get("best_of"), body.get("n", 1)
+    if field == "best_of" and best_of is not None and (best_of < n or (best_of > n and body.get("stream"))):
+        return "best_of < n, or best_of > n with stream"
+    truncate = body.get("truncate_prompt_tokens")
+    if field == "truncate_prompt_tokens" and truncate is not None and (truncate == 0 or truncate > MAX_MODEL_LEN - 1):
+        return "truncate_prompt_tokens 0 or above max_model_len - 1"
     if field == "priority" and body.get("priority", 0) != 0:
         return "priority without --scheduling-policy priority"
     if field == "stream_options" and body.get("stream_options") is not None and not body.get("stream"):
         return "stream_options without stream"
-    if field == "echo" and body.get("echo") and body.get("logprobs") is not None:
-        return "echo with logprobs"
+    if field == "max_tokens" and path == C and body.get("max_tokens") == 0 and not body.get("echo"):
+        return "max_tokens 0 without echo"
+    if field == "logit_bias" and _bad_logit_bias(body.get("logit_bias"), vocab):
+        return "logit_bias key outside the vocabulary or bias outside [-100, 100]"
+    if field == "allowed_token_ids" and (not body.get("allowed_token_ids")
+                                         or _ids_out_of_vocab(body["allowed_token_ids"], vocab)):
+        return "allowed_token_ids empty or outside the vocabulary"
+    if field == "bad_words" and any(not w.strip() for w in body.get("bad_words") or []):
+        return "a blank bad word"
     if field == "top_logprobs" and body.get("top_logprobs") is not None and not body.get("logprobs"):
         return "top_logprobs without logprobs"
     both = (body.get("max_tokens"), body.get("max_completion_tokens"))
@@ -174,8 +191,9 @@ def test_business_rule_oracle():
     assert business_rule_broken(C, {"prompt": [5, 767]}, err("prompt"), 768) is None
     assert business_rule_broken(C, {"prompt": "a"}, err("prompt"), 768) is None  # e.g. a bogus "empty" refusal
     assert business_rule_broken(C, {"prompt": "a"}, err("prompt", "context_length_exceeded"), 768)
-    assert business_rule_broken(C, {"prompt": "a", "best_of": 2}, err("best_of"), 768)
-    assert business_rule_broken(C, {"prompt": "a", "best_of": 2, "n": 2}, err("best_of"), 768) is None
+    assert business_rule_broken(C, {"prompt": "a", "best_of": 1, "n": 2}, err("best_of"), 768)
+    assert business_rule_broken(C, {"prompt": "a", "best_of": 2, "stream": True}, err("best_of"), 768)
+    assert business_rule_broken(C, {"prompt": "a", "best_of": 2}, err("best_of"), 768) is None
     assert business_rule_broken(CH, {"messages": [{"role": "user"}], "continue_final_message": True},
                                 err("continue_final_message"), 768)
     assert business_rule_broken(CH, {"messages": [{"role": "user"}]}, err("messages"), 768) is None
@@ -427,7 +445,8 @@ def _bad_material(vocab: int) -> dict[str, Any]:
             "stop_token_ids": [[-1], [vocab], [10**7], [2**63], "1", [1.5]],
             "priority": [1, -5, 1.5, "1"], "stream": ["yes", 1, None], "echo": ["x", 2], "best_of": [2, 0, 200, "1"],
             "cache_salt": ["", 5], "user": [5, []], "stream_options": [{"include_usage": True}, {"x": 1}, "yes"],
-            "suffix": ["x"], "logit_bias": [{"5": 1}], "tools": [[{}], "x", [{"type": "function", "function": {"name": "bad name!"}}]],
+            "suffix": ["x"], "logit_bias": [{"5": 101}, {"x": 1}, {str(vocab): 1}, [1]],
+            "allowed_token_ids": [[], [vocab], [-1]], "bad_words": [[""], "x", [5]], "tools": [[{}], "x", [{"type": "function", "function": {"name": "bad name!"}}]],
             "response_format": [{"type": "bogus"}, "json", {"type": "json_schema"}],
             "guided_regex": ["a(b", "", 5], "guided_choice": [[], [""], "a"], "structured_outputs": [{}, {"regex": "a", "choice": ["a"]}],
         },
@@ -443,8 +462,8 @@ def _bad_material(vocab: int) -> dict[str, Any]:
                  b'{"prompt": "x", "max_tokens": 1e999}', b'{"prompt": "x", "n": 1e400}', b'{"prompt": "x",}',
                  b'{"messages": [{"role": "user", "content": "x"}], "presence_penalty": NaN}'],
         "rule": [
-            (C, {"prompt": "x", "min_tokens": 5, "max_tokens": 2}), (C, {"prompt": "x", "best_of": 2, "n": 1}),
-            (C, {"prompt": "x", "echo": True, "logprobs": 1}), (C, {"prompt": "x", "stream_options": {}}),
+            (C, {"prompt": "x", "min_tokens": 5, "max_tokens": 2}), (C, {"prompt": "x", "best_of": 1, "n": 2}),
+            (C, {"prompt": "x", "max_tokens": 0}), (C, {"prompt": "x", "stream_options": {}}),
             # the out-of-vocabulary stop id that used to fail the whole batch inside the sampler
             (C, {"prompt": "x", "max_tokens": 2, "min_tokens": 1, "stop_token_ids": [10**7]}),
             (C, {"prompt": ["a", "b", "c"], "n": 100}), (C, {"prompt": "x", "stop": ["s"] * (MAX_STOP_STRINGS + 1)}),
@@ -473,7 +492,7 @@ def _bad_case(material: dict, kind: str, path: str, base: dict, choice: Any) -> 
     field, value = choice
     body = {**base, field: value}
     if field == "best_of":
-        body["n"] = 1  # best_of == n would be fine
+        body["n"] = 3  # best_of >= n (without stream) would be fine
     if field == "stream_options":
         body["stream"] = False  # stream_options is fine with stream=true
     return f"bad:{field}", path, body, None
@@ -543,8 +562,7 @@ def _fuzz_cases(vocab: int):
                 "include_stop_str_in_output": st.booleans(), "user": text, "cache_salt": text}
     max_tokens = st.integers(1, 12)
     completion = st.fixed_dictionaries({"prompt": prompt, "max_tokens": max_tokens}, optional={
-        **sampling, "logprobs": st.integers(0, 20), "echo": st.booleans()}).filter(
-        lambda b: not (b.get("echo") and "logprobs" in b))
+        **sampling, "logprobs": st.integers(0, 20), "echo": st.booleans()})
     chat = st.fixed_dictionaries({"messages": messages, "max_tokens": max_tokens}, optional={
         **sampling, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20)}).map(
         lambda b: {**b, "logprobs": True} if "top_logprobs" in b else b)  # top_logprobs needs logprobs

@@ -16,13 +16,16 @@ from pagedserve.model_executor.kernels import cpu_kernels
 BS, KVH, H, HD = 16, 2, 6, 32
 
 
-def reference(q, keys, values, first):
-    """Causal attention of queries at positions first.. over keys 0..; q [n, H, D], keys [ctx, KVH, D]."""
+def reference(q, keys, values, first, window=None):
+    """Causal attention of queries at positions first.. over keys 0..; q [n, H, D], keys [ctx, KVH, D]; with a
+    window, each query sees only the last `window` positions (its own included)."""
     n, ctx = q.shape[0], keys.shape[0]
     k = keys.repeat_interleave(H // KVH, dim=1).transpose(0, 1)
     v = values.repeat_interleave(H // KVH, dim=1).transpose(0, 1)
     scores = q.transpose(0, 1) @ k.transpose(1, 2) * HD ** -0.5
     mask = torch.arange(ctx)[None, :] <= torch.arange(first, first + n)[:, None]
+    if window is not None:
+        mask &= torch.arange(ctx)[None, :] > torch.arange(first, first + n)[:, None] - window
     return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v).transpose(0, 1)
 
 
@@ -70,7 +73,8 @@ def mixed_batch(backend, dtype, kv_dtype):
         prefills.append(PrefillSpan(start, new, cached + new, torch.tensor(table),
                                     chunk_causal_mask(cached, cached + new, torch.device("cpu"))))
         start += new
-    meta = AttentionMetadata(torch.cat(slots), 3, decode_bt, torch.tensor([c + n for c, n in seqs[:3]]), BS, prefills)
+    meta = backend.build_metadata(AttentionMetadata(torch.cat(slots), 3, decode_bt,
+                                                    torch.tensor([c + n for c, n in seqs[:3]]), BS, prefills))
     # q, k and v as the model passes them: strided views of one fused QKV output
     qkv = torch.cat([q.flatten(1), k_new.flatten(1), v_new.flatten(1)], dim=1)
     q_view = qkv[:, :H * HD].view(-1, H, HD)
@@ -95,6 +99,22 @@ def test_mixed_batch_matches_reference(backend_name, dtype, kv_dtype, monkeypatc
         offset += new
 
 
+@pytest.mark.parametrize("backend_name", ["cpu", "cpu-fallback", "torch"])
+@pytest.mark.parametrize("window", [1, 8, 20, 64])
+def test_sliding_window_matches_reference(backend_name, window, monkeypatch):
+    """Windowed decode rows (contexts 1, 17, 40) and prefill chunks (a first chunk of 12, a later chunk of 20 after
+    35: it crosses the window edge) against the windowed reference; a window wider than every context is plain
+    causal attention."""
+    backend = make_backend(backend_name, monkeypatch)
+    q, k, v, k_cache, v_cache, meta, seqs, full_kv = mixed_batch(backend, torch.float32, torch.float32)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, HD ** -0.5, window)
+    offset = 0
+    for (cached, new), (keys, values) in zip(seqs, full_kv):
+        expected = reference(q[offset:offset + new], keys, values, cached, window)
+        torch.testing.assert_close(out[offset:offset + new], expected, atol=1e-5, rtol=1e-5)
+        offset += new
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_backend_matches_torch_reference_backend(dtype, monkeypatch):
     """The native CPU backend (head-major joint layout) against the PyTorch SDPA reference backend (token-major):
@@ -109,6 +129,44 @@ def test_cpu_backend_matches_torch_reference_backend(dtype, monkeypatch):
     torch.testing.assert_close(out, expected, **tol)
     torch.testing.assert_close(cpu_inputs[3], ref_inputs[3], atol=0, rtol=0)  # K cache, every block
     torch.testing.assert_close(cpu_inputs[4], ref_inputs[4], atol=0, rtol=0)
+
+
+def test_each_forward_builds_the_backend_metadata_once_and_every_layer_reads_it(tiny_model_dir):
+    """The metadata-builder seam: a model's forward asks its backend for its metadata once, and every layer's
+    attention gets that object (here the torch backend's, whose decode mask is then built once for all layers)."""
+    from pagedserve.model_executor.attention.metadata import PrefillSpan
+    from pagedserve.model_executor.attention.torch_sdpa import TorchSDPABackend, TorchSDPAMetadata
+    from pagedserve.model_executor.model_config import ModelConfig
+    from pagedserve.model_executor.models.registry import get_model_class
+    from pagedserve.model_executor.parallel_state import SINGLE
+    from pagedserve.model_executor.quantization.unquantized import UnquantizedConfig
+
+    class Recording(TorchSDPABackend):
+        def __init__(self, device):
+            super().__init__(device)
+            self.built, self.seen = [], []
+
+        def build_metadata(self, common):
+            self.built.append(super().build_metadata(common))
+            return self.built[-1]
+
+        def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):
+            self.seen.append(meta)
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+
+    cfg = ModelConfig.from_dir(tiny_model_dir("llama"))
+    backend = Recording(torch.device("cpu"))
+    model = get_model_class(cfg.architecture)(cfg, SINGLE, backend, UnquantizedConfig("torch")).eval()
+    caches = backend.allocate_kv_cache(cfg.num_layers, 4, BS, cfg.num_kv_heads, cfg.head_dim, torch.float32,
+                                       torch.device("cpu"))
+    # one decode row (context of 3 tokens in block 0) and a 5-token prefill in block 1
+    meta = AttentionMetadata(torch.tensor([2] + [BS + i for i in range(5)]), 1, torch.tensor([[0]]),
+                             torch.tensor([3]), BS, [PrefillSpan(1, 5, 5, torch.tensor([1]), None)])
+    with torch.inference_mode():
+        model(torch.arange(1, 7), torch.tensor([2, 0, 1, 2, 3, 4]), caches, meta, torch.tensor([0, 5]))
+    assert len(backend.built) == 1 and isinstance(backend.built[0], TorchSDPAMetadata)
+    assert len(backend.seen) == cfg.num_layers and all(m is backend.built[0] for m in backend.seen)
+    assert "decode_mask" in vars(backend.built[0])  # cached on the one object every layer shared
 
 
 def test_attention_backend_engine_argument():

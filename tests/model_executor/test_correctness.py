@@ -113,7 +113,7 @@ CONFIGS = ["prefix-caching-off", "budget-32-chunked", "pool-fits-longest-only", 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral-sw"])  # mistral-sw: chunks across the window's edge
 @pytest.mark.parametrize("config", CONFIGS)
 def test_greedy_same_in_every_config(arch, config, tiny_model_dir, tiny_tokenizer, monkeypatch):
     model_dir = tiny_model_dir(arch)
@@ -157,4 +157,20 @@ def test_bfloat16_kv_cache_matches_transformers(arch, tiny_model_dir, tiny_token
     fp32_llm = LLM(str(model_dir), num_threads=1, num_kv_blocks=4, dtype="float32")
     assert runner.kv_bytes_per_block * 2 == fp32_llm.llm_engine.runner.kv_bytes_per_block
     assert_greedy_match(ours, hf_greedy(model_dir, prompts, MAX_TOKENS))
+    check_engine_drained(llm)
+
+
+def test_sliding_window_prefix_cache_hits_match_transformers(tiny_model_dir, tiny_tokenizer):
+    """A window-32 model served prompts that share a 100-token prefix, the second time from the prefix cache: the
+    cached blocks hold every position's K/V (the sliding layer's keys inside the window of the suffix included), so
+    the hit computes what a cold run does, HF-exact."""
+    model_dir = tiny_model_dir("mistral-sw")
+    shared = mixed_prompts(tiny_tokenizer, n=1, lengths=(100, 100), seed=3)[0]
+    prompts = [shared + tail for tail in ([5, 6, 7], [9] * 40, [11, 12])]
+    llm = LLM(str(model_dir), num_threads=1, dtype="float32", num_kv_blocks=512, enable_prefix_caching=True)
+    hf = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    for _ in range(2):  # the second pass hits the first's blocks
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+        assert_greedy_match([o.outputs[0] for o in outs], hf, logprob_atol=LOGPROB_ATOL)
+    assert llm.llm_engine.get_stats().scheduler.prefix_cache_hits > 0
     check_engine_drained(llm)

@@ -238,3 +238,30 @@ def test_the_just_in_time_build_is_the_fallback(tmp_path):
     module = K.load_cpu_kernels(isa)  # the prebuilt module where this install has one
     torch.testing.assert_close(module.paged_decode_attention(q, cache[:, 0], cache[:, 1], tables, lens, 0.125),
                                jit_out, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("argv, isas, expected", [
+    (["--name"], None, "all"),  # a wheel (or sdist) build: every level, so it runs on any x86-64 CPU
+    (["develop", "--help"], None, "host"),  # an editable install: the level of the machine it runs on
+    (["--name"], "host", "host"),
+    (["--name"], "avx2,generic", "avx2, generic"),
+])
+def test_the_package_build_picks_its_levels(argv, isas, expected):
+    """setup.py's choice of instruction-set levels (it prints it before compiling anything)."""
+    root = K.KERNEL_DIR.parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in ("PAGEDSERVE_KERNEL_ISAS", "PAGEDSERVE_BUILD_KERNELS")}
+    if isas is not None:
+        env["PAGEDSERVE_KERNEL_ISAS"] = isas
+    r = subprocess.run([sys.executable, "setup.py", *argv], cwd=root, capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    levels = {"all": ", ".join(K.ISA_LEVELS) if K.platform.machine().lower() in ("x86_64", "amd64") else "generic",
+              "host": K.supported_isas()[0]}.get(expected, expected)
+    assert f"pagedserve: building the native kernels for {levels}\n" in r.stdout
+
+
+def test_the_package_build_refuses_unknown_levels():
+    root = K.KERNEL_DIR.parents[2]
+    r = subprocess.run([sys.executable, "setup.py", "--name"], cwd=root, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PAGEDSERVE_KERNEL_ISAS": "avx9000", "PAGEDSERVE_BUILD_KERNELS": "1"})
+    assert r.returncode != 0 and "PAGEDSERVE_KERNEL_ISAS='avx9000'" in r.stderr

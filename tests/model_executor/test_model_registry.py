@@ -14,14 +14,16 @@ from pagedserve.model_executor.quantization.unquantized import UnquantizedConfig
 
 def test_supported_architectures_come_from_the_registry():
     assert SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                       "Qwen3ForCausalLM")
+                                       "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                                       "Qwen3MoeForCausalLM")
     for arch in SUPPORTED_ARCHITECTURES:
         assert get_model_class(arch).__name__ == arch
 
 
 def test_unsupported_architecture_lists_the_supported_ones(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="'GemmaForCausalLM' is not supported; supported: LlamaForCausalLM, "
-                                         "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+                                         "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, "
+                                         "Qwen2MoeForCausalLM, Qwen3MoeForCausalLM"):
         get_model_class("GemmaForCausalLM")
     cfg = json.loads((tiny_model_dir("llama") / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(dict(cfg, architectures=["GemmaForCausalLM"])))

@@ -40,7 +40,7 @@ def test_quantization_registry_names_and_errors():
     )
 
     cpu = torch.device("cpu")
-    assert set(QUANTIZATION_METHODS) == {"int8"}
+    assert set(QUANTIZATION_METHODS) == {"int8", "int4"}
     int8 = get_quantization_config("int8", "auto", cpu)
     assert isinstance(int8, Int8Config)
     assert isinstance(Linear(8, 4, False, int8, "layers.0.mlp.down_proj").linear_method, Int8LinearMethod)
@@ -48,7 +48,7 @@ def test_quantization_registry_names_and_errors():
     assert isinstance(plain, UnquantizedConfig) and plain.method.backend == "onednn"
     assert isinstance(Linear(8, 4, True, plain).linear_method, UnquantizedLinearMethod)
     assert get_quantization_config(None, "native", torch.device("meta")).method.backend == "torch"  # CPU kernels only
-    with pytest.raises(ValueError, match="quantization must be None or one of int8, got 'gptq'"):
+    with pytest.raises(ValueError, match="quantization must be None or one of int8, int4, got 'gptq'"):
         get_quantization_config("gptq", "auto", cpu)
     with pytest.raises(ValueError, match="int8' is implemented for the CPU only"):
         get_quantization_config("int8", "auto", torch.device("meta"))

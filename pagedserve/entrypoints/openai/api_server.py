@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedserve import envs
 from pagedserve.engine.async_llm import DEFAULT_STEP_TIMEOUT_S, AsyncLLM
 from pagedserve.engine.protocol import EngineClient
+from pagedserve.engine.startup import process_age_s
 from pagedserve.entrypoints.dashboard.routes import HostCheck, add_live_event_routes
 from pagedserve.entrypoints.openai.errors import (OpenAIError, error_response, exception_to_openai,
                                                   install_error_handlers)
@@ -37,13 +38,16 @@ from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, Compl
 from pagedserve.entrypoints.openai import protocol as api_docs  # route docs (responses=)
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagedserve.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from pagedserve.entrypoints.openai.serving_engine import ClientDisconnected, OpenAIServing
+from pagedserve.entrypoints.openai.vllm_compat import (add_compat_args, add_compat_routes, add_cors,
+                                                       load_chat_template, load_generation_defaults, uvicorn_kwargs)
 
 logger = logging.getLogger("pagedserve.api")
 
 # Reachable without the API key (load balancers and Prometheus scrapers carry no token).
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})
 OPEN_PREFIXES = ("/dashboard",)  # the page's static files; the events it reads need the key
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 DETOKENIZE_MIN_LIMIT = 1 << 16  # tokens one /detokenize may ask for, whatever max_model_len (~20 ms of GIL)
@@ -88,11 +92,15 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="the model family's tool-call format: hermes (Hermes / Qwen <tool_call>), llama3_json, "
                         "mistral ([TOOL_CALLS])")
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="split the thinking off chat answers into reasoning_content (vLLM's parsers): qwen3 "
+                        "(<think>...</think>), deepseek_r1 (answer starts in reasoning), gpt_oss (harmony channels)")
     p.add_argument("--max-consecutive-step-failures", type=int, default=5,
                    help="/health answers 503 after this many failed engine steps in a row (until one succeeds)")
     p.add_argument("--step-timeout-s", type=float, default=DEFAULT_STEP_TIMEOUT_S,
                    help="/health answers 503 while an engine step has run longer than this (a hung KV store or "
                         "kernel), until it returns (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S)")
+    add_compat_args(p)
     EngineArgs.add_cli_args(p)  # --served-model-name, --max-num-seqs, --num-kv-blocks, ... (vLLM names)
     p.set_defaults(func=run_server)
     return p
@@ -201,8 +209,16 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
     completion = OpenAIServingCompletion(engine_client, served, log_requests)
     chat = OpenAIServingChat(engine_client, served, log_requests,
                              tool_call_parser=arg("tool_call_parser", None) if arg("enable_auto_tool_choice", False)
-                             else None)
+                             else None, reasoning_parser=arg("reasoning_parser", None))
     base = OpenAIServing(engine_client, served, log_requests)
+    names = arg("served_model_name", None)
+    chat_template = load_chat_template(arg("chat_template", None))
+    defaults = load_generation_defaults(arg("generation_config", None), None if config.model.is_default_model
+                                        else config.model.path)
+    for serving in (completion, chat, base):
+        serving.served_model_aliases = frozenset(names if isinstance(names, list) else ())
+        serving.chat_template = chat_template
+        serving.default_sampling = defaults
 
     registry = CollectorRegistry()
     cache_info = {"block_size": config.cache.block_size, "num_gpu_blocks": engine_client.kv_cache_config.num_blocks,
@@ -325,6 +341,8 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
     async def metrics():
         return Response(render(registry), media_type=CONTENT_TYPE_LATEST)
 
+    add_compat_routes(app, engine_client, health, create_completion, create_chat_completion)
+
     admin_api_key = arg("admin_api_key", None)
     hosts = HostCheck(arg("host", None), (arg("allowed_hosts", "") or "").split(","))
     add_live_event_routes(app, engine_client.events, lambda: engine_client.accepting, hosts, admin_api_key)
@@ -334,6 +352,7 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
     api_key = arg("api_key", None)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key, admin_api_key=admin_api_key)
+    add_cors(app, args)
     return app
 
 
@@ -360,6 +379,12 @@ class GracefulServer(uvicorn.Server):
         else:  # second signal: end everything now
             self.engine_client.fail_all(EngineShuttingDown("The server is shutting down."))
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            age = process_age_s()
+            logger.info("Port open: accepting requests %s", "" if age is None else f"{age:.2f} s after the process started")
+
     @contextlib.contextmanager
     def capture_signals(self):
         # Like uvicorn's, minus re-raising the signal afterwards (which prints a KeyboardInterrupt
@@ -381,6 +406,7 @@ def run_server(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (one of: "
                          f"{', '.join(TOOL_CALL_PARSERS)}).")
+    imports_s = process_age_s()  # the interpreter, the CLI and the server's imports, before any work
     engine_args = EngineArgs.from_cli_args(args)
     t0 = time.perf_counter()
     logger.info("Starting: loading the model, building/loading native kernels and warming up before binding "
@@ -390,17 +416,20 @@ def run_server(args: argparse.Namespace) -> int:
                                           max_queued_requests=args.max_queued_requests,
                                           max_consecutive_step_failures=args.max_consecutive_step_failures,
                                           step_timeout_s=args.step_timeout_s)
+    stages = async_llm.engine.startup
     # The grammar engine's view of the vocabulary (0.1-0.2 s for 8k-49k tokens) is built now, not inside the first
     # constrained request's step, where it stalled every request of the batch.
-    t_grammar = time.perf_counter()
-    async_llm.engine.structured_output.ll_tokenizer
-    logger.info("Structured output (llguidance) ready in %.2f s", time.perf_counter() - t_grammar)
-    app = build_app(async_llm, args)
-    logger.info("Ready in %.1f s since start-up began", time.perf_counter() - t0)
+    with stages.stage("structured output (llguidance)"):
+        async_llm.engine.structured_output.ll_tokenizer
+    with stages.stage("HTTP app"):
+        app = build_app(async_llm, args)
+    imports = "" if imports_s is None else f"process start and imports {imports_s:.2f} s, "
+    logger.info("Start-up stages: %s%s; total %.2f s", imports, stages.summary(),
+                (imports_s or 0.0) + time.perf_counter() - t0)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=max(1.0, args.shutdown_timeout + 5.0),
-                            timeout_keep_alive=5)
+                            timeout_keep_alive=5, **uvicorn_kwargs(args))
     server = GracefulServer(config, async_llm, args.shutdown_timeout)
     logger.info("Serving %s on http://%s:%d (OpenAI-compatible API under /v1)", app.state.served_model_name,
                 args.host, args.port)

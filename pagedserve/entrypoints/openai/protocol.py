@@ -123,6 +123,13 @@ class _SamplingFields(_Request):
     stop_token_ids: Optional[list[TokenId]] = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # ---- token controls: OpenAI's logit_bias (token id as a string -> [-100, 100]), vLLM's allowed_token_ids and
+    # bad_words; ranges and the vocabulary are checked by SamplingParams and the engine (400 naming the field)
+    logit_bias: Optional[dict[str, float]] = None
+    allowed_token_ids: Optional[list[TokenId]] = None
+    bad_words: Optional[list[str]] = None
+    prompt_logprobs: Optional[Int(ge=0, le=MAX_LOGPROBS)] = None  # vLLM's: returned as `prompt_logprobs`
+    truncate_prompt_tokens: Optional[Int(ge=-1, description="-1 or >= 1: keep the prompt's last k tokens")] = None
     # ---- structured output: OpenAI's response_format, vLLM's structured_outputs and older guided_* names
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputsRequest] = None
@@ -137,10 +144,10 @@ class CompletionRequest(_SamplingFields):
     # A text, a batch of texts, a token-id list, or a batch of token-id lists; nothing empty.
     prompt: Union[NonEmptyStr, Annotated[list[NonEmptyStr], Field(min_length=1)], TokenIds,
                   Annotated[list[TokenIds], Field(min_length=1)]]
-    max_tokens: Optional[Int(ge=1)] = 16
+    max_tokens: Optional[Int(ge=0, description="0 only with echo (scores the prompt)")] = 16
     logprobs: Optional[Int(ge=0, le=MAX_LOGPROBS)] = None
     echo: bool = False
-    # Accepted only when it equals n (returning the best n of best_of samples is not implemented).
+    # best_of > n: best_of samples, the n with the highest cumulative logprob returned (not with stream)
     best_of: Optional[Int(ge=1, le=MAX_N)] = None
 
 
@@ -168,6 +175,8 @@ class CompletionResponseChoice(_Response):
     logprobs: Optional[CompletionLogProbs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    # vLLM's shape: None for the first prompt token, then token id -> {logprob, rank, decoded_token}
+    prompt_logprobs: Optional[list[Optional[dict[str, dict[str, Any]]]]] = None
 
 
 class CompletionResponse(_Response):
@@ -296,6 +305,7 @@ class ResponseToolCall(_Response):
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None  # --reasoning-parser (vLLM's field)
     tool_calls: list[ResponseToolCall] = Field(default_factory=list)
 
 
@@ -314,6 +324,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: Optional[list[Optional[dict[str, dict[str, Any]]]]] = None  # vLLM's extra
 
 
 class DeltaFunctionCall(_Response):
@@ -331,6 +342,7 @@ class DeltaToolCall(_Response):
 class DeltaMessage(_Response):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None  # --reasoning-parser: the thinking streams as its own deltas
     tool_calls: Optional[list[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")
@@ -455,9 +467,11 @@ BUSINESS_RULES: dict[str, str] = {
     "n": "400 if prompts x n > --max-sequences-per-request",
     "stop": "400 if more than --max-stop-strings strings or --max-stop-chars characters",
     "stop_token_ids / tokens": "400 if an id is outside the vocabulary",
-    "logprobs / top_logprobs": "400 if above --max-logprobs; top_logprobs needs logprobs=true; echo with logprobs "
-                               "is not supported",
-    "best_of": "400 unless equal to n",
+    "logprobs / top_logprobs / prompt_logprobs": "400 if above --max-logprobs; top_logprobs needs logprobs=true",
+    "max_tokens (completions)": "400 if 0 without echo",
+    "logit_bias / allowed_token_ids": "400 if a token id is outside the vocabulary or a bias outside [-100, 100]",
+    "best_of": "400 if below n, or above n with stream",
+    "truncate_prompt_tokens": "400 if 0 or above max_model_len - 1",
     "priority": "400 if non-zero without --scheduling-policy priority",
     "stream_options": "400 without stream=true",
     "max_completion_tokens": "400 if both it and max_tokens are given and they differ",

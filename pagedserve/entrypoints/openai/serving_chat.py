@@ -16,17 +16,20 @@ from pagedserve.entrypoints.openai.protocol import (ChatCompletionLogProbs, Chat
                                                     ChatResponseMessage, DeltaFunctionCall, DeltaMessage,
                                                     DeltaToolCall, PromptTokensDetails, UsageInfo)
 from pagedserve.entrypoints.openai.serving_engine import (SSE_DONE, ChoiceState, OpenAIServing, SSEResponse,
-                                                          chat_logprobs,
+                                                          chat_logprobs, vllm_prompt_logprobs,
                                                           merge_streams, new_request_id, run_unless_disconnected)
+from pagedserve.entrypoints.openai.reasoning import REASONING_PARSERS, make_reasoning_parser
 from pagedserve.entrypoints.openai.tool_calls import (ToolPlan, extract_tool_calls, make_tool_call_parser, plan_tools,
                                                       template_tools)
 from pagedserve.errors import InvalidRequestError
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, *args: Any, tool_call_parser: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tool_call_parser = tool_call_parser  # set with --enable-auto-tool-choice --tool-call-parser
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser: reasoning_content split off the content
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request | None = None):
         self.check_model(req.model)
@@ -34,6 +37,9 @@ class OpenAIServingChat(OpenAIServing):
             raise BadRequest("top_logprobs requires logprobs=true.", param="top_logprobs")
         if req.stream_options is not None and not req.stream:
             raise BadRequest("stream_options is only allowed with stream=true.", param="stream_options")
+        if req.prompt_logprobs is not None and req.stream:
+            raise BadRequest("prompt_logprobs is only returned by non-streamed chat completions.",
+                             param="prompt_logprobs", code="unsupported_parameter")
         if (req.max_tokens is not None and req.max_completion_tokens is not None
                 and req.max_tokens != req.max_completion_tokens):
             raise BadRequest("max_tokens and max_completion_tokens disagree; send only max_completion_tokens.",
@@ -41,6 +47,8 @@ class OpenAIServingChat(OpenAIServing):
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, requested, num_top)
+        if self.reasoning_parser is not None and REASONING_PARSERS[self.reasoning_parser].needs_special_tokens:
+            params.skip_special_tokens = False  # the channel markers are special tokens
         plan = plan_tools(req, self.tool_call_parser)
         if plan.constraint is not None:
             if params.structured_outputs is not None:
@@ -52,6 +60,8 @@ class OpenAIServingChat(OpenAIServing):
                                            tools=template_tools(req) if plan.mode != "none" or req.tools else None)
         if not prompt:
             raise BadRequest("The messages render to zero tokens.", param="messages")
+        if params.truncate_prompt_tokens is not None:  # here too, so that usage counts what runs
+            prompt = self.input_processor.truncate_prompt(prompt, params.truncate_prompt_tokens)
         request_id = new_request_id("chatcmpl")
         created = int(time.time())
         model = self.served_model_name
@@ -63,19 +73,21 @@ class OpenAIServingChat(OpenAIServing):
                                                                       streams[0]),
                                              lambda: self.abort_streams(streams))
 
-    def _tool_calls(self, plan: ToolPlan, st: ChoiceState) -> tuple[str | None, list, str | None]:
-        """-> (content, tool calls, finish reason) of a finished choice."""
+    def _tool_calls(self, plan: ToolPlan, st: ChoiceState, text: str) -> tuple[str | None, list, str | None]:
+        """-> (content, tool calls, finish reason) of a finished choice whose content text is `text`."""
         if plan.mode in ("none",) or st.finish_reason not in ("stop", "length"):
-            return st.text, [], st.finish_reason
-        content, calls = extract_tool_calls(plan, st.text, self.tool_call_parser)
+            return text, [], st.finish_reason
+        content, calls = extract_tool_calls(plan, text, self.tool_call_parser)
         return content, calls, "tool_calls" if calls and st.finish_reason == "stop" else st.finish_reason
 
     async def _full(self, req: ChatCompletionRequest, plan: ToolPlan, request_id: str, created: int, model: str,
                     prompt: list[int], stream: RequestStream) -> JSONResponse:
         states = [ChoiceState(index=i) for i in range(req.n)]
         cached = 0
+        prompt_logprobs = None
         try:
             async for _, out in merge_streams([stream]):
+                prompt_logprobs = out.prompt_logprobs or prompt_logprobs
                 for c in out.outputs:
                     states[c.index].add(c)
                 if out.finished:
@@ -85,9 +97,14 @@ class OpenAIServingChat(OpenAIServing):
         num_top = req.top_logprobs or 0
         choices = []
         for st in states:
-            content, calls, finish = self._tool_calls(plan, st)
+            reasoning, text = None, st.text
+            if (reasoner := make_reasoning_parser(self.reasoning_parser, req.chat_template_kwargs)) is not None:
+                split = reasoner.split(st.text)
+                reasoning, text = split.reasoning or None, split.content
+            content, calls, finish = self._tool_calls(plan, st, text)
             choices.append(ChatCompletionResponseChoice(
-                index=st.index, message=ChatResponseMessage(role="assistant", content=content, tool_calls=calls),
+                index=st.index, message=ChatResponseMessage(role="assistant", content=content,
+                                                            reasoning_content=reasoning, tool_calls=calls),
                 logprobs=ChatCompletionLogProbs(content=chat_logprobs(self.tokenizer, st.token_ids, st.logprobs,
                                                                       num_top)) if req.logprobs else None,
                 finish_reason=finish, stop_reason=st.stop_reason))
@@ -95,7 +112,8 @@ class OpenAIServingChat(OpenAIServing):
         usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=completion_tokens,
                           total_tokens=len(prompt) + completion_tokens,
                           prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
-        resp = ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
+        resp = ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage,
+                                      prompt_logprobs=vllm_prompt_logprobs(self.tokenizer, prompt_logprobs))
         return JSONResponse(resp.model_dump())
 
     async def _stream(self, req: ChatCompletionRequest, plan: ToolPlan, request_id: str, created: int, model: str,
@@ -105,6 +123,7 @@ class OpenAIServingChat(OpenAIServing):
         piece by piece (the first piece carries id and name); an "auto" call goes out whole once closed."""
         states = [ChoiceState(index=i) for i in range(req.n)]
         parsers = [make_tool_call_parser(plan, self.tool_call_parser) for _ in states]
+        reasoners = [make_reasoning_parser(self.reasoning_parser, req.chat_template_kwargs) for _ in states]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         num_top = req.top_logprobs or 0
@@ -129,10 +148,14 @@ class OpenAIServingChat(OpenAIServing):
                     st.text += c.text
                     if c.finish_reason is not None:
                         st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
-                    deltas = parsers[c.index].feed(c.text)
+                    reasoning, text = "", c.text
+                    if (reasoner := reasoners[c.index]) is not None:  # reasoning first; the rest is content
+                        split = reasoner.feed(c.text, final=c.finish_reason is not None)
+                        reasoning, text = split.reasoning, split.content
+                    deltas = parsers[c.index].feed(text)
                     if c.finish_reason is not None:
                         deltas += parsers[c.index].finish()
-                    if not deltas.content and not deltas.calls and c.finish_reason is None \
+                    if not deltas.content and not deltas.calls and not reasoning and c.finish_reason is None \
                             and not (req.logprobs and c.token_ids):
                         continue
                     logprobs = None
@@ -146,7 +169,8 @@ class OpenAIServingChat(OpenAIServing):
                     if finish == "stop" and parsers[c.index].num_calls:
                         finish = "tool_calls"
                     yield chunk(ChatCompletionStreamChoice(
-                        index=st.index, delta=DeltaMessage(content=deltas.content or None, tool_calls=calls or None),
+                        index=st.index, delta=DeltaMessage(content=deltas.content or None, reasoning_content=reasoning or None,
+                                                      tool_calls=calls or None),
                         logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason))
                 if out.finished:
                     cached = out.num_cached_tokens or 0

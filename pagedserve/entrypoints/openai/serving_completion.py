@@ -1,6 +1,7 @@
 """POST /v1/completions: one engine request per prompt, choices indexed prompt_idx * n + sample index."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import AsyncIterator
 
@@ -9,12 +10,12 @@ from fastapi.responses import JSONResponse
 
 from pagedserve.entrypoints.openai.errors import BadRequest, exception_to_openai, sse_error
 from pagedserve.errors import InvalidRequestError
-from pagedserve.entrypoints.openai.protocol import (CompletionRequest, CompletionResponse, CompletionResponseChoice,
-                                                    CompletionStreamChoice, CompletionStreamResponse,
-                                                    PromptTokensDetails, UsageInfo)
+from pagedserve.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
+                                                    CompletionResponseChoice, CompletionStreamChoice,
+                                                    CompletionStreamResponse, PromptTokensDetails, UsageInfo)
 from pagedserve.entrypoints.openai.serving_engine import (SSE_DONE, ChoiceState, OpenAIServing, SSEResponse,
                                                           completion_logprobs, merge_streams, new_request_id,
-                                                          run_unless_disconnected)
+                                                          run_unless_disconnected, vllm_prompt_logprobs)
 from pagedserve.engine.request_stream import RequestStream
 
 
@@ -27,7 +28,7 @@ class OpenAIServingCompletion(OpenAIServing):
         else:
             prompts = list(p)
         # Before any tokenizing: refuse 1,000 prompts x n=128 at once.
-        self.input_processor.check_num_sequences(len(prompts), req.n)
+        self.input_processor.check_num_sequences(len(prompts), max(req.n, req.best_of or 0))
         if not prompts:
             raise InvalidRequestError("prompt must not be empty.", param="prompt")
         texts, token_ids = [], []
@@ -49,16 +50,27 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, req: CompletionRequest, raw_request: Request | None = None):
         self.check_model(req.model)
-        if req.best_of is not None and req.best_of != req.n:
-            raise BadRequest(f"best_of ({req.best_of}) != n ({req.n}) is not supported: this server returns "
-                             f"every sample it generates.", param="best_of", code="unsupported_parameter")
-        if req.echo and req.logprobs is not None:
-            raise BadRequest("echo together with logprobs needs prompt logprobs, which this server does not "
-                             "compute.", param="echo", code="unsupported_parameter")
+        best_of = req.best_of or req.n
+        if best_of < req.n:
+            raise BadRequest(f"best_of ({best_of}) must be >= n ({req.n}).", param="best_of")
+        if best_of > req.n and req.stream:
+            raise BadRequest("best_of > n cannot be streamed (the best are known only at the end).",
+                             param="best_of")
+        if req.max_tokens == 0 and not req.echo:
+            raise BadRequest("max_tokens must be >= 1 (0 only with echo).", param="max_tokens")
         if req.stream_options is not None and not req.stream:
             raise BadRequest("stream_options is only allowed with stream=true.", param="stream_options")
-        params = self.sampling_params(req, req.max_tokens, req.logprobs)  # max_tokens=null: up to max_model_len
+        # max_tokens=null: up to max_model_len; 0 (echo: score the prompt, as lm-evaluation-harness asks) samples
+        # one token that the response leaves out
+        params = self.sampling_params(req, req.max_tokens or (1 if req.max_tokens == 0 else None), req.logprobs)
+        if req.echo and req.logprobs is not None:  # the echoed prompt tokens carry their logprobs too
+            params.prompt_logprobs = max(params.prompt_logprobs or 0, req.logprobs)
+        if best_of > req.n:  # ranked by cumulative logprob: every sample needs its tokens' logprobs
+            params = dataclasses.replace(params, n=best_of, logprobs=params.logprobs or 0)
         texts, prompts = await self.prepare(req)
+        if params.truncate_prompt_tokens is not None:  # here too, so that usage and echo count what runs
+            prompts = [self.input_processor.truncate_prompt(p, params.truncate_prompt_tokens) for p in prompts]
+            texts = [self.tokenizer.decode(p) for p in prompts] if req.echo else texts
         request_id = new_request_id("cmpl")
         created = int(time.time())
         model = self.served_model_name
@@ -73,33 +85,52 @@ class OpenAIServingCompletion(OpenAIServing):
     # -------------------------------------------------------------------------------- non-streaming
     async def _full(self, req: CompletionRequest, request_id: str, created: int, model: str, texts: list[str],
                     prompts: list[list[int]], streams: list[RequestStream]) -> JSONResponse:
-        n = req.n
+        n = req.best_of or req.n
         states = [ChoiceState(index=i) for i in range(len(prompts) * n)]
+        prompt_lps: list = [None] * len(prompts)
         cached = 0
         try:
             async for idx, out in merge_streams(streams):
+                if out.prompt_logprobs is not None:
+                    prompt_lps[idx] = out.prompt_logprobs
                 for c in out.outputs:
+                    if req.max_tokens == 0:  # echo only: the one sampled token is not part of the answer
+                        c = dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs else c.logprobs)
                     states[idx * n + c.index].add(c)
                 if out.finished:
                     cached += out.num_cached_tokens or 0
         finally:
             self.abort_streams(streams)
+        if n > req.n:
+            states = best_states(states, n, req.n)
+            n = req.n
         choices = []
         for st in states:
             prompt_idx = st.index // n
             text = (texts[prompt_idx] + st.text) if req.echo else st.text
             logprobs = None
             if req.logprobs is not None:
-                logprobs, _ = completion_logprobs(self.tokenizer, st.token_ids, st.logprobs, req.logprobs, 0)
-            choices.append(CompletionResponseChoice(index=st.index, text=text, logprobs=logprobs,
-                                                    finish_reason=st.finish_reason, stop_reason=st.stop_reason))
+                logprobs = self._logprobs(req, prompts[prompt_idx], prompt_lps[prompt_idx], st.token_ids,
+                                          st.logprobs, 0)[0]
+            choices.append(CompletionResponseChoice(
+                index=st.index, text=text, logprobs=logprobs, finish_reason=st.finish_reason,
+                stop_reason=st.stop_reason,
+                prompt_logprobs=vllm_prompt_logprobs(self.tokenizer, prompt_lps[prompt_idx])
+                if req.prompt_logprobs is not None else None))
         prompt_tokens = sum(len(p) for p in prompts)
-        completion_tokens = sum(len(st.token_ids) for st in states)
+        completion_tokens = sum(len(st.token_ids) for st in states)  # the returned ones, as vLLM counts
         usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                           total_tokens=prompt_tokens + completion_tokens,
                           prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
         resp = CompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
         return JSONResponse(resp.model_dump())
+
+    def _logprobs(self, req: CompletionRequest, prompt: list[int] | None, prompt_logprobs: list | None,
+                  token_ids: list[int], steps: list, offset: int) -> tuple[CompletionLogProbs, int]:
+        """OpenAI's legacy logprobs of the output tokens, preceded with echo by the prompt's (given `prompt`)."""
+        if req.echo and prompt is not None and prompt_logprobs is not None:
+            token_ids, steps = prompt + list(token_ids), list(prompt_logprobs) + list(steps)
+        return completion_logprobs(self.tokenizer, token_ids, steps, req.logprobs, offset)
 
     # ------------------------------------------------------------------------------------ streaming
     async def _stream(self, req: CompletionRequest, request_id: str, created: int, model: str, texts: list[str],
@@ -109,13 +140,19 @@ class OpenAIServingCompletion(OpenAIServing):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         prompt_tokens = sum(len(p) for p in prompts)
+        prompt_lps: list = [None] * len(prompts)  # sent once per request; each of its n choices needs them
         cached = 0
         try:
             async for idx, out in merge_streams(streams):
+                if out.prompt_logprobs is not None:
+                    prompt_lps[idx] = out.prompt_logprobs
                 for c in out.outputs:
                     st = states[idx * n + c.index]
+                    if req.max_tokens == 0:  # echo only: the one sampled token is not part of the answer
+                        c = dataclasses.replace(c, text="", token_ids=[], logprobs=[])
                     delta = c.text
-                    if req.echo and not st.started:
+                    first = req.echo and not st.started
+                    if first:
                         delta = texts[idx] + delta
                     st.token_ids.extend(c.token_ids)
                     if c.finish_reason is not None:
@@ -124,13 +161,16 @@ class OpenAIServingCompletion(OpenAIServing):
                         continue  # nothing to say yet (e.g. text held back while matching a stop string)
                     logprobs = None
                     if req.logprobs is not None:
-                        logprobs, st.text_offset = completion_logprobs(
-                            self.tokenizer, c.token_ids, c.logprobs or [], req.logprobs, st.text_offset)
+                        logprobs, st.text_offset = self._logprobs(
+                            req, prompts[idx] if first else None, prompt_lps[idx], c.token_ids, c.logprobs or [],
+                            st.text_offset)
                     st.started = True
-                    chunk = CompletionStreamResponse(
-                        id=request_id, created=created, model=model,
-                        choices=[CompletionStreamChoice(index=st.index, text=delta, logprobs=logprobs,
-                                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                    choice = CompletionStreamChoice(index=st.index, text=delta, logprobs=logprobs,
+                                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                    if req.prompt_logprobs is not None and prompt_lps[idx] is not None and not st.sent_prompt:
+                        choice.prompt_logprobs = vllm_prompt_logprobs(self.tokenizer, prompt_lps[idx])
+                        st.sent_prompt = True
+                    chunk = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
                     if continuous:
                         done = sum(len(s.token_ids) for s in states)
                         chunk.usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=done,
@@ -152,3 +192,15 @@ class OpenAIServingCompletion(OpenAIServing):
             yield SSE_DONE
         finally:
             self.abort_streams(streams)  # no-op when all finished; frees KV at once on disconnect
+
+
+def best_states(states: list[ChoiceState], best_of: int, n: int) -> list[ChoiceState]:
+    """best_of: per prompt, the n of its best_of samples with the highest cumulative logprob, best first, indexed
+    prompt_idx * n + rank."""
+    best = []
+    for start in range(0, len(states), best_of):
+        group = sorted(states[start:start + best_of], key=lambda st: -sum(
+            step[t].logprob for t, step in zip(st.token_ids, st.logprobs)))[:n]
+        for rank, st in enumerate(group):
+            best.append(dataclasses.replace(st, index=start // best_of * n + rank))
+    return best

@@ -79,6 +79,7 @@ class ChoiceState:
     text_offset: int = 0  # running character offset (completion logprobs)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     started: bool = False  # streaming: first chunk sent
+    sent_prompt: bool = False  # streaming: prompt_logprobs sent (with the first chunk that has them)
 
     def add(self, delta: CompletionOutput) -> None:
         """Append one DELTA output of this choice."""
@@ -91,6 +92,11 @@ class ChoiceState:
 
 
 class OpenAIServing:
+    # set by build_app from `serve`: --served-model-name's other names, and --chat-template (text) if given
+    served_model_aliases: frozenset[str] = frozenset()
+    chat_template: str | None = None
+    default_sampling: dict[str, Any] = {}  # --generation-config: defaults for fields a request leaves unset
+
     def __init__(self, engine_client: EngineClient, served_model_name: str, log_requests: bool = False) -> None:
         self.engine_client = engine_client
         self.served_model_name = served_model_name
@@ -106,7 +112,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------------------------ checks
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
+        if model is not None and model != self.served_model_name and model not in self.served_model_aliases:
             raise OpenAIError(404, f"The model `{model}` does not exist. This server serves "
                                    f"`{self.served_model_name}`.", param="model", code="model_not_found")
 
@@ -124,15 +130,17 @@ class OpenAIServing:
                           tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
         text = render_chat(self.tokenizer, [template_message(m) for m in messages],
                            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                           chat_template_kwargs=chat_template_kwargs, tools=tools)
+                           chat_template=self.chat_template, chat_template_kwargs=chat_template_kwargs, tools=tools)
         # The template already has BOS & co: like vLLM, do not add special tokens again.
         return text, await self.encode(text, add_special_tokens=add_special_tokens)
 
     # ------------------------------------------------------------------------- sampling params
-    @staticmethod
-    def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """HTTP fields -> SamplingParams (its own range checks raise InvalidRequestError naming the field);
         max_tokens None: the engine resolves it from max_model_len and the KV pool."""
+        unset = {k: v for k, v in self.default_sampling.items() if k not in req.model_fields_set}
+        if unset:
+            req = req.model_copy(update=unset)
         top_k = req.top_k if req.top_k is not None else 0
         return SamplingParams(
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -143,7 +151,9 @@ class OpenAIServing:
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, output_kind=RequestOutputKind.DELTA,
-            structured_outputs=structured_outputs(req))
+            structured_outputs=structured_outputs(req), logit_bias=req.logit_bias,
+            allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words, prompt_logprobs=req.prompt_logprobs,
+            truncate_prompt_tokens=req.truncate_prompt_tokens)
 
     # ------------------------------------------------------------------------------ submitting
     async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
@@ -276,6 +286,14 @@ def completion_logprobs(tokenizer: Any, token_ids: list[int], steps: list[dict[i
     out = CompletionLogProbs()
     offset = initial_offset
     for tid, step in zip(token_ids, steps):
+        if step is None:  # the first prompt token (echo): no logprob, as in OpenAI's legacy format
+            token = tokenizer.decode([tid])
+            out.tokens.append(token)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(offset)
+            offset += len(token)
+            continue
         lp = step.get(tid)
         token = _decoded(tokenizer, tid, lp)
         out.tokens.append(token)
@@ -289,6 +307,17 @@ def completion_logprobs(tokenizer: Any, token_ids: list[int], steps: list[dict[i
         out.text_offset.append(offset)
         offset += len(token)
     return out, offset
+
+
+def vllm_prompt_logprobs(tokenizer: Any, prompt_logprobs: list[dict[int, Logprob] | None] | None
+                         ) -> list[dict[str, dict[str, Any]] | None] | None:
+    """RequestOutput.prompt_logprobs in vLLM's JSON shape (token ids as string keys)."""
+    if prompt_logprobs is None:
+        return None
+    return [None if step is None else
+            {str(t): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank,
+                      "decoded_token": _decoded(tokenizer, t, lp)} for t, lp in step.items()}
+            for step in prompt_logprobs]
 
 
 def chat_logprobs(tokenizer: Any, token_ids: list[int], steps: list[dict[int, Logprob]],

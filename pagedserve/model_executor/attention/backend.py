@@ -1,7 +1,9 @@
 """The contract every attention backend keeps, and the one place the rest of the model side learns about it.
 
-A backend owns the KV cache's layout (it allocates the per-layer K and V tensors), writes a step's new K/V into it
-and runs attention over a flattened step (decode rows and prefill chunks, attention/metadata.py). It also says
+A backend owns the KV cache's layout (it allocates the per-layer K and V tensors), builds its view of a step's
+metadata once per forward from the common one (attention/metadata.py: what every layer would otherwise derive
+again), writes a step's new K/V into the cache and runs attention over the flattened step (decode rows and prefill
+chunks). It also says
 what else may run on its device beside it: the fused small ops of a decoder layer (`fused_ops`), the native
 whole-stack decode (`supports_fused_decode_stack`) and CUDA graphs (`supports_cuda_graphs`). Adding a backend is
 one file here and one line in selector.py.
@@ -46,6 +48,11 @@ class AttentionBackend(ABC):
         return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                 for _ in range(num_layers)]
 
+    def build_metadata(self, common: AttentionMetadata) -> AttentionMetadata:
+        """This backend's metadata for one forward, built once from the step's common metadata and read by every
+        layer; by default the common metadata itself."""
+        return common
+
     @abstractmethod
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -53,8 +60,10 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, KVH, D] (this step's new tokens, written to the cache first). Returns [T, H, D]."""
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, KVH, D] (this step's new tokens, written to the cache first). Returns [T, H, D].
+        sliding_window: each query attends only to the last this many positions (its own included)."""
 
     def fused_ops(self, x: torch.Tensor) -> ModuleType | None:
         """The decoder layer's small ops that run beside this backend for a tensor like x (a module with rms_norm,

@@ -11,6 +11,7 @@ views keep the common [num_blocks, block_size, num_kv_heads, head_dim] indexing 
   * prefill chunks: with AVX-512 (head_dim % 16 == 0), one native call per chunk reads the chunk's whole context,
     its own new K/V included, from the cache through its block table (causal with an offset; bfloat16 on AMX
     tiles where the CPU has them); elsewhere the reference SDPA per chunk.
+A sliding-window layer runs the reference SDPA paths (with the window's masks) over the natively written cache.
 Any activation dtype the kernels do not read (float16), or a build without the kernels, runs the reference paths.
 """
 from __future__ import annotations
@@ -57,11 +58,14 @@ class CpuAttentionBackend(TorchSDPABackend):
             kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
         kernels = self._native(q)
         if kernels is None:
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
         kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if sliding_window is not None:  # the native kernels attend to the whole context: the reference's masks
+            return self.attend(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         d = meta.num_decodes
         if d:

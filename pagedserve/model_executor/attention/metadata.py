@@ -1,4 +1,5 @@
-"""What every attention backend reads about one flattened step: where the new K/V go and, per query row, which
+"""What every attention backend reads about one flattened step (each backend derives its own view from it once per
+forward: AttentionBackend.build_metadata): where the new K/V go and, per query row, which
 blocks of the paged cache it attends to.
 
 Token order in the batch: all decode rows first, then prefill chunks. A decode row is one query token with its own
@@ -10,7 +11,6 @@ causally to its whole context, offset by what came before it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
@@ -35,13 +35,6 @@ class AttentionMetadata:
     block_size: int
     prefills: list[PrefillSpan]
 
-    @cached_property
-    def decode_mask(self) -> torch.Tensor:
-        """[num_decodes, 1, 1, max_blocks * block_size] bool, True = attend (for the gathered SDPA path)."""
-        width = self.decode_block_tables.shape[1] * self.block_size
-        positions = torch.arange(width, device=self.decode_context_lens.device)
-        return (positions[None, :] < self.decode_context_lens[:, None])[:, None, None, :]
-
 
 def chunk_causal_mask(first: int, context_len: int, device: torch.device) -> torch.Tensor | None:
     """[context_len - first, context_len] bool for a prefill chunk starting at position `first`: causal over the
@@ -49,3 +42,11 @@ def chunk_causal_mask(first: int, context_len: int, device: torch.device) -> tor
     if first == 0:
         return None
     return torch.arange(context_len, device=device)[None, :] <= torch.arange(first, context_len, device=device)[:, None]
+
+
+def sliding_causal_mask(first: int, context_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """[context_len - first, context_len] bool: the chunk's query at position p attends to keys p - window + 1 .. p
+    (Hugging Face's sliding-window mask)."""
+    keys = torch.arange(context_len, device=device)[None, :]
+    queries = torch.arange(first, context_len, device=device)[:, None]
+    return (keys <= queries) & (keys > queries - window)

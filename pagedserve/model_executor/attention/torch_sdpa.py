@@ -4,22 +4,56 @@
   * decodes: one batched SDPA over the blocks gathered through the padded block table, masked past each row's
     context length;
   * prefill chunks: one SDPA per chunk: a chunk with no earlier context attends to its own new K/V (causal, or
-    bidirectional for an encoder's span: PrefillSpan.causal False), a later chunk gathers its context through its block table (causal with an offset).
+    bidirectional for an encoder's span: PrefillSpan.causal False), a later chunk gathers its context through its
+    block table (causal with an offset).
+
+A sliding-window layer (`sliding_window`: each query attends to the last `sliding_window` positions, its own
+included, as Hugging Face's sliding masks do) adds the window's lower bound to the decode and prefill masks.
 
 The tests compare the other backends with this one, and the engine's greedy outputs on it with Hugging Face's.
 The CPU backend (cpu.py) runs these same paths wherever its kernels do not apply.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+from functools import cached_property
+
 import torch
 import torch.nn.functional as F
 
 from pagedserve.model_executor.attention.backend import AttentionBackend
-from pagedserve.model_executor.attention.metadata import AttentionMetadata, PrefillSpan
+from pagedserve.model_executor.attention.metadata import AttentionMetadata, PrefillSpan, sliding_causal_mask
+
+
+@dataclass
+class TorchSDPAMetadata(AttentionMetadata):
+    @cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """[num_decodes, 1, 1, max_blocks * block_size] bool, True = attend: built on the first layer's decode, read
+        by every other layer's."""
+        width = self.decode_block_tables.shape[1] * self.block_size
+        positions = torch.arange(width, device=self.decode_context_lens.device)
+        return (positions[None, :] < self.decode_context_lens[:, None])[:, None, None, :]
+
+    def sliding_decode_mask(self, window: int) -> torch.Tensor:
+        """decode_mask limited to each row's last `window` positions (its own included)."""
+        width = self.decode_block_tables.shape[1] * self.block_size
+        positions = torch.arange(width, device=self.decode_context_lens.device)[None, :]
+        lens = self.decode_context_lens[:, None]
+        return ((positions < lens) & (positions >= lens - window))[:, None, None, :]
+
+    @classmethod
+    def from_common(cls, common: AttentionMetadata) -> TorchSDPAMetadata:
+        if isinstance(common, cls):
+            return common
+        return cls(**{f.name: getattr(common, f.name) for f in fields(AttentionMetadata)})
 
 
 class TorchSDPABackend(AttentionBackend):
     name = "torch"
+
+    def build_metadata(self, common: AttentionMetadata) -> TorchSDPAMetadata:
+        return TorchSDPAMetadata.from_common(common)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -30,42 +64,58 @@ class TorchSDPABackend(AttentionBackend):
         v_cache[blocks, offsets] = v.to(v_cache.dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
         self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+
+    @classmethod
+    def attend(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               sliding_window: int | None = None) -> torch.Tensor:
+        """Attention over a cache the step's K/V are already written to (any backend's layout, any backend's
+        metadata: another backend's is viewed as this one's)."""
+        meta = TorchSDPAMetadata.from_common(meta)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
-            self.decode(q, k_cache, v_cache, meta, scale, out)
+            cls.decode(q, k_cache, v_cache, meta, scale, out, sliding_window)
         for span in meta.prefills:
-            self.prefill(q, k, v, k_cache, v_cache, span, scale, out)
+            cls.prefill(q, k, v, k_cache, v_cache, span, scale, out, sliding_window)
         return out
 
     @staticmethod
-    def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               out: torch.Tensor) -> None:
+    def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TorchSDPAMetadata, scale: float,
+               out: torch.Tensor, sliding_window: int | None = None) -> None:
         """The decode rows (the first meta.num_decodes of q) into out."""
         d = meta.num_decodes
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         bt = meta.decode_block_tables
         keys = k_cache[bt].reshape(d, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
         values = v_cache[bt].reshape(d, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-        o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
+        mask = meta.decode_mask if sliding_window is None else meta.sliding_decode_mask(sliding_window)
+        o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys, values, attn_mask=mask,
                                            scale=scale, enable_gqa=True)
         out[:d] = o.squeeze(2)
 
     @staticmethod
     def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                span: PrefillSpan, scale: float, out: torch.Tensor) -> None:
+                span: PrefillSpan, scale: float, out: torch.Tensor, sliding_window: int | None = None) -> None:
         """One prefill chunk's rows into out."""
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         sl = slice(span.start, span.start + span.num_tokens)
         qs = q[sl].transpose(0, 1).unsqueeze(0)
+        mask = span.causal_mask
+        if sliding_window is not None and span.context_len > sliding_window:
+            mask = sliding_causal_mask(span.context_len - span.num_tokens, span.context_len, sliding_window,
+                                       q.device)
+            if span.causal_mask is None:  # the chunk's own K/V are its whole context: same key range
+                mask = mask[:, -span.num_tokens:]
         if span.causal_mask is None:  # the chunk is the whole context so far
             keys, values = k[sl], v[sl]
         else:
             keys = k_cache[span.block_ids].reshape(-1, num_kv_heads, head_dim)[:span.context_len].to(q.dtype)
             values = v_cache[span.block_ids].reshape(-1, num_kv_heads, head_dim)[:span.context_len].to(q.dtype)
         o = F.scaled_dot_product_attention(qs, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
-                                           attn_mask=span.causal_mask,
-                                           is_causal=span.causal_mask is None and span.causal,
+                                           attn_mask=mask, is_causal=mask is None and span.causal,
                                            scale=scale, enable_gqa=True)
         out[sl] = o.squeeze(0).transpose(0, 1)

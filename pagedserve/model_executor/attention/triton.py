@@ -33,6 +33,7 @@ from pagedserve import envs
 from pagedserve.model_executor import triton_layer_ops
 from pagedserve.model_executor.attention.backend import AttentionBackend
 from pagedserve.model_executor.attention.metadata import AttentionMetadata
+from pagedserve.model_executor.attention.torch_sdpa import TorchSDPABackend
 
 # Tokens per split-K partition of a decode row: enough work per program to hide the K/V loads' latency, few
 # enough partitions that a batch of one still spreads a long context over many SMs.
@@ -270,7 +271,11 @@ class TritonAttentionBackend(AttentionBackend):
         write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
+        if sliding_window is not None:  # the kernels attend to the whole context: the reference's window masks
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            return TorchSDPABackend.attend(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
         return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
 
     def fused_ops(self, x: torch.Tensor) -> ModuleType | None:

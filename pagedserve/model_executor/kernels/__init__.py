@@ -43,7 +43,8 @@ from pathlib import Path
 from pagedserve import envs
 from pagedserve.model_executor.kernels.build_config import (HEADERS, ISA_LEVELS, KERNEL_DIR, LDFLAGS,  # noqa: F401
                                                             MANIFEST, PREBUILT_PACKAGE, SOURCES, build_flags,
-                                                            extension_name, prebuilt_module)
+                                                            extension_name, prebuilt_module, read_cpu_flags,
+                                                            runnable_isas)
 
 logger = logging.getLogger("pagedserve")
 LOCK_NAME = "pagedserve.lock"
@@ -52,22 +53,12 @@ LOCK_NAME = "pagedserve.lock"
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags as /proc/cpuinfo names them (empty off Linux/x86)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return read_cpu_flags()
 
 
 def supported_isas(flags: frozenset[str] | None = None) -> list[str]:
     """The levels this CPU can run, best first ("generic" always)."""
-    flags = cpu_flags() if flags is None else flags
-    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
-    return [name for name, (needs, _) in ISA_LEVELS.items()
-            if name == "generic" or (x86 and all(f in flags for f in needs))]
+    return runnable_isas(cpu_flags() if flags is None else flags, platform.machine())
 
 
 def detect_isa() -> str:

@@ -25,6 +25,7 @@ ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "generic": ((), ()),
 }
 X86_ISAS = tuple(ISA_LEVELS)  # every level compiles on x86-64; elsewhere only "generic"
+X86_MACHINES = ("x86_64", "amd64", "i686", "i386")
 BASE_CFLAGS = ("-O3", "-fopenmp", "-ffast-math")
 LDFLAGS = ("-fopenmp",)
 
@@ -53,3 +54,22 @@ def extension_name(isa: str, sources: tuple[Path, ...] | None = None, cflags: li
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     h.update(" ".join(cflags).encode() + b"\0" + isa.encode())
     return f"pagedserve_cpu_{isa}_{h.hexdigest()[:16]}"
+
+
+def read_cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them (empty off Linux/x86)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def runnable_isas(flags: frozenset[str], machine: str) -> list[str]:
+    """The levels a CPU with these flags runs, best first ("generic" always)."""
+    x86 = machine.lower() in X86_MACHINES
+    return [name for name, (needs, _) in ISA_LEVELS.items()
+            if name == "generic" or (x86 and all(f in flags for f in needs))]

@@ -49,6 +49,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, attn_backend) if options.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, attn_backend) if options.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
+        self.sliding_window = cfg.layer_sliding_window(int(prefix.split(".")[1]))  # prefix: layers.{i}.self_attn
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -65,7 +66,7 @@ class Attention(nn.Module):
                 qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         qk = apply_rotary(qk, cos_sin, self.attn_backend.fused_ops(qk))  # q and k heads together: half the ops
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        o = self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        o = self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
         return self.parallel.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
 
 

@@ -41,7 +41,8 @@ class FusedDecodeStack:
               rms_norm_eps: float) -> FusedDecodeStack | None:
         """The stack over `layers` (DecoderLayers, weights processed), or None where it cannot run."""
         kernels = cpu_kernels() if attn_backend.supports_fused_decode_stack and parallel.tp_size == 1 else None
-        if kernels is None or len(layers) == 0:
+        # the native stack's attention reads the whole context: a sliding-window layer runs layer by layer
+        if kernels is None or len(layers) == 0 or any(layer.self_attn.sliding_window for layer in layers):
             return None
         none = torch.empty(0)
 

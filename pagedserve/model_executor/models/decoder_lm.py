@@ -32,6 +32,8 @@ from pagedserve.model_executor.quantization.base import QuantizationConfig
 
 
 class DecoderForCausalLM(nn.Module):
+    supports_fused_decode = True  # every layer is the dense DecoderLayer the native decode stack runs
+
     def __init__(self, cfg: ModelConfig, parallel: ParallelState, attn_backend: AttentionBackend,
                  quant_config: QuantizationConfig) -> None:
         super().__init__()
@@ -66,6 +68,7 @@ class DecoderForCausalLM(nn.Module):
         """Returns float32 logits over the whole vocabulary for the rows in `logits_indices` only, on the rank that
         holds them (the last stage's tp rank 0; None on the other ranks)."""
         ps = self.parallel
+        meta = self.attn_backend.build_metadata(meta)
         if self.embed_tokens is not None:
             x, residual = self.embed_tokens(input_ids), None
         else:
@@ -93,8 +96,9 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
-        self.fused_decode = FusedDecodeStack.build(self.layers, self.attn_backend, self.parallel,
-                                                   self.cfg.rms_norm_eps)
+        if self.supports_fused_decode:
+            self.fused_decode = FusedDecodeStack.build(self.layers, self.attn_backend, self.parallel,
+                                                       self.cfg.rms_norm_eps)
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, model_dir: Path) -> None:
@@ -110,7 +114,10 @@ class DecoderForCausalLM(nn.Module):
                 continue
             tensor = self._tp_slice(name, tensor)
             parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in fused:
+            extra = self.load_extra_weight(name, tensor, params)
+            if extra is not None:
+                loaded.add(extra)
+            elif len(parts) >= 2 and parts[-2] in fused:
                 target, shard = fused[parts[-2]]
                 pname = ".".join(parts[:-2] + [target, parts[-1]])
                 param = params[pname]
@@ -133,6 +140,11 @@ class DecoderForCausalLM(nn.Module):
         missing = expected - loaded
         if missing:
             raise ValueError(f"Checkpoint {model_dir} lacks weights: {sorted(missing)[:5]} ...")
+
+    def load_extra_weight(self, name: str, tensor: torch.Tensor, params: dict) -> str | None:
+        """A family's own checkpoint tensors (MoE experts): copies `tensor` into `params` and returns the key it
+        loaded, or None for the shared rules."""
+        return None
 
     def _shard_sizes(self, target: str) -> list[int]:
         cfg, tp = self.cfg, self.parallel.tp_size

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 UNQUANTIZED = "pagedserve.model_executor.quantization.unquantized:UnquantizedConfig"
 QUANTIZATION_METHODS: dict[str, str] = {
     "int8": "pagedserve.model_executor.quantization.int8:Int8Config",
+    "int4": "pagedserve.model_executor.quantization.int4:Int4Config",
 }
 
 

@@ -1,0 +1,108 @@
+"""Mixture-of-experts families on the shared decoder: Mixtral, Qwen2-MoE (shared expert with its sigmoid gate) and
+Qwen3-MoE (norm_topk_prob, mlp_only_layers, decoder_sparse_step). Attention is the shared layer's; a sparse layer's
+MLP is layers/fused_moe's SparseMoeBlock. Checkpoint names (hub layout: one tensor per expert and projection) are
+stacked into the block's [E, 2I, H] / [E, H, I] parameters as they are read.
+
+Tensor and pipeline parallel: tensor parallelism over experts is not built (ValueError at load); pipeline stages work
+as for the dense families. The native whole-stack decode is dense-only, so these models run the Python layers.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import torch
+
+from pagedserve.model_executor.layers.decoder import DecoderOptions
+from pagedserve.model_executor.layers.fused_moe import SparseMoeBlock
+from pagedserve.model_executor.model_config import ModelConfig
+from pagedserve.model_executor.models.decoder_lm import DecoderForCausalLM
+
+_EXPERT = re.compile(r"^(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_SHARED = re.compile(r"^(layers\.\d+\.mlp\.shared_expert)\.(gate_proj|up_proj)\.weight$")
+_MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+class _MoeForCausalLM(DecoderForCausalLM):
+    supports_fused_decode = False  # the native decode stack runs dense MLPs only
+
+    def __init__(self, cfg: ModelConfig, parallel, attn_backend, quant_config) -> None:
+        super().__init__(cfg, parallel, attn_backend, quant_config)
+        if parallel.tp_size > 1:
+            raise ValueError(f"{cfg.architecture}: tensor parallelism over experts is not supported yet; use "
+                             "--tensor-parallel-size 1 (pipeline parallelism works).")
+        hf = json.loads((cfg.model_dir / "config.json").read_text())
+        self.moe_intermediate = self.moe_intermediate_size(hf)
+        for local, i in enumerate(self.layer_range):
+            if self.is_sparse_layer(hf, i):
+                self.layers[local].mlp = SparseMoeBlock(
+                    cfg.hidden_size, self.num_experts(hf), hf["num_experts_per_tok"], self.moe_intermediate,
+                    self.renormalize(hf), hf.get("shared_expert_intermediate_size") or 0)
+
+    # what each family reads from its config.json
+    def num_experts(self, hf: dict) -> int:
+        return hf.get("num_experts") or hf["num_local_experts"]  # transformers 5 writes the latter
+
+    def moe_intermediate_size(self, hf: dict) -> int:
+        return hf["moe_intermediate_size"]
+
+    def renormalize(self, hf: dict) -> bool:
+        return bool(hf.get("norm_topk_prob", False))
+
+    def is_sparse_layer(self, hf: dict, i: int) -> bool:
+        """Qwen's rule: layers not in mlp_only_layers, every decoder_sparse_step-th (1-based)."""
+        step = hf.get("decoder_sparse_step", 1)
+        return i not in (hf.get("mlp_only_layers") or []) and self.num_experts(hf) > 0 and (i + 1) % step == 0
+
+    def load_extra_weight(self, name: str, tensor: torch.Tensor, params: dict) -> str | None:
+        m = _EXPERT.match(name)
+        if m is not None and f"{m[1]}.experts.w13_weight" in params:
+            prefix, e, proj = m[1], int(m[2]), m[3]
+            if proj == "down_proj":
+                params[f"{prefix}.experts.w2_weight"].data[e].copy_(tensor)
+                return f"{prefix}.experts.w2_weight"
+            size = self.moe_intermediate
+            offset = 0 if proj == "gate_proj" else size
+            params[f"{prefix}.experts.w13_weight"].data[e, offset:offset + size].copy_(tensor)
+            return f"{prefix}.experts.w13_weight"
+        m = _SHARED.match(name)
+        if m is not None:
+            param = params[f"{m[1]}.gate_up_proj.weight"]
+            size = param.shape[0] // 2
+            offset = 0 if m[2] == "gate_proj" else size
+            param.data[offset:offset + size].copy_(tensor)
+            return f"{m[1]}.gate_up_proj.weight#{int(offset > 0)}"  # the shared rule's shard keys
+        return None
+
+
+class Qwen2MoeForCausalLM(_MoeForCausalLM):
+    def decoder_options(self, cfg: ModelConfig) -> DecoderOptions:
+        return DecoderOptions(qkv_bias=cfg.attention_bias is not False)  # as Qwen2: q/k/v biases always on
+
+
+class Qwen3MoeForCausalLM(_MoeForCausalLM):
+    def decoder_options(self, cfg: ModelConfig) -> DecoderOptions:
+        return DecoderOptions(qkv_bias=bool(cfg.attention_bias), qk_norm=True)
+
+
+class MixtralForCausalLM(_MoeForCausalLM):
+    """Every layer sparse, always renormalised; hub names block_sparse_moe.experts.j.w1/w3/w2."""
+
+    def moe_intermediate_size(self, hf: dict) -> int:
+        return hf["intermediate_size"]
+
+    def renormalize(self, hf: dict) -> bool:
+        return True
+
+    def is_sparse_layer(self, hf: dict, i: int) -> bool:
+        return True
+
+    def load_extra_weight(self, name: str, tensor: torch.Tensor, params: dict) -> str | None:
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        m = re.match(r"^(.*\.experts\.\d+)\.(w[123])\.weight$", name)
+        if m is not None:
+            name = f"{m[1]}.{_MIXTRAL_NAMES[m[2]]}.weight"
+        if name.endswith(".mlp.gate.weight"):
+            params[name].data.copy_(tensor)
+            return name
+        return super().load_extra_weight(name, tensor, params)

@@ -1,0 +1,80 @@
+"""Weight-only int4 (`--quantization int4`, CPU): round-to-nearest per group of 128 input channels (64 or 32 where
+the width is not a multiple of 128), asymmetric (a scale and a float zero per group), packed two weights a byte -
+an eighth of float32's weight bytes. The checkpoint's float weights are quantized as they load.
+
+The product is torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`, the tinygemm layout torchao and gpt-fast use:
+weights unpacked and dequantized in registers, float activations). pagedserve's own native int4 small GEMM (and the
+whole-stack decode over it) is not built yet, so these layers run outside the native decode loop.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from pagedserve.model_executor.quantization.base import LinearMethodBase, QuantizationConfig
+
+if TYPE_CHECKING:
+    from pagedserve.model_executor.layers.linear import Linear
+
+GROUP_SIZES = (128, 64, 32)  # the first that divides the input width; the kernel takes these
+
+
+def group_size_for(in_features: int) -> int:
+    for g in GROUP_SIZES:
+        if in_features % g == 0:
+            return g
+    raise ValueError(f"quantization='int4' needs linear input widths that are multiples of 32, got {in_features}.")
+
+
+def quantize_rtn_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [N, K] in 0..15, scale [N, K/g], minimum [N, K/g]) with w ~= q * scale + minimum per group."""
+    n, k = w.shape
+    groups = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    q = ((groups - lo[..., None]) / scale[..., None]).round().clamp(0, 15)
+    return q.reshape(n, k).to(torch.int32), scale, lo
+
+
+def dequantize_rtn_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    groups = q.float().reshape(n, scale.shape[1], -1)
+    return (groups * scale[..., None] + lo[..., None]).reshape(n, k)
+
+
+class Int4LinearMethod(LinearMethodBase):
+    def create_weights(self, layer: Linear, in_features: int, out_features: int, bias: bool) -> None:
+        super().create_weights(layer, in_features, out_features, bias)
+        layer.int4_weight = layer.int4_scale_zeros = None
+        layer.int4_group_size = group_size_for(in_features)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        w = layer.weight.detach()
+        q, scale, lo = quantize_rtn_int4(w, layer.int4_group_size)
+        layer.int4_weight = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        # the kernel dequantizes (q - 8) * scale + zero: its zero is the group's value at q = 8
+        zeros = lo + 8 * scale
+        layer.int4_scale_zeros = torch.stack([scale.t(), zeros.t()], dim=-1).to(w.dtype).contiguous()
+        layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        y = torch._weight_int4pack_mm_for_cpu(rows.to(layer.int4_scale_zeros.dtype), layer.int4_weight,
+                                              layer.int4_group_size, layer.int4_scale_zeros).to(x.dtype)
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.view(*x.shape[:-1], layer.out_features)
+
+
+class Int4Config(QuantizationConfig):
+    name = "int4"
+
+    def __init__(self, linear_backend: str = "auto", device: torch.device | None = None) -> None:
+        if device is not None and device.type != "cpu":
+            raise ValueError("quantization='int4' is implemented for the CPU only.")
+        self.method = Int4LinearMethod()
+
+    def get_linear_method(self, layer: nn.Module, prefix: str = "") -> LinearMethodBase:
+        return self.method

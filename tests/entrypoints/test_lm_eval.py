@@ -1,0 +1,91 @@
+"""lm-evaluation-harness (PyPI lm_eval) scoring a small multiple-choice task from local files with
+`local-completions` against `pagedserve serve`: it sends `echo: true, logprobs: 1, max_tokens: 1` and reads the
+prompt tokens' logprobs; the log-likelihoods it reports equal HF transformers' on the same tiny model within 1e-3."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hf_reference import load_hf_model
+from server_helpers import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+DOCS = [
+    {"question": "the cat reads the", "choices": ["book", "dog", "evening"], "label": 0},
+    {"question": "def compute(x, y):\n    return", "choices": ["x + y", "items", "the house"], "label": 0},
+    {"question": "a small model", "choices": ["learns", "sleeps", "reads a book"], "label": 1},
+]
+
+TASK_YAML = """task: pagedserve_tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    server = ServerProcess(model_dir, ("--dtype", "float32", "--num-kv-blocks", "128", "--max-model-len", "512",
+                                       "--max-num-batched-tokens", "16"))
+    yield server
+    assert server.stop() == 0
+
+
+def hf_loglikelihood(model_dir: str, tokenizer, context: str, continuation: str) -> float:
+    """lm_eval's split (trailing context spaces move to the continuation; the whole is encoded, then cut at the
+    context's length), scored by HF in float32."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole = tokenizer(context + continuation, add_special_tokens=False).input_ids
+    num_ctx = len(tokenizer(context, add_special_tokens=False).input_ids)
+    with torch.no_grad():
+        logits = load_hf_model(model_dir)(torch.tensor([whole])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return float(sum(logprobs[i - 1, whole[i]] for i in range(num_ctx, len(whole))))
+
+
+def test_lm_eval_local_completions_loglikelihoods(server, model_dir, tmp_path):
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pagedserve[test] installs it)")
+    from transformers import AutoTokenizer
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "tiny_mc.yaml").write_text(TASK_YAML.format(data=data))
+    out_dir = tmp_path / "out"
+    model_args = (f"model={model_dir},base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"
+                  f"tokenizer={model_dir},num_concurrent=1,max_retries=1,tokenized_requests=True")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args,
+                           "--tasks", "pagedserve_tiny_mc", "--include_path", str(tasks), "--output_path",
+                           str(out_dir), "--log_samples"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    samples_files = list(out_dir.rglob("samples_pagedserve_tiny_mc_*.jsonl"))
+    assert samples_files, list(out_dir.rglob("*"))
+    samples = [json.loads(line) for line in samples_files[0].read_text().splitlines()]
+    assert len(samples) == len(DOCS)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    checked = 0
+    for sample in samples:
+        for args, resp in zip(sample["arguments"].values() if isinstance(sample["arguments"], dict)
+                              else sample["arguments"], sample["resps"]):
+            context, continuation = (args["arg_0"], args["arg_1"]) if isinstance(args, dict) else args
+            loglik = float(resp[0][0])  # the samples file stores it as a string
+            assert loglik == pytest.approx(hf_loglikelihood(model_dir, tokenizer, context, continuation), abs=1e-3)
+            checked += 1
+    assert checked == sum(len(d["choices"]) for d in DOCS)
