@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -47,6 +48,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         sample_index: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -57,6 +59,8 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.sample_index = sample_index
+        # a pooling request (its sampling_params are the neutral defaults): prefill only, then pooled, no token
+        self.pooling_params = pooling_params
 
         self.status = RequestStatus.WAITING
         self.all_token_ids: list[int] = list(prompt_token_ids)

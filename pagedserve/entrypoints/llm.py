@@ -1,16 +1,22 @@
 """The offline API, as in vLLM: LLM(model=...).generate(prompts, SamplingParams(...))."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
 
+import torch
 from tqdm.auto import tqdm
 
 from pagedserve.config import EngineArgs
 from pagedserve.engine.input_processor import render_chat
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedserve.entrypoints.score_utils import cosine_scores, cross_encoder_tokens, score_pairs
+from pagedserve.outputs import (BeamSearchOutput, BeamSearchSequence, ClassificationRequestOutput,
+                                EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput, RequestOutput,
+                                ScoringRequestOutput)
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 PromptType = str | dict | list[int]
@@ -66,6 +72,60 @@ class LLM:
             self.llm_engine.abort_request(ids)
             raise
         return self._run_engine(ids, use_tqdm)
+
+    # ------------------------------------------------------------------ pooling models (runner="pooling")
+    def encode(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+               use_tqdm: bool = True, pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """The pooler's raw output per prompt (outputs.data, a float32 tensor), in prompt order. Invalid input
+        raises InvalidRequestError (a ValueError) before anything runs; a generative engine refuses."""
+        params = pooling_params or PoolingParams()
+        if pooling_task is not None:
+            params = dataclasses.replace(params, task=pooling_task)
+        ids = []
+        try:
+            for prompt, cache_salt in self._normalize_prompts(prompts, None):
+                request_id = str(next(self._counter))
+                self.llm_engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+                ids.append(request_id)
+        except ValueError:
+            self.llm_engine.abort_request(ids)
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True, pooling_params: PoolingParams | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (.outputs.embedding), normalised as the model's config says."""
+        params = dataclasses.replace(pooling_params or PoolingParams(), task="embed",
+                                     truncate_prompt_tokens=truncate_prompt_tokens)
+        return [EmbeddingRequestOutput.from_base(o) for o in self.encode(prompts, params, use_tqdm)]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], *, use_tqdm: bool = True,
+                 pooling_params: PoolingParams | None = None) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (.outputs.probs) from a sequence classification model."""
+        params = dataclasses.replace(pooling_params or PoolingParams(), task="classify")
+        return [ClassificationRequestOutput.from_base(o) for o in self.encode(prompts, params, use_tqdm)]
+
+    def score(self, data_1: str | list[str], data_2: str | list[str], *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True, pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+        """The relevance of each (data_1, data_2) pair (one data_1 against every data_2, or pairwise): a
+        cross-encoder reads the pair as one prompt; an embedding model gives the cosine similarity of the two
+        embeddings."""
+        pairs = score_pairs(data_1, data_2)
+        params = dataclasses.replace(pooling_params or PoolingParams(), task="score",
+                                     truncate_prompt_tokens=truncate_prompt_tokens)
+        pooler = self.llm_engine.config.pooler
+        if pooler is not None and pooler.task == "embed":
+            texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+            outs = self.encode(texts, dataclasses.replace(params, task="embed"), use_tqdm)
+            by_text = dict(zip(texts, outs))
+            firsts, seconds = [by_text[a] for a, _ in pairs], [by_text[b] for _, b in pairs]
+            scores = cosine_scores([o.outputs.data.tolist() for o in firsts], [o.outputs.data.tolist() for o in seconds])
+            return [ScoringRequestOutput.from_base(PoolingRequestOutput(
+                        f"{a.request_id}+{b.request_id}", PoolingOutput(torch.tensor([score])),
+                        a.prompt_token_ids + b.prompt_token_ids)) for a, b, score in zip(firsts, seconds, scores)]
+        tokenizer = self.get_tokenizer()
+        prompts = [cross_encoder_tokens(tokenizer, a, b) for a, b in pairs]
+        return [ScoringRequestOutput.from_base(o) for o in self.encode(prompts, params, use_tqdm)]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
@@ -161,7 +221,8 @@ class LLM:
                     results[output.request_id] = output
                     if bar is not None:
                         num_in += len(output.prompt_token_ids)
-                        num_out += sum(len(c.token_ids) for c in output.outputs)
+                        num_out += sum(len(c.token_ids) for c in output.outputs) \
+                            if isinstance(output, RequestOutput) else 0
                         elapsed = time.perf_counter() - t0
                         bar.set_postfix_str(f"est. speed input: {num_in / elapsed:.1f} toks/s, "
                                             f"output: {num_out / elapsed:.1f} toks/s")
@@ -174,6 +235,4 @@ class LLM:
 def _with_kind(params: SamplingParams, kind: RequestOutputKind) -> SamplingParams:
     if params.output_kind == kind:
         return params
-    import dataclasses
-
     return dataclasses.replace(params, output_kind=kind)

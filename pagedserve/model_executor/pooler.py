@@ -1,9 +1,11 @@
 """Pooling of a sequence's final hidden states into one vector (vLLM's Pooler): LAST token, MEAN over tokens or the
-first (CLS) token, then L2 normalisation and Matryoshka truncation as the model's sentence-transformers config says.
+first (CLS) token, then L2 normalisation and Matryoshka truncation as the model's sentence-transformers config says
+(embedding models), or a classification head's logits and their activation (sequence classification models).
 
 The config comes from the checkpoint directory: `modules.json` lists the modules (a `Normalize` module means the
 embeddings are L2-normalised), the Pooling module's folder (usually `1_Pooling/config.json`) names the pooling mode.
 Without them, decoder models pool the LAST token and encoder models CLS, both normalised (vLLM's defaults).
+`resolve_pooler_config` decides, from --runner / --task and the architecture, whether the engine pools at all.
 """
 from __future__ import annotations
 
@@ -19,12 +21,26 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS")
 _MODE_KEYS = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
 
 
+RUNNERS = ("auto", "generate", "pooling")
+TASKS = ("auto", "generate", "embed", "classify", "score")
+
+
 @dataclass(frozen=True)
 class PoolerConfig:
     pooling_type: str  # LAST | MEAN | CLS
     normalize: bool
     matryoshka_dimensions: tuple[int, ...] | None = None  # allowed `dimensions`; None: any (if is_matryoshka)
     is_matryoshka: bool = False
+    task: str = "embed"  # what the model computes: embed (an embedding model) | classify (a classification head)
+    num_labels: int = 0  # classify: the head's outputs
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """Request tasks this model serves: an embedding model scores by cosine similarity, a classifier only
+        with a single label (a cross-encoder's relevance logit)."""
+        if self.task == "embed":
+            return ("embed", "score")
+        return ("classify", "score") if self.num_labels == 1 else ("classify",)
 
     @classmethod
     def from_model_dir(cls, model_dir: Path, default_pooling_type: str) -> "PoolerConfig":
@@ -62,28 +78,76 @@ class PoolerConfig:
             raise ValueError(f"dimensions must be one of {list(self.matryoshka_dimensions)}, got {dimensions}.")
 
 
-def pool(hidden: torch.Tensor, seq_lens: torch.Tensor, config: PoolerConfig) -> torch.Tensor:
-    """hidden: [T, H], the sequences' rows one after another (seq_lens [N] long, summing to T) -> [N, H] float32,
-    vectorised over sequences (no per-sequence loop)."""
-    ends = torch.cumsum(seq_lens, 0)
-    starts = ends - seq_lens
+def resolve_pooler_config(model_dir: Path, architecture: str, runner: str, task: str) -> PoolerConfig | None:
+    """vLLM's runner selection: None for a generative engine, else what the pooling engine computes. `auto` pools
+    for architectures that are pooling models (*ForSequenceClassification: classify; *Model: embed); a causal LM
+    pools (embed: last token, as Qwen3-Embedding) when asked with runner pooling or a pooling task."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}.")
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}.")
+    native = "classify" if architecture.endswith("ForSequenceClassification") else \
+        "embed" if architecture.endswith("Model") else None
+    if runner == "generate" or task == "generate":
+        if native is not None or task not in ("auto", "generate") or runner == "pooling":
+            raise ValueError(f"runner {runner!r} with task {task!r} cannot serve {architecture}: "
+                             f"{'it is a pooling model' if native else 'generation and pooling exclude each other'}.")
+        return None
+    if runner == "auto" and task == "auto" and native is None:
+        return None
+    model_task = native or "embed"  # a causal LM as an embedder
+    if task in ("embed", "classify") and task != model_task:
+        raise ValueError(f"task {task!r} is not supported by {architecture}: it serves {model_task!r}"
+                         f"{' (a classifier needs a *ForSequenceClassification checkpoint)' if task == 'classify' else ''}.")
+    if model_task == "classify":
+        config = PoolerConfig("LAST", False, task="classify", num_labels=num_labels(model_dir))
+    else:
+        config = PoolerConfig.from_model_dir(model_dir, "LAST")
+    if task == "score" and "score" not in config.supported_tasks:
+        raise ValueError(f"task 'score' needs a classifier with one label; {architecture} has {config.num_labels}.")
+    return config
+
+
+def num_labels(model_dir: Path) -> int:
+    """A classification head's outputs, as transformers' PretrainedConfig counts them (id2label, else num_labels)."""
+    cfg = _read_json(model_dir / "config.json")
+    return len(cfg["id2label"]) if cfg.get("id2label") else int(cfg.get("num_labels", 2))
+
+
+def reduce_spans(hidden: torch.Tensor, span_lens: torch.Tensor, pooling_type: str) -> torch.Tensor:
+    """hidden: [T, H], spans' rows one after another (span_lens [N] long, summing to T) -> [N, H] float32: each
+    span's last row (LAST), first row (CLS) or row sum (MEAN), vectorised over spans (no per-span loop)."""
+    ends = torch.cumsum(span_lens, 0)
     hidden = hidden.float()
-    if config.pooling_type == "LAST":
-        pooled = hidden[ends - 1]
-    elif config.pooling_type == "CLS":
-        pooled = hidden[starts]
-    else:  # MEAN: a segment sum via index_add over each row's sequence index
-        seq_index = torch.repeat_interleave(torch.arange(len(seq_lens), device=hidden.device), seq_lens)
-        sums = torch.zeros((len(seq_lens), hidden.shape[1]), dtype=hidden.dtype, device=hidden.device)
-        pooled = sums.index_add_(0, seq_index, hidden) / seq_lens[:, None].to(hidden.dtype)
+    if pooling_type == "LAST":
+        return hidden[ends - 1]
+    if pooling_type == "CLS":
+        return hidden[ends - span_lens]
+    # MEAN: a segment sum via index_add over each row's span index
+    span_index = torch.repeat_interleave(torch.arange(len(span_lens), device=hidden.device), span_lens)
+    sums = torch.zeros((len(span_lens), hidden.shape[1]), dtype=hidden.dtype, device=hidden.device)
+    return sums.index_add_(0, span_index, hidden)
+
+
+def pool(hidden: torch.Tensor, seq_lens: torch.Tensor, config: PoolerConfig) -> torch.Tensor:
+    """Whole sequences (seq_lens [N], summing to T rows of hidden [T, H]) -> [N, H] float32 embeddings."""
+    pooled = reduce_spans(hidden, seq_lens, config.pooling_type)
+    if config.pooling_type == "MEAN":
+        pooled = pooled / seq_lens[:, None].to(pooled.dtype)
     return F.normalize(pooled, p=2, dim=-1) if config.normalize else pooled
 
 
-def truncate_dimensions(embedding: torch.Tensor, dimensions: int | None) -> torch.Tensor:
-    """Matryoshka: the first `dimensions` components, L2-renormalised (as vLLM and sentence-transformers do)."""
+def truncate_dimensions(embedding: torch.Tensor, dimensions: int | None, normalize: bool = True) -> torch.Tensor:
+    """Matryoshka: the first `dimensions` components, L2-renormalised (as vLLM does) unless normalize is False."""
     if dimensions is None:
         return embedding
-    return F.normalize(embedding[..., :dimensions], p=2, dim=-1)
+    embedding = embedding[..., :dimensions]
+    return F.normalize(embedding, p=2, dim=-1) if normalize else embedding
+
+
+def classification_activation(logits: torch.Tensor) -> torch.Tensor:
+    """[N, num_labels] -> probabilities: sigmoid for a single label (a cross-encoder's relevance), else softmax."""
+    return torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)
 
 
 def _read_json(path: Path):
