@@ -39,24 +39,22 @@ class PoolingRunner:
         """hidden: the rows num_rows asked for, items in order -> request id -> output (float32, on the CPU) of each
         request whose prompt is now complete: its embedding, or its class probabilities / logits."""
         rows = [self.num_rows(item) for item in items]
-        reading = [(item, n) for item, n in zip(items, rows) if n]
-        if not reading:
-            return {}
-        span_lens = torch.tensor([n for _, n in reading], device=hidden.device)
-        reduced = reduce_spans(hidden, span_lens, self.config.pooling_type)
+        if any(rows):
+            span_lens = torch.tensor([n for n in rows if n], device=hidden.device)
+            reduced = iter(reduce_spans(hidden, span_lens, self.config.pooling_type))
         done: list[ScheduledRequest] = []
         pooled: list[torch.Tensor] = []
-        for (item, _), value in zip(reading, reduced):  # per request, not per token
+        for item, n in zip(items, rows):  # per request, not per token
             request_id = item.request.request_id
-            if self.config.pooling_type == "MEAN" and request_id in self.partial:
-                value = self.partial[request_id] + value
-            elif self.config.pooling_type == "CLS" and request_id in self.partial:
-                value = self.partial[request_id]
+            value, earlier = next(reduced) if n else None, self.partial.pop(request_id, None)
+            if value is None:  # CLS after the first chunk, LAST before the last one: nothing new
+                value = earlier
+            elif earlier is not None:  # MEAN: the sum so far
+                value = earlier + value
             if item.samples:
-                self.partial.pop(request_id, None)
                 done.append(item)
                 pooled.append(value)
-            else:
+            elif value is not None:
                 self.partial[request_id] = value
         if not done:
             return {}

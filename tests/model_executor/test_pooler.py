@@ -84,3 +84,29 @@ def test_bidirectional_prefill_span(backend):
     out = attn.forward(q, k, v, kv[0], kv[1], meta, d ** -0.5)
     want = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)).transpose(0, 1)
     assert torch.allclose(out, want, atol=1e-5)
+
+
+def test_runner_selection(tmp_path):
+    """vLLM's --runner / --task: pooling architectures pool by themselves, a causal LM only when asked (embed)."""
+    from pagedserve.model_executor.pooler import resolve_pooler_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_labels": 1}))
+    assert resolve_pooler_config(tmp_path, "Qwen3ForCausalLM", "auto", "auto") is None
+    assert resolve_pooler_config(tmp_path, "Qwen3ForCausalLM", "generate", "auto") is None
+    for runner, task in (("pooling", "auto"), ("auto", "embed"), ("pooling", "score")):
+        cfg = resolve_pooler_config(tmp_path, "Qwen3ForCausalLM", runner, task)
+        assert (cfg.task, cfg.pooling_type, cfg.supported_tasks) == ("embed", "LAST", ("embed", "score"))
+    cls = resolve_pooler_config(tmp_path, "Qwen2ForSequenceClassification", "auto", "auto")
+    assert (cls.task, cls.num_labels, cls.normalize, cls.supported_tasks) == ("classify", 1, False,
+                                                                              ("classify", "score"))
+    assert resolve_pooler_config(tmp_path, "Qwen2Model", "auto", "auto").task == "embed"
+    for arch, runner, task, match in (("Qwen3ForCausalLM", "auto", "classify", "classification"),
+                                      ("Qwen2ForSequenceClassification", "generate", "auto", "pooling model"),
+                                      ("Qwen2Model", "auto", "classify", "not supported"),
+                                      ("Qwen3ForCausalLM", "pooling", "generate", "exclude"),
+                                      ("Qwen3ForCausalLM", "encode", "auto", "runner must be")):
+        with pytest.raises(ValueError, match=match):
+            resolve_pooler_config(tmp_path, arch, runner, task)
+    (tmp_path / "config.json").write_text(json.dumps({"id2label": {"0": "a", "1": "b"}}))
+    with pytest.raises(ValueError, match="one label"):
+        resolve_pooler_config(tmp_path, "LlamaForSequenceClassification", "pooling", "score")
