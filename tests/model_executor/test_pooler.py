@@ -100,7 +100,7 @@ def test_runner_selection(tmp_path):
     assert (cls.task, cls.num_labels, cls.normalize, cls.supported_tasks) == ("classify", 1, False,
                                                                               ("classify", "score"))
     assert resolve_pooler_config(tmp_path, "Qwen2Model", "auto", "auto").task == "embed"
-    for arch, runner, task, match in (("Qwen3ForCausalLM", "auto", "classify", "classification"),
+    for arch, runner, task, match in (("Qwen3ForCausalLM", "auto", "classify", "ForSequenceClassification checkpoint"),
                                       ("Qwen2ForSequenceClassification", "generate", "auto", "pooling model"),
                                       ("Qwen2Model", "auto", "classify", "not supported"),
                                       ("Qwen3ForCausalLM", "pooling", "generate", "exclude"),
