@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from pagedserve.config import EngineArgs
 from pagedserve.engine.input_processor import render_chat
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.entrypoints.score_utils import cosine_scores, cross_encoder_tokens, score_pairs
+from pagedserve.entrypoints.score_utils import pair_scores, score_pairs, score_prompts
 from pagedserve.outputs import (BeamSearchOutput, BeamSearchSequence, ClassificationRequestOutput,
                                 EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput, RequestOutput,
                                 ScoringRequestOutput)
@@ -111,21 +111,17 @@ class LLM:
         cross-encoder reads the pair as one prompt; an embedding model gives the cosine similarity of the two
         embeddings."""
         pairs = score_pairs(data_1, data_2)
-        params = dataclasses.replace(pooling_params or PoolingParams(), task="score",
-                                     truncate_prompt_tokens=truncate_prompt_tokens)
+        params = dataclasses.replace(pooling_params or PoolingParams(), truncate_prompt_tokens=truncate_prompt_tokens)
         pooler = self.llm_engine.config.pooler
-        if pooler is not None and pooler.task == "embed":
-            texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-            outs = self.encode(texts, dataclasses.replace(params, task="embed"), use_tqdm)
-            by_text = dict(zip(texts, outs))
-            firsts, seconds = [by_text[a] for a, _ in pairs], [by_text[b] for _, b in pairs]
-            scores = cosine_scores([o.outputs.data.tolist() for o in firsts], [o.outputs.data.tolist() for o in seconds])
-            return [ScoringRequestOutput.from_base(PoolingRequestOutput(
-                        f"{a.request_id}+{b.request_id}", PoolingOutput(torch.tensor([score])),
-                        a.prompt_token_ids + b.prompt_token_ids)) for a, b, score in zip(firsts, seconds, scores)]
-        tokenizer = self.get_tokenizer()
-        prompts = [cross_encoder_tokens(tokenizer, a, b) for a, b in pairs]
-        return [ScoringRequestOutput.from_base(o) for o in self.encode(prompts, params, use_tqdm)]
+        prompts, task = score_prompts(self.get_tokenizer(), pairs, pooler.task if pooler is not None else "score")
+        outs = self.encode(prompts, dataclasses.replace(params, task=task), use_tqdm)
+        if task == "score":
+            return [ScoringRequestOutput.from_base(o) for o in outs]
+        by_text = dict(zip(prompts, outs))
+        return [ScoringRequestOutput.from_base(PoolingRequestOutput(
+                    f"{by_text[a].request_id}+{by_text[b].request_id}", PoolingOutput(torch.tensor([score])),
+                    by_text[a].prompt_token_ids + by_text[b].prompt_token_ids))
+                for (a, b), score in zip(pairs, pair_scores(pairs, prompts, outs, task))]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,

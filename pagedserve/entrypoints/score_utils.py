@@ -28,12 +28,20 @@ def score_pairs(data_1: str | list[str], data_2: str | list[str], param_1: str =
     return list(zip(first, second))
 
 
-def cross_encoder_tokens(tokenizer: Any, query: str, document: str) -> list[int]:
-    """The pair as the cross-encoder was trained to read it (the tokenizer's own pair template)."""
-    return list(tokenizer(text=query, text_pair=document)["input_ids"])
+def score_prompts(tokenizer: Any, pairs: list[tuple[str, str]], model_task: str) -> tuple[list, str]:
+    """What to pool for these pairs, and with which task: an embedding model embeds each distinct text once; a
+    cross-encoder reads each pair as one prompt, through the tokenizer's own pair template (as it was trained)."""
+    if model_task == "embed":
+        return list(dict.fromkeys(text for pair in pairs for text in pair)), "embed"
+    return [list(tokenizer(text=a, text_pair=b)["input_ids"]) for a, b in pairs], "score"
 
 
-def cosine_scores(first: list[list[float]], second: list[list[float]]) -> list[float]:
-    """An embedding model's score of each pair: the cosine similarity of the two embeddings."""
-    a, b = torch.tensor(first, dtype=torch.float32), torch.tensor(second, dtype=torch.float32)
-    return F.cosine_similarity(a, b, dim=-1).tolist()
+def pair_scores(pairs: list[tuple[str, str]], prompts: list, outputs: list, task: str) -> list[float]:
+    """Each pair's score from the pooled outputs of score_prompts' prompts (PoolingRequestOutputs, in order): the
+    cross-encoder's relevance, or the cosine similarity of the two embeddings."""
+    if task == "score":
+        return [float(o.outputs.data.reshape(-1)[0]) for o in outputs]
+    vectors = {text: o.outputs.data for text, o in zip(prompts, outputs)}
+    first = torch.stack([vectors[a] for a, _ in pairs]).float()
+    second = torch.stack([vectors[b] for _, b in pairs]).float()
+    return F.cosine_similarity(first, second, dim=-1).tolist()
