@@ -23,9 +23,10 @@ ST_POOLING_KEYS = {"lasttoken": "pooling_mode_lasttoken", "mean": "pooling_mode_
 
 def make_tiny_embedding_checkpoint(arch: str, out_dir, *, tokenizer, pooling: str = "lasttoken",
                                    normalize: bool = True, matryoshka_dimensions: list[int] | None = None,
-                                   save_base: bool = False, seed: int = 7) -> Path:
+                                   save_base: bool = False, seed: int = 7, **overrides) -> Path:
+    """overrides: config fields (a larger shape for benchmarks)."""
     out = Path(out_dir)
-    model = build_tiny_model(arch, tokenizer=tokenizer, seed=seed)
+    model = build_tiny_model(arch, tokenizer=tokenizer, seed=seed, **overrides)
     (model.model if save_base else model).save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     if matryoshka_dimensions:
