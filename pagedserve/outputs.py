@@ -89,13 +89,15 @@ class PoolingRequestOutput:
     error: str | None = None  # set when the engine failed this request alone (outputs.data is None)
 
 
-@dataclass
-class EmbeddingOutput:
-    embedding: list[float]
-
+class _VectorOutput:
     @classmethod
-    def from_base(cls, output: PoolingOutput) -> "EmbeddingOutput":
+    def from_base(cls, output: PoolingOutput):
         return cls(_values(output))
+
+
+@dataclass
+class EmbeddingOutput(_VectorOutput):
+    embedding: list[float]
 
     @property
     def hidden_size(self) -> int:
@@ -103,12 +105,8 @@ class EmbeddingOutput:
 
 
 @dataclass
-class ClassificationOutput:
+class ClassificationOutput(_VectorOutput):
     probs: list[float]
-
-    @classmethod
-    def from_base(cls, output: PoolingOutput) -> "ClassificationOutput":
-        return cls(_values(output))
 
     @property
     def num_classes(self) -> int:

@@ -279,31 +279,19 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
     # `model`, as a pooling model answers the generation routes
     pools = config.pooler is not None
 
-    @app.post("/v1/embeddings", response_model=EmbeddingResponse, include_in_schema=pools,
-              responses=api_docs.ROUTE_RESPONSES["pooling"])
-    async def create_embedding(req: EmbeddingRequest, raw_request: Request):
-        return await guarded(pooling.create_embedding(req, raw_request))
+    def add_pooling_route(paths: tuple[str, ...], request_cls: type, response_cls: type, handler: Any) -> None:
+        async def route(req, raw_request: Request):
+            return await guarded(handler(req, raw_request))
 
-    @app.post("/pooling", response_model=PoolingResponse, include_in_schema=pools,
-              responses=api_docs.ROUTE_RESPONSES["pooling"])
-    async def create_pooling(req: PoolingRequest, raw_request: Request):
-        return await guarded(pooling.create_pooling(req, raw_request))
+        route.__annotations__ = {"req": request_cls, "raw_request": Request}  # the body's model, for FastAPI
+        for path in paths:
+            app.add_api_route(path, route, methods=["POST"], response_model=response_cls, include_in_schema=pools,
+                              responses=api_docs.ROUTE_RESPONSES["pooling"])
 
-    @app.post("/score", response_model=ScoreResponse, include_in_schema=pools,
-              responses=api_docs.ROUTE_RESPONSES["pooling"])
-    @app.post("/v1/score", response_model=ScoreResponse, include_in_schema=pools,
-              responses=api_docs.ROUTE_RESPONSES["pooling"])
-    async def create_score(req: ScoreRequest, raw_request: Request):
-        return await guarded(pooling.create_score(req, raw_request))
-
-    @app.post("/rerank", response_model=RerankResponse, include_in_schema=pools,
-              responses=api_docs.ROUTE_RESPONSES["pooling"])
-    @app.post("/v1/rerank", response_model=RerankResponse, include_in_schema=pools,
-              responses=api_docs.ROUTE_RESPONSES["pooling"])
-    @app.post("/v2/rerank", response_model=RerankResponse, include_in_schema=pools,
-              responses=api_docs.ROUTE_RESPONSES["pooling"])
-    async def create_rerank(req: RerankRequest, raw_request: Request):
-        return await guarded(pooling.create_rerank(req, raw_request))
+    add_pooling_route(("/v1/embeddings",), EmbeddingRequest, EmbeddingResponse, pooling.create_embedding)
+    add_pooling_route(("/pooling",), PoolingRequest, PoolingResponse, pooling.create_pooling)
+    add_pooling_route(("/score", "/v1/score"), ScoreRequest, ScoreResponse, pooling.create_score)
+    add_pooling_route(("/rerank", "/v1/rerank", "/v2/rerank"), RerankRequest, RerankResponse, pooling.create_rerank)
 
     def model_card() -> ModelCard:
         card = ModelCard(id=served, created=created, root=model_root, max_model_len=max_model_len)
