@@ -129,14 +129,6 @@ def reduce_spans(hidden: torch.Tensor, span_lens: torch.Tensor, pooling_type: st
     return sums.index_add_(0, span_index, hidden)
 
 
-def pool(hidden: torch.Tensor, seq_lens: torch.Tensor, config: PoolerConfig) -> torch.Tensor:
-    """Whole sequences (seq_lens [N], summing to T rows of hidden [T, H]) -> [N, H] float32 embeddings."""
-    pooled = reduce_spans(hidden, seq_lens, config.pooling_type)
-    if config.pooling_type == "MEAN":
-        pooled = pooled / seq_lens[:, None].to(pooled.dtype)
-    return F.normalize(pooled, p=2, dim=-1) if config.normalize else pooled
-
-
 def truncate_dimensions(embedding: torch.Tensor, dimensions: int | None, normalize: bool = True) -> torch.Tensor:
     """Matryoshka: the first `dimensions` components, L2-renormalised (as vLLM does) unless normalize is False."""
     if dimensions is None:

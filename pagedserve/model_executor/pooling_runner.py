@@ -39,9 +39,8 @@ class PoolingRunner:
         """hidden: the rows num_rows asked for, items in order -> request id -> output (float32, on the CPU) of each
         request whose prompt is now complete: its embedding, or its class probabilities / logits."""
         rows = [self.num_rows(item) for item in items]
-        if any(rows):
-            span_lens = torch.tensor([n for n in rows if n], device=hidden.device)
-            reduced = iter(reduce_spans(hidden, span_lens, self.config.pooling_type))
+        span_lens = torch.tensor([n for n in rows if n], dtype=torch.long, device=hidden.device)
+        reduced = iter(reduce_spans(hidden, span_lens, self.config.pooling_type) if any(rows) else ())
         done: list[ScheduledRequest] = []
         pooled: list[torch.Tensor] = []
         for item, n in zip(items, rows):  # per request, not per token

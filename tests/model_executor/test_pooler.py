@@ -1,11 +1,17 @@
-"""The pooler against a direct per-sequence computation, and the sentence-transformers config it reads."""
+"""The pooler against a direct per-sequence computation (over prefill chunks, as the pooling runner sees them), the
+sentence-transformers config it reads, and the runner selection."""
 import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.model_executor.pooler import PoolerConfig, pool, truncate_dimensions
+from pagedserve.core.request import Request
+from pagedserve.core.scheduler import ScheduledRequest
+from pagedserve.model_executor.pooler import PoolerConfig, truncate_dimensions
+from pagedserve.model_executor.pooling_runner import PoolingRunner
+from pagedserve.pooling_params import PoolingParams
+from pagedserve.sampling_params import SamplingParams
 
 
 def _write_st_config(tmp_path, mode_key, normalize, hf=None):
@@ -27,14 +33,36 @@ def test_pool_matches_per_sequence_reference(tmp_path, mode_key, kind, normalize
     cfg = PoolerConfig.from_model_dir(tmp_path, "CLS" if kind != "CLS" else "LAST")
     assert (cfg.pooling_type, cfg.normalize) == (kind, normalize)
     torch.manual_seed(0)
-    lens = [3, 1, 7]
+    lens = [3, 1, 7, 12]
     seqs = [torch.randn(n, 8) for n in lens]
-    out = pool(torch.cat(seqs), torch.tensor(lens), cfg)
-    for got, s in zip(out, seqs):
+    got = _run_chunked(PoolingRunner(cfg, torch.nn.Identity()), seqs, chunk=4)
+    for i, s in enumerate(seqs):
         want = {"LAST": s[-1], "CLS": s[0], "MEAN": s.mean(0)}[kind]
         if normalize:
             want = F.normalize(want, dim=-1)
-        assert torch.allclose(got, want, atol=1e-6)
+        assert torch.allclose(got[str(i)], want, atol=1e-6)
+
+
+def _run_chunked(runner: PoolingRunner, seqs: list[torch.Tensor], chunk: int) -> dict[str, torch.Tensor]:
+    """Steps of at most `chunk` tokens per sequence, all sequences in each step until done; the rows handed to the
+    runner are the last num_rows of each chunk's hidden states, as the model returns them."""
+    runner.model.pooler_head = lambda x: x
+    requests = [Request(str(i), list(range(len(s))), SamplingParams(), 0, pooling_params=PoolingParams())
+                for i, s in enumerate(seqs)]
+    outputs: dict[str, torch.Tensor] = {}
+    while len(outputs) < len(seqs):
+        items = [ScheduledRequest(r, min(chunk, r.num_tokens - r.num_computed_tokens), [])
+                 for r in requests if r.request_id not in outputs]
+        rows = []
+        for item in items:
+            start = item.request.num_computed_tokens
+            span = seqs[int(item.request.request_id)][start:start + item.num_new_tokens]
+            rows.append(span[len(span) - runner.num_rows(item):])
+        outputs.update(runner.step(items, torch.cat(rows)))
+        for item in items:
+            item.request.num_computed_tokens += item.num_new_tokens
+    assert not runner.partial  # nothing left behind
+    return outputs
 
 
 def test_defaults_without_sentence_transformers_config(tmp_path):
