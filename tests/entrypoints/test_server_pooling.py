@@ -79,6 +79,8 @@ def test_pooling_route_and_refusals(embedder):
     assert r.status_code == 200  # an embedding model ranks by cosine similarity
     r = httpx.post(srv.url + "/v1/embeddings", json={"input": "x" * 3000}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    for body in ({"input": []}, {"input": [[]]}, {"input": ["a", ""]}, {"input": "a", "encoding_format": "hex"}):
+        assert httpx.post(srv.url + "/v1/embeddings", json=body, timeout=60).status_code == 400, body
     assert "/v1/embeddings" in httpx.get(srv.url + "/openapi.json", timeout=30).json()["paths"]
     assert "Traceback" not in srv.log()
 

@@ -3,15 +3,16 @@
 unknown fields refused, strict types."""
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 from pydantic import Field
 
 from pagedserve.entrypoints.openai.protocol import Int, NonEmptyStr, TokenIds, _Request, _Response
 
 # One input, or a batch: a string, a list of strings, one token-id array or a list of them (OpenAI's `input`)
-EmbeddingInput = Union[NonEmptyStr, list[NonEmptyStr], TokenIds, list[TokenIds]]
-TextOrTexts = Union[NonEmptyStr, list[NonEmptyStr]]
+Texts = Annotated[list[NonEmptyStr], Field(min_length=1)]
+EmbeddingInput = Union[NonEmptyStr, Texts, TokenIds, Annotated[list[TokenIds], Field(min_length=1)]]
+TextOrTexts = Union[NonEmptyStr, Texts]
 
 
 class _PoolingFields(_Request):
@@ -42,7 +43,7 @@ class ScoreRequest(_PoolingFields):
 
 class RerankRequest(_PoolingFields):
     query: NonEmptyStr
-    documents: list[NonEmptyStr] = Field(min_length=1)
+    documents: Texts
     top_n: Int(ge=0) = Field(default=0, description="the best top_n documents (0: all)")
 
 
