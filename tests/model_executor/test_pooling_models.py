@@ -172,3 +172,27 @@ def test_embedding_model_scores_by_cosine_similarity(tmp_path, tiny_tokenizer, t
     scores = [o.outputs.score for o in llm.score(texts[0], texts[1:3], use_tqdm=False)]
     assert scores == pytest.approx(F.cosine_similarity(emb[:1], emb[1:3], dim=-1).tolist(), abs=1e-5)
     _assert_pool_is_free(llm)
+
+
+def test_aborted_and_truncated_pooling_requests(tmp_path, tiny_tokenizer, texts):
+    """An abort mid-prefill drops the request's partial pooled state and frees its blocks; truncate_prompt_tokens
+    keeps the last tokens."""
+    path = make_tiny_embedding_checkpoint("llama", tmp_path / "m", tokenizer=tiny_tokenizer, pooling="mean")
+    llm = _engine(path, runner="pooling")
+    engine = llm.llm_engine
+    engine.add_request("long", texts[1], PoolingParams())
+    engine.step()  # its first chunk only: the prompt is longer than the budget
+    runner = engine.runner.pooler
+    assert "long" in runner.partial and engine.kv_cache_manager.block_pool.num_used_blocks > 0
+    engine.abort_request("long")
+    engine.add_request("short", texts[3], PoolingParams())
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [o.request_id for o in outs] == ["short"] and not runner.partial
+    _assert_pool_is_free(llm)
+    full = llm.embed([texts[1]], use_tqdm=False)[0]
+    tail = llm.embed([texts[1]], truncate_prompt_tokens=8, use_tqdm=False)[0]
+    assert tail.prompt_token_ids == full.prompt_token_ids[-8:]
+    alone = llm.embed([full.prompt_token_ids[-8:]], use_tqdm=False)[0]
+    assert torch.allclose(torch.tensor(tail.outputs.embedding), torch.tensor(alone.outputs.embedding), atol=1e-6)
