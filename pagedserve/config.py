@@ -46,6 +46,9 @@ class EngineArgs:
     revision: str | None = None
     num_threads: int | None = None  # torch intra-op threads per rank; None: all cores (split between the ranks)
     enforce_eager: bool = False  # no CUDA graphs for decode steps (docs/GPU.md); the CPU path never uses them
+    # ---- pooling models (vLLM's --runner / --task; model_executor/pooler.py resolve_pooler_config)
+    runner: str = "auto"  # auto | generate | pooling
+    task: str = "auto"  # auto | generate | embed | classify | score
     # ---- parallelism (docs/PARALLEL.md)
     tensor_parallel_size: int = 1  # -tp: heads, MLP channels and vocabulary split over this many ranks
     pipeline_parallel_size: int = 1  # -pp: layers split over this many stages
@@ -159,6 +162,17 @@ class EngineArgs:
         quantization = resolve_quantization(self.quantization, model.quantization_config)
         if quantization in CHECKPOINT_FORMATS and self.tensor_parallel_size > 1:  # its tensors are not split yet
             raise ValueError(f"A {quantization} checkpoint runs with tensor_parallel_size=1 for now.")
+        from pagedserve.model_executor.pooler import resolve_pooler_config
+
+        pooler = resolve_pooler_config(model_dir, model.architecture, self.runner, self.task)
+        enable_prefix_caching = self.enable_prefix_caching
+        if pooler is not None:
+            if self.speculative is not None or self.pipeline_parallel_size > 1:
+                raise ValueError("pooling models run without speculative_config and pipeline parallelism.")
+            if self.lora is not None:
+                raise ValueError("LoRA adapters are for generation: a pooling model runs without enable_lora.")
+            # a cached prefix is not computed again: only the last token's hidden state is always there
+            enable_prefix_caching = enable_prefix_caching and pooler.pooling_type == "LAST"
         budget = self.max_num_batched_tokens
         if not self.enable_chunked_prefill and budget < model.max_model_len:
             logger.warning("Without chunked prefill a whole prompt must fit one step: raising "
@@ -173,7 +187,7 @@ class EngineArgs:
             max_loras=self.lora.max_loras if self.lora is not None else 0)
         return EngineConfig(
             model=model,
-            cache=CacheConfig(self.block_size, dtype_name(kv_dtype), self.enable_prefix_caching,
+            cache=CacheConfig(self.block_size, dtype_name(kv_dtype), enable_prefix_caching,
                               self.prefix_caching_hash_algo, self.num_kv_blocks, self.kv_cache_memory_bytes,
                               self.kv_cache_memory_fraction),
             scheduler=scheduler,
@@ -187,7 +201,8 @@ class EngineArgs:
             speculative=spec,
             kv_transfer=self.kv_transfer,
             trace_file=self.trace_file,
-            lora=self.lora)
+            lora=self.lora,
+            pooler=pooler)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -237,6 +252,8 @@ logger = logging.getLogger("pagedserve")
 
 if TYPE_CHECKING:
     import torch
+
+    from pagedserve.model_executor.pooler import PoolerConfig
 
 
 def dtype_name(dtype: "torch.dtype") -> str:
@@ -408,3 +425,4 @@ class EngineConfig:
     kv_transfer: KVTransferConfig | None = None
     trace_file: str | None = None
     lora: LoRAConfig | None = None  # --enable-lora
+    pooler: "PoolerConfig | None" = None  # a pooling engine's pooler (runner "pooling"); None: generation

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 
 @dataclass
@@ -68,3 +69,86 @@ class BeamSearchSequence:
 @dataclass
 class BeamSearchOutput:
     sequences: list[BeamSearchSequence]  # best first
+
+
+# ------------------------------------------------------------------------------------------ pooling (vLLM's shapes)
+@dataclass
+class PoolingOutput:
+    data: Any  # torch.Tensor, float32 on the CPU: the embedding or the class probabilities (None if it failed)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What a pooling engine hands back for a request, once, when its prompt has run."""
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None
+    error: str | None = None  # set when the engine failed this request alone (outputs.data is None)
+
+
+class _VectorOutput:
+    @classmethod
+    def from_base(cls, output: PoolingOutput):
+        return cls(_values(output))
+
+
+@dataclass
+class EmbeddingOutput(_VectorOutput):
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput(_VectorOutput):
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> "ScoringOutput":
+        return cls(_values(output)[0] if output.data is not None else float("nan"))
+
+
+def _values(output: PoolingOutput) -> list[float]:
+    """The output's numbers (none when the engine failed the request: its `error` says why)."""
+    return output.data.reshape(-1).tolist() if output.data is not None else []
+
+
+class _TypedPoolingRequestOutput(PoolingRequestOutput):
+    output_type: ClassVar[Any]
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput):
+        return cls(out.request_id, cls.output_type.from_base(out.outputs), out.prompt_token_ids, out.finished,
+                   out.prompt, out.metrics, out.error)
+
+
+@dataclass
+class EmbeddingRequestOutput(_TypedPoolingRequestOutput):
+    outputs: EmbeddingOutput  # type: ignore[assignment]
+    output_type = EmbeddingOutput
+
+
+@dataclass
+class ClassificationRequestOutput(_TypedPoolingRequestOutput):
+    outputs: ClassificationOutput  # type: ignore[assignment]
+    output_type = ClassificationOutput
+
+
+@dataclass
+class ScoringRequestOutput(_TypedPoolingRequestOutput):
+    outputs: ScoringOutput  # type: ignore[assignment]
+    output_type = ScoringOutput

@@ -5,6 +5,7 @@ import enum
 import time
 
 from pagedserve.lora.request import LoRARequest
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -49,6 +50,7 @@ class Request:
         cache_salt: str | None = None,
         sample_index: int = 0,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -61,6 +63,8 @@ class Request:
         self.sample_index = sample_index
         self.lora_request = lora_request
         self.lora_blocked_steps = 0  # steps it waited for a LoRA slot (core/lora_slots.py)
+        # a pooling request (its sampling_params are the neutral defaults): prefill only, then pooled, no token
+        self.pooling_params = pooling_params
 
         self.status = RequestStatus.WAITING
         self.all_token_ids: list[int] = list(prompt_token_ids)

@@ -24,6 +24,7 @@ from pagedserve.engine.structured_output import StructuredOutputManager
 from pagedserve.errors import InvalidRequestError
 from pagedserve.lora.adapter_config import read_adapter_config
 from pagedserve.lora.request import LoRARequest
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -37,8 +38,8 @@ class ProcessedRequest:
     request_id: str
     prompt: str | None  # the text, when the request gave text
     prompt_token_ids: list[int]
-    params: SamplingParams
-    max_tokens: int  # resolved (params.max_tokens, or what max_model_len and the KV pool leave)
+    params: SamplingParams | PoolingParams  # PoolingParams: a pooling request (its task resolved)
+    max_tokens: int  # resolved (params.max_tokens, or what max_model_len and the KV pool leave; 0 when pooling)
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
@@ -195,7 +196,7 @@ class InputProcessor:
         """Validate and, for structured output, compile (blocking this thread up to the compile timeout)."""
         processed = self._validate(request_id, prompt, params, arrival_time, priority, cache_salt, prompt_param,
                                    lora_request)
-        if params.structured_outputs is None:
+        if isinstance(params, PoolingParams) or params.structured_outputs is None:
             return processed
         return dataclasses.replace(processed, grammar=self._compiler().compile(params.structured_outputs))
 
@@ -206,7 +207,7 @@ class InputProcessor:
         """`process` for the event loop: the grammar compiles on its worker while the loop serves others."""
         processed = self._validate(request_id, prompt, params, arrival_time, priority, cache_salt, prompt_param,
                                    lora_request)
-        if params.structured_outputs is None:
+        if isinstance(params, PoolingParams) or params.structured_outputs is None:
             return processed
         return dataclasses.replace(processed,
                                    grammar=await self._compiler().compile_async(params.structured_outputs))
@@ -217,16 +218,25 @@ class InputProcessor:
                                       param="structured_outputs", code="unsupported_parameter")
         return self.grammars
 
-    def _validate(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_time: float | None,
-                  priority: int, cache_salt: str | None, prompt_param: str,
-                  lora_request: LoRARequest | None = None) -> ProcessedRequest:
-        if not isinstance(params, SamplingParams):
+    def _validate(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
+                  arrival_time: float | None, priority: int, cache_salt: str | None,
+                  prompt_param: str, lora_request: LoRARequest | None = None) -> ProcessedRequest:
+        pooling = self.config.pooler is not None
+        if isinstance(params, PoolingParams) != pooling:  # vLLM's runners: an engine either generates or pools
+            raise InvalidRequestError(
+                "This model is a pooling model (runner 'pooling'): it serves embed / classify / score, not "
+                "generation." if pooling else "This model is a generative model: it does not support pooling "
+                "(embed / classify / score); start it with --runner pooling.", param="model",
+                code="unsupported_task")
+        if not isinstance(params, (SamplingParams, PoolingParams)):
             raise InvalidRequestError("sampling params must be a SamplingParams.", param="sampling_params")
         if priority != 0 and self.config.scheduler.policy != "priority":
             raise InvalidRequestError("priority is only supported with scheduling_policy='priority'.",
                                       param="priority")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt must be a non-empty string.", param="cache_salt")
+        if pooling:
+            return self._validate_pooling(request_id, prompt, params, arrival_time, priority, cache_salt, prompt_param)
         self._check_params(params)
         self.check_lora(lora_request)
         token_ids = self.tokenize(prompt, prompt_param)
@@ -254,6 +264,44 @@ class InputProcessor:
             read_adapter_config(lora_request.lora_path, self.config.lora.max_lora_rank)
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param="lora_request") from exc
+
+    def _validate_pooling(self, request_id: str, prompt: str | list[int], params: PoolingParams,
+                          arrival_time: float | None, priority: int, cache_salt: str | None,
+                          prompt_param: str) -> ProcessedRequest:
+        """A pooling request: a task this model serves, `dimensions` only where the model allows them, and a prompt
+        that fits max_model_len and the KV pool (it is prefilled, nothing is generated)."""
+        pooler = self.config.pooler
+        task = params.task or pooler.task
+        if task not in pooler.supported_tasks:
+            raise InvalidRequestError(f"This model does not support the {task!r} task; it supports "
+                                      f"{', '.join(pooler.supported_tasks)}.", param="task", code="unsupported_task")
+        if params.dimensions is not None:
+            if task != "embed":
+                raise InvalidRequestError("dimensions is only for embeddings.", param="dimensions")
+            try:
+                pooler.check_dimensions(params.dimensions, self.config.model.hidden_size)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), param="dimensions") from exc
+        token_ids = self.tokenize(prompt, prompt_param)
+        if not token_ids:
+            raise InvalidRequestError(f"{prompt_param} must not be empty.", param=prompt_param)
+        if params.truncate_prompt_tokens is not None:
+            token_ids = self.truncate_prompt(token_ids, params.truncate_prompt_tokens)
+            prompt = token_ids
+        limit = self.config.model.max_model_len
+        if len(token_ids) > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested {len(token_ids)} "
+                f"tokens in the input. Please reduce the length of the input.", param=prompt_param,
+                code="context_length_exceeded")
+        need = cdiv(len(token_ids), self.kv_cache.block_size)
+        if need > self.kv_cache.num_blocks:
+            raise InvalidRequestError(f"{prompt_param} ({len(token_ids)} tokens) needs {need} KV blocks but the whole "
+                                      f"KV cache has {self.kv_cache.num_blocks}; the request could never run.",
+                                      param=prompt_param, code="context_length_exceeded")
+        return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else None, token_ids,
+                                dataclasses.replace(params, task=task), 0,
+                                time.time() if arrival_time is None else arrival_time, priority, cache_salt)
 
 
 # ------------------------------------------------------------------------------------------ chat

@@ -27,8 +27,12 @@ from pagedserve.metrics.stats import EngineStats, IterationStats, SchedulerStats
 from pagedserve.model_executor.model_loader import kv_bytes_per_block
 from pagedserve.model_executor.model_runner import ModelRunnerOutput, StartedStep
 from pagedserve.model_executor.platform import configure_threads, leaves_a_core_free
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import PoolingRequestOutput, RequestOutput
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
+
+# what a pooling request carries as its sampling params: the scheduler reads them (no prompt logprobs), nothing samples
+_POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1, detokenize=False)
 
 logger = logging.getLogger("pagedserve")
 
@@ -155,6 +159,8 @@ class LLMEngine:
         greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
         sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=5, min_p=0.01, seed=0, presence_penalty=0.1,
                                  repetition_penalty=1.1, max_tokens=max_tokens, ignore_eos=True)
+        if cfg.pooler is not None:  # a pooling engine runs pooling requests only
+            greedy = sampled = PoolingParams()
         # the second batch hits the first's prefix; the third fills one step as large as the token budget
         batches = ([("__warmup_0", prompt, greedy)], [("__warmup_1", prompt, sampled)], self._full_budget_batch(room))
         for batch in batches:
@@ -173,7 +179,7 @@ class LLMEngine:
         logger.info("Warm-up (kernels, prefill, cached-prefix prefill, decode, sampler, a full-budget step) "
                     "took %.2f s", time.perf_counter() - t0)
 
-    def _full_budget_batch(self, room: int) -> list[tuple[str, list[int], SamplingParams]]:
+    def _full_budget_batch(self, room: int) -> list[tuple[str, list[int], SamplingParams | PoolingParams]]:
         """Prompts that fill one step as large as the token budget (as vLLM's profile run): its activations are the
         largest any step allocates, so the host heap grows to them in warm-up (kept for reuse: host_allocator.py)
         and the GEMM libraries set up their large-M kernels, instead of in the first real step. Without it the first
@@ -181,7 +187,7 @@ class LLMEngine:
         ids, as above (test hooks key on others), each prompt its own start: no prefix shared with any."""
         cfg = self.config
         remaining = min(cfg.scheduler.max_num_batched_tokens, self.kv_cache_config.num_tokens - cfg.cache.block_size)
-        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True) if cfg.pooler is None else PoolingParams()
         batch = []
         while remaining > 0 and room > 1:
             length = min(remaining, room - 1)
@@ -198,7 +204,7 @@ class LLMEngine:
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
         return self.input_processor.default_max_tokens(num_prompt_tokens)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
                     arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
                     lora_request: LoRARequest | None = None) -> None:
         """Validate (InvalidRequestError, a ValueError, names the parameter) and queue a request."""
@@ -247,12 +253,16 @@ class LLMEngine:
             except (OSError, ValueError) as exc:
                 raise InvalidRequestError(f"LoRA adapter {processed.lora_request.lora_name!r}: {exc}",
                                           param="lora_request") from exc
-        sequences: list[Request] = []
-        for i in range(params.n):
-            seq_id = processed.request_id if params.n == 1 else f"{processed.request_id}#{i}"
-            sequences.append(Request(seq_id, processed.prompt_token_ids, params, processed.max_tokens,
-                                     self.model_config.eos_token_ids, processed.arrival_time, processed.priority,
-                                     processed.cache_salt, sample_index=i, lora_request=processed.lora_request))
+        if isinstance(params, PoolingParams):
+            sequences = [Request(processed.request_id, processed.prompt_token_ids, _POOLING_SAMPLING_PARAMS, 0,
+                                 frozenset(), processed.arrival_time, processed.priority, processed.cache_salt,
+                                 pooling_params=params)]
+        else:
+            sequences = [Request(processed.request_id if params.n == 1 else f"{processed.request_id}#{i}",
+                                 processed.prompt_token_ids, params, processed.max_tokens,
+                                 self.model_config.eos_token_ids, processed.arrival_time, processed.priority,
+                                 processed.cache_salt, sample_index=i, lora_request=processed.lora_request)
+                         for i in range(params.n)]
         self.output_processor.add_request(processed, sequences)
         for seq in sequences:
             if processed.grammar is not None:
@@ -276,7 +286,7 @@ class LLMEngine:
         return self.output_processor.has_unfinished_requests() or bool(self._in_flight)
 
     # ------------------------------------------------------------------ the step
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """One step. Everything it does (scheduling, the KV connector's loads and saves, the forward, the output) is
         one failure boundary: whatever raises fails the step's requests (_fail_step) and the engine goes on."""
         if self.max_batches_in_flight > 1:
@@ -350,6 +360,8 @@ class LLMEngine:
         if runner_out.prompt_logprobs:
             self.output_processor.process_prompt_logprobs(runner_out.prompt_logprobs)
         to_stop, failed = self.output_processor.process_tokens(progressed, runner_out.logprobs, now)
+        if runner_out.pooled:  # pooled requests are done: finished like a stop, their KV blocks freed at once
+            to_stop += self.output_processor.process_pooled(runner_out.pooled, now)
         if grammars.matchers:  # a completed grammar ends its sequence ("stop"), like EOS (no drafts: one token)
             to_stop += grammars.accept([(r.request_id, r.all_token_ids[-1]) for r, _ in progressed if not r.is_finished])
         if to_stop:

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.input_processor import ProcessedRequest
 from pagedserve.metrics.loggers import FinishedRequestStats
-from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedserve.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestMetrics,
+                                RequestOutput)
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import RequestOutputKind
 
 logger = logging.getLogger("pagedserve")
@@ -39,6 +42,7 @@ class _UserRequest:
     progressed: set[int] = field(default_factory=set)  # sample indices with news this step
     prompt_logprobs: list[dict[int, Logprob]] | None = None  # entries for prompt tokens 1.. (when asked)
     sent_prompt_logprobs: bool = False  # DELTA outputs carry them once
+    pooled: Any = None  # a pooling request's output tensor, once its prompt has run
 
     @property
     def request_id(self) -> str:
@@ -63,14 +67,17 @@ class OutputProcessor:
     # ------------------------------------------------------------------------------ bookkeeping
     def add_request(self, processed: ProcessedRequest, sequences: list[Request]) -> None:
         params = processed.params
-        samples = [_Sample(seq, IncrementalDetokenizer(self.tokenizer, processed.prompt_token_ids, params)
-                           if params.detokenize else None,
-                           [] if params.logprobs is not None else None) for seq in sequences]
-        user = _UserRequest(processed, samples, RequestMetrics(processed.arrival_time,
-                                                               num_prompt_tokens=len(processed.prompt_token_ids)),
-                            prompt_logprobs=[] if params.prompt_logprobs is not None else None)
+        metrics = RequestMetrics(processed.arrival_time, num_prompt_tokens=len(processed.prompt_token_ids))
+        if isinstance(params, PoolingParams):
+            user = _UserRequest(processed, [_Sample(seq, None, None) for seq in sequences], metrics)
+        else:
+            samples = [_Sample(seq, IncrementalDetokenizer(self.tokenizer, processed.prompt_token_ids, params)
+                               if params.detokenize else None,
+                               [] if params.logprobs is not None else None) for seq in sequences]
+            user = _UserRequest(processed, samples, metrics,
+                                prompt_logprobs=[] if params.prompt_logprobs is not None else None)
         self.requests[processed.request_id] = user
-        for sample in samples:
+        for sample in user.samples:
             self._sequences[sample.request.request_id] = (user, sample)
 
     def sequence_ids(self, request_id: str) -> list[str]:
@@ -170,8 +177,26 @@ class OutputProcessor:
             return None
         return sample.detokenizer.update([token]) if sample.detokenizer is not None else None
 
+    def process_pooled(self, pooled: dict[str, Any], now: float) -> list[str]:
+        """Record pooling requests' outputs (their prompt has run: the first and last "token" at once); returns
+        their ids, for the engine to finish."""
+        done = []
+        for seq_id, data in pooled.items():
+            user, _ = self._sequences.get(seq_id, (None, None))
+            if user is None:  # aborted while the step ran
+                continue
+            user.pooled = data
+            user.progressed.add(0)
+            m = user.metrics
+            m.first_scheduled_time = min(s.request.first_scheduled_time or now for s in user.samples)
+            m.first_token_time = m.last_token_time = now
+            m.num_cached_tokens = max(user.samples[0].request.num_cached_tokens, 0)
+            self.stats.ttfts.append(now - m.arrival_time)
+            done.append(seq_id)
+        return done
+
     # ------------------------------------------------------------------------------ outputs
-    def make_outputs(self, now: float) -> list[RequestOutput]:
+    def make_outputs(self, now: float) -> list[RequestOutput | PoolingRequestOutput]:
         """One output per user request with news (or, for FINAL_ONLY, once finished)."""
         outputs = []
         for user in [u for u in self.requests.values() if u.progressed]:
@@ -180,9 +205,14 @@ class OutputProcessor:
                 outputs.append(out)
         return outputs
 
-    def _make_output(self, user: _UserRequest, now: float) -> RequestOutput | None:
+    def _make_output(self, user: _UserRequest, now: float) -> RequestOutput | PoolingRequestOutput | None:
         kind = user.processed.params.output_kind
         finished = all(s.request.is_finished for s in user.samples)
+        if isinstance(user.processed.params, PoolingParams):
+            user.progressed.clear()
+            if finished:
+                self._finish(user, now)
+            return self._pooling_output(user, finished)
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             user.progressed.clear()
             return None
@@ -230,6 +260,10 @@ class OutputProcessor:
             user = self.requests.get(rid)
             if user is None:
                 continue
+            if isinstance(user.processed.params, PoolingParams):
+                self._finish(user, now)
+                outputs.append(self._pooling_output(user, True, message))
+                continue
             completions = [self._completion(s, user.processed.params.output_kind == RequestOutputKind.DELTA)
                            for s in user.samples]
             self._finish(user, now)
@@ -237,6 +271,12 @@ class OutputProcessor:
             outputs.append(RequestOutput(p.request_id, p.prompt, p.prompt_token_ids, completions, True,
                                          user.metrics, user.metrics.num_cached_tokens, error=message))
         return outputs
+
+    @staticmethod
+    def _pooling_output(user: _UserRequest, finished: bool, error: str | None = None) -> PoolingRequestOutput:
+        p = user.processed
+        return PoolingRequestOutput(p.request_id, PoolingOutput(user.pooled), p.prompt_token_ids, finished, p.prompt,
+                                    user.metrics, error)
 
     def _finish(self, user: _UserRequest, now: float) -> None:
         m = user.metrics

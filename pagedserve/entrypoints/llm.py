@@ -1,17 +1,23 @@
 """The offline API, as in vLLM: LLM(model=...).generate(prompts, SamplingParams(...))."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
 
+import torch
 from tqdm.auto import tqdm
 
 from pagedserve.config import EngineArgs
 from pagedserve.engine.input_processor import render_chat
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.entrypoints.score_utils import pair_scores, score_pairs, score_prompts
 from pagedserve.lora.request import LoRARequest
-from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedserve.outputs import (BeamSearchOutput, BeamSearchSequence, ClassificationRequestOutput,
+                                EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput, RequestOutput,
+                                ScoringRequestOutput)
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 PromptType = str | dict | list[int]
@@ -71,6 +77,56 @@ class LLM:
             self.llm_engine.abort_request(ids)
             raise
         return self._run_engine(ids, use_tqdm)
+
+    # ------------------------------------------------------------------ pooling models (runner="pooling")
+    def encode(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+               use_tqdm: bool = True, pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """The pooler's raw output per prompt (outputs.data, a float32 tensor), in prompt order. Invalid input
+        raises InvalidRequestError (a ValueError) before anything runs; a generative engine refuses."""
+        params = pooling_params or PoolingParams()
+        if pooling_task is not None:
+            params = dataclasses.replace(params, task=pooling_task)
+        ids = []
+        try:
+            for prompt, cache_salt in self._normalize_prompts(prompts, None):
+                request_id = str(next(self._counter))
+                self.llm_engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+                ids.append(request_id)
+        except ValueError:
+            self.llm_engine.abort_request(ids)
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True, pooling_params: PoolingParams | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (.outputs.embedding), normalised as the model's config says."""
+        params = dataclasses.replace(pooling_params or PoolingParams(), task="embed",
+                                     truncate_prompt_tokens=truncate_prompt_tokens)
+        return [EmbeddingRequestOutput.from_base(o) for o in self.encode(prompts, params, use_tqdm)]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], *, use_tqdm: bool = True,
+                 pooling_params: PoolingParams | None = None) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (.outputs.probs) from a sequence classification model."""
+        params = dataclasses.replace(pooling_params or PoolingParams(), task="classify")
+        return [ClassificationRequestOutput.from_base(o) for o in self.encode(prompts, params, use_tqdm)]
+
+    def score(self, data_1: str | list[str], data_2: str | list[str], *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True, pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+        """The relevance of each (data_1, data_2) pair (one data_1 against every data_2, or pairwise): a
+        cross-encoder reads the pair as one prompt; an embedding model gives the cosine similarity of the two
+        embeddings."""
+        pairs = score_pairs(data_1, data_2)
+        params = dataclasses.replace(pooling_params or PoolingParams(), truncate_prompt_tokens=truncate_prompt_tokens)
+        pooler = self.llm_engine.config.pooler
+        prompts, task = score_prompts(self.get_tokenizer(), pairs, pooler.task if pooler is not None else "score")
+        outs = self.encode(prompts, dataclasses.replace(params, task=task), use_tqdm)
+        if task == "score":
+            return [ScoringRequestOutput.from_base(o) for o in outs]
+        by_text = dict(zip(prompts, outs))
+        return [ScoringRequestOutput.from_base(PoolingRequestOutput(
+                    f"{by_text[a].request_id}+{by_text[b].request_id}", PoolingOutput(torch.tensor([score])),
+                    by_text[a].prompt_token_ids + by_text[b].prompt_token_ids))
+                for (a, b), score in zip(pairs, pair_scores(pairs, prompts, outs, task))]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
@@ -166,7 +222,8 @@ class LLM:
                     results[output.request_id] = output
                     if bar is not None:
                         num_in += len(output.prompt_token_ids)
-                        num_out += sum(len(c.token_ids) for c in output.outputs)
+                        num_out += sum(len(c.token_ids) for c in output.outputs) \
+                            if isinstance(output, RequestOutput) else 0
                         elapsed = time.perf_counter() - t0
                         bar.set_postfix_str(f"est. speed input: {num_in / elapsed:.1f} toks/s, "
                                             f"output: {num_out / elapsed:.1f} toks/s")
@@ -179,6 +236,4 @@ class LLM:
 def _with_kind(params: SamplingParams, kind: RequestOutputKind) -> SamplingParams:
     if params.output_kind == kind:
         return params
-    import dataclasses
-
     return dataclasses.replace(params, output_kind=kind)

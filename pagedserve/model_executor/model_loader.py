@@ -19,9 +19,10 @@ logger = logging.getLogger("pagedserve")
 
 
 def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype, quant_config: QuantizationConfig,
-               attn_backend: AttentionBackend, parallel: ParallelState = SINGLE) -> nn.Module:
+               attn_backend: AttentionBackend, parallel: ParallelState = SINGLE, pooling: bool = False) -> nn.Module:
+    """pooling: the pooling runner's model (models/adapters.py), whatever the checkpoint's architecture."""
     t0 = time.perf_counter()
-    model_cls = get_model_class(model_config.architecture)
+    model_cls = get_model_class(model_config.architecture, pooling)
     with torch.device(device):
         model = model_cls(model_config, parallel, attn_backend, quant_config)
     model.load_weights(model_config.model_dir)

@@ -24,6 +24,7 @@ from pagedserve.model_executor.input_batch import TokenSpan, prepare_batch, runs
 from pagedserve.model_executor.model_loader import allocate_kv_cache, kv_bytes_per_block, load_model
 from pagedserve.model_executor.parallel_state import SINGLE, ParallelState
 from pagedserve.model_executor.platform import available_memory, torch_dtype
+from pagedserve.model_executor.pooling_runner import PoolingRunner
 from pagedserve.model_executor.prompt_logprobs import (
     PromptChunk,
     PromptLogprobRows,
@@ -70,6 +71,8 @@ class ModelRunnerOutput:
     # request id -> (index of the first entry, entries): prompt logprobs of this step's prefill chunk; entry j is
     # the prompt token at position j + 1 (the first prompt token has none)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
+    # pooling runner: request id -> its output (embedding / class probabilities), for requests whose prompt is done
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -83,6 +86,7 @@ class StartedStep:
     logits: torch.Tensor | None
     forward_time: float  # this rank's forward alone (no input prep, no sampling)
     prompt_rows: PromptLogprobRows | None = None  # when a prefill chunk asked for prompt logprobs
+    pooling_items: list[ScheduledRequest] | None = None  # pooling runner: the step's chunks, `logits` their rows
 
 
 class ModelRunner:
@@ -98,7 +102,9 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(config.attention_backend, device)
         self.quant_config = get_quantization_config(config.load.quantization, config.load.linear_backend, device,
                                                     config.model.quantization_config)
-        self.model = load_model(self.model_config, device, self.dtype, self.quant_config, self.attn_backend, parallel)
+        self.model = load_model(self.model_config, device, self.dtype, self.quant_config, self.attn_backend, parallel,
+                                pooling=config.pooler is not None)
+        self.pooler = PoolingRunner(config.pooler, self.model) if config.pooler is not None else None
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=device).manual_seed(config.seed)
         self.generators: dict[str, torch.Generator] = {}
@@ -110,7 +116,8 @@ class ModelRunner:
             if config.speculative is not None and parallel.is_driver else None
         # CUDA graphs for decode-only steps (cuda_graphs.py)
         self.use_cuda_graphs = wants_cuda_graphs(self.attn_backend, device, config.enforce_eager,
-                                                 parallel.layout.world_size) and config.lora is None
+                                                 parallel.layout.world_size) and config.lora is None \
+            and self.pooler is None
         # multi-LoRA: the projections wrapped in LoRA layers, adapters in slots (lora/model_manager.py)
         self.lora_manager = LoRAModelManager(self.model, config.lora, device, self.dtype, get_quantization_config(
             None, config.load.linear_backend, device)) if config.lora is not None else None
@@ -145,13 +152,18 @@ class ModelRunner:
             self.generators.pop(request_id, None)
         if self.drafter is not None:
             self.drafter.forget(out.finished_request_ids, out.preempted_request_ids)
+        if self.pooler is not None:
+            self.pooler.forget(out.finished_request_ids + out.preempted_request_ids)
         if out.kv_loads:  # KV connector: blocks loaded from outside the pool, read by this forward
             write_kv_blocks(self.kv_caches, *map(list, zip(*out.kv_loads)))
         # decode rows first: attention batches them together
         items = sorted(out.scheduled, key=lambda s: not runs_as_decode(s.num_new_tokens))
-        sampling_items = [item for item in items if item.samples]
+        sampling_items = [item for item in items if item.samples] if self.pooler is None else []
         chunks = [prompt_chunk(item) for item in items]
         spans = self._spans(items, chunks)
+        if self.pooler is not None:  # rows of hidden states the pooler reads, not logits
+            for span, item in zip(spans, items):
+                span.num_logits = self.pooler.num_rows(item)
         batch = prepare_batch(spans, self.block_size, self.device)
         if self.lora_manager is not None:
             self.lora_manager.prepare_step(out.lora_slots, [(item.request.lora_request, len(span.token_ids))
@@ -167,13 +179,17 @@ class ModelRunner:
         else:
             logits = self.run_model(batch.input_ids, batch.positions, batch.attn_metadata, batch.logits_indices)
         return StartedStep(len(out.scheduled), sampling_items, masks, token_masks, logits, time.perf_counter() - t0,
-                           prompt_logprob_rows(items, spans, chunks, self.device))
+                           prompt_logprob_rows(items, spans, chunks, self.device),
+                           items if self.pooler is not None else None)
 
     @torch.inference_mode()
     def finish_step(self, step: StartedStep) -> ModelRunnerOutput:
         """Sampling (and the next drafts) from the step's logits."""
         result = ModelRunnerOutput(forward_time=step.forward_time)
         logits = step.logits
+        if step.pooling_items is not None:
+            result.pooled = self.pooler.step(step.pooling_items, logits)
+            return result
         if step.prompt_rows is not None:
             result.prompt_logprobs = compute_prompt_logprobs(logits, step.prompt_rows.chunks)
             logits = logits[step.prompt_rows.sample_rows]

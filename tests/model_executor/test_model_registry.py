@@ -12,12 +12,22 @@ from pagedserve.model_executor.parallel_state import SINGLE
 from pagedserve.model_executor.quantization.unquantized import UnquantizedConfig
 
 
+CAUSAL = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
+          "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+POOLING = ("LlamaForSequenceClassification", "MistralForSequenceClassification", "Qwen2ForSequenceClassification",
+           "Qwen3ForSequenceClassification", "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
+
+
 def test_supported_architectures_come_from_the_registry():
-    assert SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                       "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                                       "Qwen3MoeForCausalLM")
-    for arch in SUPPORTED_ARCHITECTURES:
+    assert SUPPORTED_ARCHITECTURES == CAUSAL + POOLING
+    for arch in CAUSAL:
         assert get_model_class(arch).__name__ == arch
+        # the pooling runner serves a causal LM as an embedding model (no LM head)
+        assert get_model_class(arch, pooling=True).__name__ == arch.replace("ForCausalLM", "ForEmbedding")
+    for arch in POOLING:  # a family behind an adapter
+        name = get_model_class(arch).__name__
+        assert name == (arch if arch.endswith("Classification") else arch.replace("Model", "ForEmbedding"))
+        assert get_model_class(arch).is_pooling_model and not get_model_class(arch).has_lm_head
 
 
 def test_unsupported_architecture_lists_the_supported_ones(tiny_model_dir, tmp_path):

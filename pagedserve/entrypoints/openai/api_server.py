@@ -3,7 +3,8 @@
     app = build_app(async_llm, args)     # tests / embedding
     run_server(args)                     # load the model, bind, serve until SIGINT/SIGTERM
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
+Endpoints: POST /v1/completions, POST /v1/chat/completions (generative models); POST /v1/embeddings, /pooling,
+/score, /v1/score, /rerank, /v1/rerank, /v2/rerank (pooling models: serving_pooling.py); GET /v1/models, GET /v1/models/{id},
 GET /health, GET /version, POST /tokenize, POST /detokenize, GET /metrics, GET /v1/events (engine step events,
 SSE), GET /dashboard.  See docs/SERVING.md.
 """
@@ -38,6 +39,10 @@ from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, Compl
 from pagedserve.entrypoints.openai import protocol as api_docs  # route docs (responses=)
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.serving_pooling import OpenAIServingPooling
+from pagedserve.entrypoints.openai.pooling_protocol import (EmbeddingRequest, EmbeddingResponse, PoolingRequest,
+                                                            PoolingResponse, RerankRequest, RerankResponse,
+                                                            ScoreRequest, ScoreResponse)
 from pagedserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagedserve.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from pagedserve.entrypoints.openai.serving_engine import ClientDisconnected, OpenAIServing
@@ -214,6 +219,7 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
                              tool_call_parser=arg("tool_call_parser", None) if arg("enable_auto_tool_choice", False)
                              else None, reasoning_parser=arg("reasoning_parser", None))
     base = OpenAIServing(engine_client, served, log_requests)
+    pooling = OpenAIServingPooling(engine_client, served, log_requests)
     names = arg("served_model_name", None)
     chat_template = load_chat_template(arg("chat_template", None))
     defaults = load_generation_defaults(arg("generation_config", None), None if config.model.is_default_model
@@ -222,7 +228,7 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
                                  arg("lora_modules", None) or [])
     if models.static_lora_modules and not models.enable_lora:
         raise SystemExit("--lora-modules needs --enable-lora.")
-    for serving in (completion, chat, base):
+    for serving in (completion, chat, base, pooling):
         serving.served_model_aliases = frozenset(names if isinstance(names, list) else ())
         serving.chat_template = chat_template
         serving.default_sampling = defaults
@@ -277,6 +283,24 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
     @app.post("/v1/chat/completions", response_model=api_docs.ChatCompletionResponse, responses=api_docs.ROUTE_RESPONSES["chat"])
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
         return await guarded(chat.create_chat_completion(req, raw_request))
+
+    # pooling models (vLLM's routes); documented in /openapi.json where the model serves them, else a 400 naming
+    # `model`, as a pooling model answers the generation routes
+    pools = config.pooler is not None
+
+    def add_pooling_route(paths: tuple[str, ...], request_cls: type, response_cls: type, handler: Any) -> None:
+        async def route(req, raw_request: Request):
+            return await guarded(handler(req, raw_request))
+
+        route.__annotations__ = {"req": request_cls, "raw_request": Request}  # the body's model, for FastAPI
+        for path in paths:
+            app.add_api_route(path, route, methods=["POST"], response_model=response_cls, include_in_schema=pools,
+                              responses=api_docs.ROUTE_RESPONSES["pooling"])
+
+    add_pooling_route(("/v1/embeddings",), EmbeddingRequest, EmbeddingResponse, pooling.create_embedding)
+    add_pooling_route(("/pooling",), PoolingRequest, PoolingResponse, pooling.create_pooling)
+    add_pooling_route(("/score", "/v1/score"), ScoreRequest, ScoreResponse, pooling.create_score)
+    add_pooling_route(("/rerank", "/v1/rerank", "/v2/rerank"), RerankRequest, RerankResponse, pooling.create_rerank)
 
     def model_card() -> ModelCard:
         card = ModelCard(id=served, created=created, root=model_root, max_model_len=max_model_len)

@@ -529,6 +529,7 @@ ROUTE_RESPONSES: dict[str, dict[int | str, dict[str, Any]]] = {
     "chat": {**error_responses(*_BODY, 404, 429, 503),
              200: _sse("A chat completion (JSON), or with stream=true an event stream of chunks ending with "
                        "`data: [DONE]`.")},
+    "pooling": error_responses(*_BODY, 404, 429, 503),  # embeddings, pooling, score, rerank: one JSON answer
     "tokenize": error_responses(*_BODY, 404),
     "detokenize": error_responses(*_BODY, 404),
     "models": error_responses(401, 500),

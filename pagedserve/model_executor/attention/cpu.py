@@ -73,7 +73,7 @@ class CpuAttentionBackend(TorchSDPABackend):
                                            meta.decode_context_lens, scale, out[:d])
         native_prefill = kernels.native_prefill(k.shape[2])
         for span in meta.prefills:
-            if native_prefill:  # reads the chunk's context (its own K/V included) from the cache in place
+            if native_prefill and span.causal:  # (bidirectional spans: the reference SDPA) reads the chunk's context (its own K/V included) from the cache in place
                 sl = slice(span.start, span.start + span.num_tokens)
                 kernels.paged_prefill_attention(q[sl], k_cache, v_cache, span.block_ids,
                                                 span.context_len - span.num_tokens, scale, out[sl])

@@ -22,6 +22,8 @@ class PrefillSpan:
     context_len: int  # tokens attended to by the chunk's last token (earlier context + the chunk)
     block_ids: torch.Tensor  # [num_blocks_of_request] long
     causal_mask: torch.Tensor | None  # [num_tokens, context_len] bool when context_len > num_tokens
+    # False: bidirectional (an encoder's whole sequence in one chunk, no earlier context; pooling models)
+    causal: bool = True
 
 
 @dataclass

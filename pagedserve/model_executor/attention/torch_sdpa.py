@@ -3,8 +3,9 @@
   * K/V write: an indexed store at (block, offset) of each slot;
   * decodes: one batched SDPA over the blocks gathered through the padded block table, masked past each row's
     context length;
-  * prefill chunks: one SDPA per chunk: a chunk with no earlier context attends to its own new K/V (causal), a
-    later chunk gathers its context through its block table (causal with an offset).
+  * prefill chunks: one SDPA per chunk: a chunk with no earlier context attends to its own new K/V (causal, or
+    bidirectional for an encoder's span: PrefillSpan.causal False), a later chunk gathers its context through its
+    block table (causal with an offset).
 
 A sliding-window layer (`sliding_window`: each query attends to the last `sliding_window` positions, its own
 included, as Hugging Face's sliding masks do) adds the window's lower bound to the decode and prefill masks.
@@ -115,6 +116,6 @@ class TorchSDPABackend(AttentionBackend):
             keys = k_cache[span.block_ids].reshape(-1, num_kv_heads, head_dim)[:span.context_len].to(q.dtype)
             values = v_cache[span.block_ids].reshape(-1, num_kv_heads, head_dim)[:span.context_len].to(q.dtype)
         o = F.scaled_dot_product_attention(qs, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
-                                           attn_mask=mask, is_causal=mask is None,
+                                           attn_mask=mask, is_causal=mask is None and span.causal,
                                            scale=scale, enable_gqa=True)
         out[sl] = o.squeeze(0).transpose(0, 1)

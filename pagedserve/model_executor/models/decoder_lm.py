@@ -33,6 +33,7 @@ from pagedserve.model_executor.quantization.base import QuantizationConfig
 
 class DecoderForCausalLM(nn.Module):
     supports_fused_decode = True  # every layer is the dense DecoderLayer the native decode stack runs
+    has_lm_head = True  # pooling models (models/adapters.py) read the final hidden states instead
 
     def __init__(self, cfg: ModelConfig, parallel: ParallelState, attn_backend: AttentionBackend,
                  quant_config: QuantizationConfig) -> None:
@@ -54,6 +55,7 @@ class DecoderForCausalLM(nn.Module):
         self.norm = self.lm_head = None
         if parallel.is_last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, attn_backend)
+        if parallel.is_last_stage and self.has_lm_head:
             self.lm_head = Linear(cfg.hidden_size, vocab_rows, False, quant_config, "lm_head")
             if cfg.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
@@ -67,6 +69,20 @@ class DecoderForCausalLM(nn.Module):
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor | None:
         """Returns float32 logits over the whole vocabulary for the rows in `logits_indices` only, on the rank that
         holds them (the last stage's tp rank 0; None on the other ranks)."""
+        out = self.hidden_states(input_ids, positions, kv_caches, meta)
+        if out is None:
+            return None
+        x, residual = out
+        if logits_indices.numel() == 0:  # no row samples this step (every rank knows it): no collective
+            return torch.empty((0, self.cfg.vocab_size), device=x.device)
+        # in the model dtype: the sampler converts to float32 where it needs to (greedy rows take the argmax as is)
+        logits = self.lm_head(self.norm(x[logits_indices], residual[logits_indices]))
+        return self.parallel.gather_vocab(logits, self.cfg.vocab_size)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The decoder layers over the flat batch: (hidden, residual) before the final norm on the last stage; an
+        earlier stage sends them on and returns None."""
         ps = self.parallel
         meta = self.attn_backend.build_metadata(meta)
         if self.embed_tokens is not None:
@@ -81,14 +97,10 @@ class DecoderForCausalLM(nn.Module):
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x, residual = layer(cos_sin, x, residual, kv_cache, meta)
-        if self.lm_head is None:
+        if self.norm is None:
             ps.send_hidden(x, residual)
             return None
-        if logits_indices.numel() == 0:  # no row samples this step (every rank knows it): no collective
-            return torch.empty((0, self.cfg.vocab_size), device=x.device)
-        # in the model dtype: the sampler converts to float32 where it needs to (greedy rows take the argmax as is)
-        logits = self.lm_head(self.norm(x[logits_indices], residual[logits_indices]))
-        return ps.gather_vocab(logits, self.cfg.vocab_size)
+        return x, residual
 
     def process_weights_after_loading(self) -> None:
         """Once loaded and in the model dtype: each linear's method turns its weight into what its kernels read,

@@ -1,5 +1,7 @@
 """The supported architectures: config.json's `architectures[0]` -> the model class, imported only when used.
-A new architecture is its file in this package and one line here."""
+A new architecture is its file in this package and one line here. Pooling architectures (a family's
+*ForSequenceClassification and bare *Model checkpoints) are a causal family behind an adapter (adapters.py); a
+causal LM served with the pooling runner gets the embedding adapter."""
 from __future__ import annotations
 
 import importlib
@@ -17,16 +19,35 @@ _MODELS: dict[str, tuple[str, str]] = {  # architecture -> (module in models/, c
     "Qwen2MoeForCausalLM": ("moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("moe", "Qwen3MoeForCausalLM"),
 }
-SUPPORTED_ARCHITECTURES = tuple(_MODELS)
+_POOLING_MODELS: dict[str, tuple[str, str]] = {  # architecture -> (the causal architecture, adapter)
+    "LlamaForSequenceClassification": ("LlamaForCausalLM", "as_seq_cls_model"),
+    "MistralForSequenceClassification": ("MistralForCausalLM", "as_seq_cls_model"),
+    "Qwen2ForSequenceClassification": ("Qwen2ForCausalLM", "as_seq_cls_model"),
+    "Qwen3ForSequenceClassification": ("Qwen3ForCausalLM", "as_seq_cls_model"),
+    "LlamaModel": ("LlamaForCausalLM", "as_embedding_model"),
+    "MistralModel": ("MistralForCausalLM", "as_embedding_model"),
+    "Qwen2Model": ("Qwen2ForCausalLM", "as_embedding_model"),
+    "Qwen3Model": ("Qwen3ForCausalLM", "as_embedding_model"),
+}
+SUPPORTED_ARCHITECTURES = tuple(_MODELS) + tuple(_POOLING_MODELS)
 
 
 def check_architecture(architecture: str) -> None:
-    if architecture not in _MODELS:
+    if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"Model architecture {architecture!r} is not supported; supported: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}.")
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
+def get_model_class(architecture: str, pooling: bool = False) -> type[nn.Module]:
+    """pooling: the engine runs the pooling runner (a causal LM then serves as an embedding model)."""
     check_architecture(architecture)
+    adapter = None
+    if architecture in _POOLING_MODELS:
+        architecture, adapter = _POOLING_MODELS[architecture]
+    elif pooling:
+        adapter = "as_embedding_model"
     module, name = _MODELS[architecture]
-    return getattr(importlib.import_module(f"pagedserve.model_executor.models.{module}"), name)
+    cls = getattr(importlib.import_module(f"pagedserve.model_executor.models.{module}"), name)
+    if adapter is None:
+        return cls
+    return getattr(importlib.import_module("pagedserve.model_executor.models.adapters"), adapter)(cls)

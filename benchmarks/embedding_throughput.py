@@ -1,0 +1,95 @@
+"""Embedding throughput (issue 54): sentences per second at batch 32, pagedserve's pooling runner (`LLM.embed`) vs
+sentence-transformers' `encode(batch_size=32)` on the same checkpoint, dtype and thread count, in one process with
+the two alternating round by round (this machine's speed drifts; a paired ratio per round is what is reported).
+
+    python benchmarks/embedding_throughput.py [--shape small|qwen3-0.6b] [--threads 1] [--rounds 5] [--tokens 64]
+
+The checkpoint is a random-weight Qwen3 of the chosen shape (tests/tiny_pooling_models.py, the tiny tokenizer's
+768-token vocabulary), saved with sentence-transformers' modules (last-token pooling, normalised: the
+Qwen3-Embedding recipe), so both engines read the same files. Each round embeds the same 32 sentences of about
+`--tokens` tokens; before timing, the lowest cosine similarity between the two engines' embeddings is printed
+(1.0000 in float32; ~0.99 in bfloat16, where the two round differently).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+SHAPES = {  # Qwen3 config overrides
+    "small": dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=6,
+                  num_key_value_heads=2, head_dim=64),
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128),
+}
+BATCH = 32
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=64, help="about this many tokens per sentence")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = ap.parse_args()
+
+    import torch
+    import torch.nn.functional as F
+    from sentence_transformers import SentenceTransformer
+    from tiny_models import build_tiny_tokenizer, tiny_corpus
+    from tiny_pooling_models import make_tiny_embedding_checkpoint
+
+    from pagedserve import LLM
+
+    torch.set_num_threads(args.threads)
+    tokenizer = build_tiny_tokenizer()
+    path = make_tiny_embedding_checkpoint("qwen3", Path(tempfile.mkdtemp(prefix="embed-bench-")), tokenizer=tokenizer,
+                                          max_position_embeddings=4096, **SHAPES[args.shape])
+    text = " ".join(tiny_corpus()[:400])
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    sentences = [tokenizer.decode(ids[i * args.tokens:(i + 1) * args.tokens]) for i in range(BATCH)]
+    num_tokens = sum(len(tokenizer.encode(s)) for s in sentences)
+
+    st = SentenceTransformer(str(path), device="cpu", model_kwargs={"dtype": getattr(torch, args.dtype)})
+    llm = LLM(str(path), runner="pooling", dtype=args.dtype, num_threads=args.threads, max_num_seqs=BATCH,
+              max_num_batched_tokens=max(2048, num_tokens), max_model_len=4096, enable_prefix_caching=False)
+    torch.set_num_threads(args.threads)
+
+    def run_st():
+        return st.encode(sentences, batch_size=BATCH, convert_to_tensor=True)
+
+    def run_ps():
+        return torch.tensor([o.outputs.embedding for o in llm.embed(sentences, use_tqdm=False)])
+
+    cos = F.cosine_similarity(run_ps(), run_st().float(), dim=-1)
+    print(f"shape {args.shape}, {args.dtype}, {args.threads} thread(s), batch {BATCH}, {num_tokens} tokens; "
+          f"min cosine vs sentence-transformers {cos.min().item():.6f}")
+    times: dict[str, list[float]] = {"pagedserve": [], "sentence-transformers": []}
+    for r in range(args.rounds):
+        order = [("pagedserve", run_ps), ("sentence-transformers", run_st)]
+        for name, fn in order if r % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    ratios = [s / p for p, s in zip(times["pagedserve"], times["sentence-transformers"])]
+    print("| engine | sentences/s (median of rounds) | tokens/s |")
+    print("| --- | --- | --- |")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"| {name} | {BATCH / med:.1f} | {num_tokens / med:.0f} |")
+    print(f"pagedserve / sentence-transformers per round: median {statistics.median(ratios):.2f}x "
+          f"[{min(ratios):.2f}-{max(ratios):.2f}]")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

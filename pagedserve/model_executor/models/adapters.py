@@ -1,0 +1,63 @@
+"""Decoder families as pooling models (vLLM's as_embedding_model / as_seq_cls_model): the same layers and weights,
+no LM head; the forward returns the final (normed) hidden states of the rows the pooler reads
+(model_executor/pooling_runner.py), and `pooler_head` turns pooled vectors into the model's output: the vector
+itself (an embedding model: Qwen3-Embedding, e5-mistral style) or a classification head's logits (transformers'
+*ForSequenceClassification: a bias-free `score` linear on the last token's hidden state).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from torch import nn
+
+from pagedserve.model_executor.attention.backend import AttentionBackend, KVCache
+from pagedserve.model_executor.attention.metadata import AttentionMetadata
+from pagedserve.model_executor.model_config import ModelConfig
+from pagedserve.model_executor.models.decoder_lm import DecoderForCausalLM
+from pagedserve.model_executor.parallel_state import ParallelState
+from pagedserve.model_executor.pooler import num_labels
+from pagedserve.model_executor.quantization.base import QuantizationConfig
+
+
+class _PoolingDecoder:
+    """Mixed in before a DecoderForCausalLM family."""
+    has_lm_head = False
+    is_pooling_model = True
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor | None:
+        """The final hidden states [len(logits_indices), hidden] (model dtype) of the rows the pooler reads."""
+        out = self.hidden_states(input_ids, positions, kv_caches, meta)
+        if out is None:
+            return None
+        x, residual = out
+        return self.norm(x[logits_indices], residual[logits_indices])
+
+    def pooler_head(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Pooled hidden states [N, hidden] float32 -> the model's raw output (an embedding model: themselves)."""
+        return pooled
+
+
+class _SequenceClassifier(_PoolingDecoder):
+    def __init__(self, cfg: ModelConfig, parallel: ParallelState, attn_backend: AttentionBackend,
+                 quant_config: QuantizationConfig) -> None:
+        super().__init__(cfg, parallel, attn_backend, quant_config)
+        # replicated on every rank (a few labels): the checkpoint's `score.weight` [num_labels, hidden]
+        self.score = nn.Linear(cfg.hidden_size, num_labels(cfg.model_dir), bias=False)
+
+    def pooler_head(self, pooled: torch.Tensor) -> torch.Tensor:
+        """-> float32 logits [N, num_labels]."""
+        return self.score(pooled.to(self.score.weight.dtype)).float()
+
+
+@lru_cache(maxsize=None)
+def as_embedding_model(cls: type[DecoderForCausalLM]) -> type[nn.Module]:
+    name = cls.__name__.removesuffix("ForCausalLM") + "ForEmbedding"
+    return type(name, (_PoolingDecoder, cls), {})
+
+
+@lru_cache(maxsize=None)
+def as_seq_cls_model(cls: type[DecoderForCausalLM]) -> type[nn.Module]:
+    name = cls.__name__.removesuffix("ForCausalLM") + "ForSequenceClassification"
+    return type(name, (_SequenceClassifier, cls), {})
