@@ -306,7 +306,7 @@ class LLMEngine:
                                 if s.request.num_computed_tokens >= s.request.num_prompt_tokens)
         progressed = self.scheduler.update_from_output(sched_out, runner_out.sampled, runner_out.spec_token_ids)
         self._save_kv(self.kv_cache_manager.take_blocks_to_save())  # write-through: the blocks written just now
-        now = time.time()
+        now, t_out = time.time(), time.perf_counter()
         if runner_out.prompt_logprobs:
             self.output_processor.process_prompt_logprobs(runner_out.prompt_logprobs)
         to_stop, failed = self.output_processor.process_tokens(progressed, runner_out.logprobs, now)
@@ -316,6 +316,7 @@ class LLMEngine:
             self.scheduler.finish_requests(to_stop, RequestStatus.FINISHED_STOPPED)
         outputs = self._fail_requests(failed, now) if failed else []
         outputs += self.output_processor.make_outputs(now)
+        output_time = time.perf_counter() - t_out
         if grammars.matchers:
             grammars.retain(self.scheduler.requests)
         self.last_iteration = IterationStats(
@@ -324,6 +325,7 @@ class LLMEngine:
             num_generation_tokens=sum(n for _, n in progressed),
             num_scheduled_reqs=len(sched_out.scheduled),
             forward_time=runner_out.forward_time,
+            output_time=output_time,
             step_time=time.perf_counter() - t0,
         )
         if self.events.active:

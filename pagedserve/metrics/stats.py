@@ -38,6 +38,7 @@ class IterationStats:
     num_generation_tokens: int = 0  # tokens sampled this step
     num_scheduled_reqs: int = 0
     forward_time: float = 0.0  # seconds in the model forward alone (input prep and sampling are overhead)
+    output_time: float = 0.0  # seconds turning the sampled tokens into outputs (stop checks, detokenization)
     step_time: float = 0.0  # seconds for the whole step (schedule + forward + update + detokenize)
 
 

@@ -68,7 +68,7 @@ class OpenAIServingChat(OpenAIServing):
         streams = await self.submit(request_id, [prompt], params, req, prompt_param="messages")
         if req.stream:
             return SSEResponse(self._stream(req, plan, request_id, created, model, prompt, streams[0]),
-                               on_close=lambda: self.abort_streams(streams))
+                               on_close=lambda: self.abort_streams(streams), profile=self.engine_client.profile)
         return await run_unless_disconnected(raw_request, self._full(req, plan, request_id, created, model, prompt,
                                                                       streams[0]),
                                              lambda: self.abort_streams(streams))
@@ -128,6 +128,7 @@ class OpenAIServingChat(OpenAIServing):
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         num_top = req.top_logprobs or 0
         cached = 0
+        profile = self.engine_client.profile
 
         def chunk(choice: ChatCompletionStreamChoice) -> str:
             resp = ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
@@ -158,6 +159,7 @@ class OpenAIServingChat(OpenAIServing):
                     if not deltas.content and not deltas.calls and not reasoning and c.finish_reason is None \
                             and not (req.logprobs and c.token_ids):
                         continue
+                    t = time.perf_counter()
                     logprobs = None
                     if req.logprobs:
                         logprobs = ChatCompletionLogProbs(
@@ -168,10 +170,12 @@ class OpenAIServingChat(OpenAIServing):
                     finish = c.finish_reason
                     if finish == "stop" and parsers[c.index].num_calls:
                         finish = "tool_calls"
-                    yield chunk(ChatCompletionStreamChoice(
+                    data = chunk(ChatCompletionStreamChoice(
                         index=st.index, delta=DeltaMessage(content=deltas.content or None, reasoning_content=reasoning or None,
                                                       tool_calls=calls or None),
                         logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason))
+                    profile.record_chunk(time.perf_counter() - t)
+                    yield data
                 if out.finished:
                     cached = out.num_cached_tokens or 0
             if include_usage:

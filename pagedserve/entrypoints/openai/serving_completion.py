@@ -77,7 +77,7 @@ class OpenAIServingCompletion(OpenAIServing):
         streams = await self.submit(request_id, prompts, params, req)
         if req.stream:
             gen = self._stream(req, request_id, created, model, texts, prompts, streams)
-            return SSEResponse(gen, on_close=lambda: self.abort_streams(streams))
+            return SSEResponse(gen, on_close=lambda: self.abort_streams(streams), profile=self.engine_client.profile)
         return await run_unless_disconnected(
             raw_request, self._full(req, request_id, created, model, texts, prompts, streams),
             lambda: self.abort_streams(streams))
@@ -142,6 +142,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_tokens = sum(len(p) for p in prompts)
         prompt_lps: list = [None] * len(prompts)  # sent once per request; each of its n choices needs them
         cached = 0
+        profile = self.engine_client.profile
         try:
             async for idx, out in merge_streams(streams):
                 if out.prompt_logprobs is not None:
@@ -159,6 +160,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
                     if not delta and c.finish_reason is None and not (req.logprobs is not None and c.token_ids):
                         continue  # nothing to say yet (e.g. text held back while matching a stop string)
+                    t = time.perf_counter()
                     logprobs = None
                     if req.logprobs is not None:
                         logprobs, st.text_offset = self._logprobs(
@@ -175,7 +177,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         done = sum(len(s.token_ids) for s in states)
                         chunk.usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=done,
                                                 total_tokens=prompt_tokens + done)
-                    yield f"data: {chunk.model_dump_json()}\n\n"
+                    data = f"data: {chunk.model_dump_json()}\n\n"
+                    profile.record_chunk(time.perf_counter() - t)
+                    yield data
                 if out.finished:
                     cached += out.num_cached_tokens or 0
             if include_usage:
