@@ -218,6 +218,17 @@ def parse_variants(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     return rest, variants or {"server": sbs.REPO}
 
 
+def write_report(out_dir: str, rows: list[dict], skipped: dict, meta: dict) -> str:
+    report = format_report(rows, meta)
+    if skipped:
+        report += "\nSkipped: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()) + "\n"
+    with open(os.path.join(out_dir, "server_overhead.md"), "w") as f:
+        f.write(report)
+    with open(os.path.join(out_dir, "server_overhead.json"), "w") as f:
+        json.dump(dict(meta, rows=rows, skipped=skipped), f, indent=2)
+    return report
+
+
 def main(argv=None) -> int:
     argv, variants = parse_variants(list(sys.argv[1:] if argv is None else argv))
     args = cp.parse_args([*argv, "--engines", ",".join(SIDES)])
@@ -225,6 +236,9 @@ def main(argv=None) -> int:
     out_dir = args.output_dir or os.path.join("bench_results", "server_overhead-" + time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out_dir, exist_ok=True)
     workloads, described = cp.build_workloads(args)
+    meta = {"model": args.model, "threads": args.threads, "workload": "; ".join(sorted(set(described.values()))),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "version": cp.pagedserve_version(),
+            "variants": variants}
     rows: list[dict] = []
     skipped: dict[str, str] = {}
     sides = [ENGINE, *variants]
@@ -241,19 +255,10 @@ def main(argv=None) -> int:
                         run_server(args, prec, workloads, d, rows, skipped, side, variants[side])
                     for r in rows[n:]:
                         r["round"] = k
+                    write_report(out_dir, rows, skipped, meta)  # after every run: a stopped run keeps its rows
     finally:
         sbs.stop_all_servers()
-    meta = {"model": args.model, "threads": args.threads, "workload": "; ".join(sorted(set(described.values()))),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "version": cp.pagedserve_version(),
-            "variants": variants}
-    report = format_report(rows, meta)
-    if skipped:
-        report += "\nSkipped: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()) + "\n"
-    cp.log("\n" + report)
-    with open(os.path.join(out_dir, "server_overhead.md"), "w") as f:
-        f.write(report)
-    with open(os.path.join(out_dir, "server_overhead.json"), "w") as f:
-        json.dump(dict(meta, rows=rows, skipped=skipped), f, indent=2)
+    cp.log("\n" + write_report(out_dir, rows, skipped, meta))
     return 0 if rows else 1
 
 

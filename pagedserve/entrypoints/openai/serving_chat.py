@@ -18,6 +18,7 @@ from pagedserve.entrypoints.openai.protocol import (ChatCompletionLogProbs, Chat
 from pagedserve.entrypoints.openai.serving_engine import (SSE_DONE, ChoiceState, OpenAIServing, SSEResponse,
                                                           chat_logprobs, vllm_prompt_logprobs,
                                                           merge_streams, new_request_id, run_unless_disconnected)
+from pagedserve.entrypoints.openai.sse import StreamChunkEncoder
 from pagedserve.entrypoints.openai.reasoning import REASONING_PARSERS, make_reasoning_parser
 from pagedserve.entrypoints.openai.tool_calls import (ToolPlan, extract_tool_calls, make_tool_call_parser, plan_tools,
                                                       template_tools)
@@ -129,6 +130,7 @@ class OpenAIServingChat(OpenAIServing):
         num_top = req.top_logprobs or 0
         cached = 0
         profile = self.engine_client.profile
+        encoder = StreamChunkEncoder("chat.completion.chunk", request_id, created, model)
 
         def chunk(choice: ChatCompletionStreamChoice) -> str:
             resp = ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
@@ -160,6 +162,14 @@ class OpenAIServingChat(OpenAIServing):
                             and not (req.logprobs and c.token_ids):
                         continue
                     t = time.perf_counter()
+                    finish = c.finish_reason
+                    if finish == "stop" and parsers[c.index].num_calls:
+                        finish = "tool_calls"
+                    if not (req.logprobs or continuous or deltas.calls or reasoning):  # content alone: no models
+                        data = encoder.chat(st.index, deltas.content or None, finish, c.stop_reason)
+                        profile.record_chunk(time.perf_counter() - t)
+                        yield data
+                        continue
                     logprobs = None
                     if req.logprobs:
                         logprobs = ChatCompletionLogProbs(
@@ -167,9 +177,6 @@ class OpenAIServingChat(OpenAIServing):
                     calls = [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
                                            function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
                              for d in deltas.calls]
-                    finish = c.finish_reason
-                    if finish == "stop" and parsers[c.index].num_calls:
-                        finish = "tool_calls"
                     data = chunk(ChatCompletionStreamChoice(
                         index=st.index, delta=DeltaMessage(content=deltas.content or None, reasoning_content=reasoning or None,
                                                       tool_calls=calls or None),

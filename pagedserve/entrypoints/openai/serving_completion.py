@@ -13,6 +13,7 @@ from pagedserve.errors import InvalidRequestError
 from pagedserve.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                                     CompletionResponseChoice, CompletionStreamChoice,
                                                     CompletionStreamResponse, PromptTokensDetails, UsageInfo)
+from pagedserve.entrypoints.openai.sse import StreamChunkEncoder
 from pagedserve.entrypoints.openai.serving_engine import (SSE_DONE, ChoiceState, OpenAIServing, SSEResponse,
                                                           completion_logprobs, merge_streams, new_request_id,
                                                           run_unless_disconnected, vllm_prompt_logprobs)
@@ -143,6 +144,9 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_lps: list = [None] * len(prompts)  # sent once per request; each of its n choices needs them
         cached = 0
         profile = self.engine_client.profile
+        encoder = StreamChunkEncoder("text_completion", request_id, created, model)
+        # chunks of text alone (no logprobs or usage in them) skip the pydantic models
+        text_only = req.logprobs is None and req.prompt_logprobs is None and not continuous
         try:
             async for idx, out in merge_streams(streams):
                 if out.prompt_logprobs is not None:
@@ -161,12 +165,17 @@ class OpenAIServingCompletion(OpenAIServing):
                     if not delta and c.finish_reason is None and not (req.logprobs is not None and c.token_ids):
                         continue  # nothing to say yet (e.g. text held back while matching a stop string)
                     t = time.perf_counter()
+                    st.started = True
+                    if text_only:
+                        data = encoder.completion(st.index, delta, c.finish_reason, c.stop_reason)
+                        profile.record_chunk(time.perf_counter() - t)
+                        yield data
+                        continue
                     logprobs = None
                     if req.logprobs is not None:
                         logprobs, st.text_offset = self._logprobs(
                             req, prompts[idx] if first else None, prompt_lps[idx], c.token_ids, c.logprobs or [],
                             st.text_offset)
-                    st.started = True
                     choice = CompletionStreamChoice(index=st.index, text=delta, logprobs=logprobs,
                                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                     if req.prompt_logprobs is not None and prompt_lps[idx] is not None and not st.sent_prompt:
