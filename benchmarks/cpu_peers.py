@@ -312,7 +312,7 @@ def serve_each_concurrency(engine: str, label: str, precision: str, base_url: st
 
 
 def run_bench_serve(engine: str, precision: str, base_url: str, served_name: str, conc: int, args,
-                    out_dir: str, structured: str | None = None) -> dict | None:
+                    out_dir: str, structured: str | None = None, extra: tuple[str, ...] = ()) -> dict | None:
     fname = result_name(engine, precision, conc)
     cmd = sbs.pagedserve_cmd("bench", "serve", "--base-url", base_url, "--model", served_name,
                              *sbs.dataset_flags(workload_args(args, conc, fresh=structured is not None)), "--ignore-eos", "--request-rate", "inf",
@@ -320,7 +320,7 @@ def run_bench_serve(engine: str, precision: str, base_url: str, served_name: str
                              "--metric-percentiles", "50,99", "--label", f"{engine}-{precision}", "--save-result",
                              "--result-dir", out_dir, "--result-filename", fname, "--disable-tqdm",
                              "--ready-check-timeout-sec", "300",
-                             *(("--structured-output", structured) if structured else ()))
+                             *(("--structured-output", structured) if structured else ()), *extra)
     log(f"[{LABELS[engine]} {precision}] C={conc}: {' '.join(cmd)}")
     r = subprocess.run(cmd, env=sbs.subprocess_env())
     path = os.path.join(out_dir, fname)

@@ -56,7 +56,8 @@ def children_cpu() -> float:
 
 
 def warm_up(base_url: str, name: str) -> None:
-    """One streamed request, so that the profile knows the engine and event-loop threads before the first scrape."""
+    """One streamed request, so that the profile knows the engine and event-loop threads before the first scrape (and
+    in place of `bench serve`'s initial test request, which is turned off)."""
     body = json.dumps({"model": name, "prompt": [1, 2, 3], "max_tokens": 4, "stream": True}).encode()
     req = urllib.request.Request(base_url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
@@ -83,7 +84,9 @@ def run_server(args, precision: str, workloads: dict, out_dir: str, rows: list, 
         warm_up(srv.base_url, name)
         for c in args.concurrencies:
             before, cpu0 = scrape(srv.base_url), children_cpu()
-            res = cp.run_bench_serve("pagedserve", precision, srv.base_url, name, c, args, out_dir)
+            # no initial test request: its steps (one token each) would fall into the scrapes' window; warm_up() ran
+            res = cp.run_bench_serve("pagedserve", precision, srv.base_url, name, c, args, out_dir,
+                                     extra=("--ready-check-timeout-sec", "0"))
             client_cpu = children_cpu() - cpu0
             after = scrape(srv.base_url)
             if res is None:
