@@ -73,6 +73,7 @@ import side_by_side as sbs  # (Server, free_port, pagedserve_cmd, subprocess_env
 
 ENGINES = ("pagedserve", "pagedserve-engine", "vllm", "openvino")
 OURS = ("pagedserve", "pagedserve-engine")
+SERVED = ("pagedserve", "vllm")  # behind an HTTP server, loaded by `bench serve`
 LABELS = {"pagedserve": "pagedserve", "pagedserve-engine": "pagedserve engine (in-process)", "vllm": "vLLM CPU",
           "openvino": "OpenVINO GenAI CB"}
 PRECISIONS = ("fp32", "bf16", "int8")
@@ -95,6 +96,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF checkpoint dir (e.g. from `pagedserve bench make-model`)")
     p.add_argument("--engines", default=",".join(ENGINES), help="comma list of " + ",".join(ENGINES))
+    p.add_argument("--through-server", action="store_true",
+                   help="only the engines behind their own HTTP server (" + ",".join(SERVED) + "), loaded by the same "
+                        "`bench serve` client: the end-to-end numbers a user sees (issue 50); a peer whose venv is "
+                        "missing is skipped. benchmarks/server_overhead.py puts our server beside our engine in-process")
     p.add_argument("--precisions", default=",".join(PRECISIONS), help="comma list of " + ",".join(PRECISIONS))
     p.add_argument("--concurrency", default="1,16,32", help="comma list of closed-loop concurrencies C")
     p.add_argument("--num-prompts", type=int, default=32)
@@ -141,6 +146,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(same flags as the run; e.g. after an interrupted run)")
     args = p.parse_args(argv)
     sbs.parse_engine_lists(p, args, ENGINES)
+    if args.through_server:
+        args.engine_list = [e for e in args.engine_list if e in SERVED]
+        if not args.engine_list:
+            p.error(f"--through-server: none of --engines is served over HTTP ({','.join(SERVED)})")
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
     args.precision_list = [x.strip() for x in args.precisions.split(",") if x.strip()]
@@ -303,7 +312,7 @@ def serve_each_concurrency(engine: str, label: str, precision: str, base_url: st
 
 
 def run_bench_serve(engine: str, precision: str, base_url: str, served_name: str, conc: int, args,
-                    out_dir: str, structured: str | None = None) -> dict | None:
+                    out_dir: str, structured: str | None = None, extra: tuple[str, ...] = ()) -> dict | None:
     fname = result_name(engine, precision, conc)
     cmd = sbs.pagedserve_cmd("bench", "serve", "--base-url", base_url, "--model", served_name,
                              *sbs.dataset_flags(workload_args(args, conc, fresh=structured is not None)), "--ignore-eos", "--request-rate", "inf",
@@ -311,7 +320,7 @@ def run_bench_serve(engine: str, precision: str, base_url: str, served_name: str
                              "--metric-percentiles", "50,99", "--label", f"{engine}-{precision}", "--save-result",
                              "--result-dir", out_dir, "--result-filename", fname, "--disable-tqdm",
                              "--ready-check-timeout-sec", "300",
-                             *(("--structured-output", structured) if structured else ()))
+                             *(("--structured-output", structured) if structured else ()), *extra)
     log(f"[{LABELS[engine]} {precision}] C={conc}: {' '.join(cmd)}")
     r = subprocess.run(cmd, env=sbs.subprocess_env())
     path = os.path.join(out_dir, fname)

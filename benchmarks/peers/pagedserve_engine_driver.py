@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # closed_loop.py, beside this file
@@ -44,9 +45,15 @@ def build_engine(model: str, flags: list[str]):
 
 
 def run_closed_loop(engine, requests: list[dict], conc: int, id_base: int) -> dict:
+    """The run's result, with "profile": the server's per-step totals (pagedserve/metrics/server_profile.py) for the
+    same workload in-process, to compare part by part (benchmarks/server_overhead.py)."""
+    from pagedserve.metrics.server_profile import ServerProfile
     from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
     loop = ClosedLoop(requests, conc)
+    profile = ServerProfile()
+    profile.engine_thread = threading.get_ident()  # this thread steps the engine: its CPU clock from the start
+    start = profile.snapshot()
     while loop.running():
         for i in loop.to_submit():
             n = int(requests[i]["output_len"])
@@ -55,14 +62,18 @@ def run_closed_loop(engine, requests: list[dict], conc: int, id_base: int) -> di
             t = time.perf_counter()
             engine.add_request(str(id_base + i), list(requests[i]["prompt"]), params)
             loop.submitted(i, t)
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         outputs = engine.step()
         now = time.perf_counter()
+        it = engine.last_iteration
+        profile.record_step(now - t0, time.thread_time() - cpu0, it.forward_time, it.output_time, now)
         for out in outputs:
             i = int(out.request_id) - id_base
             loop.new_tokens(i, len(out.outputs[0].token_ids) if out.outputs else 0, now)
             if out.finished:
                 loop.finished(i, out.error is None, out.error or "")
-    return loop.result()
+    end = profile.snapshot()
+    return dict(loop.result(), profile={k: end[k] - start.get(k, 0.0) for k in end})
 
 
 def main(argv: list[str]) -> int:

@@ -74,6 +74,7 @@ from pagedserve.errors import (EngineDeadError, EngineRequestError, EngineShutti
                                QueueFullError, RequestAborted)
 from pagedserve.lora.request import LoRARequest
 from pagedserve.metrics.loggers import LoggingStatLogger, StatLoggerBase, StatLoggerManager
+from pagedserve.metrics.server_profile import ServerProfile
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -158,6 +159,7 @@ class AsyncLLM:
         self._inflight: dict[str, RequestStream] = {}  # engine thread only
         self._streams: dict[str, RequestStream] = {}  # event-loop thread only
         self._outbox: list[tuple[asyncio.AbstractEventLoop, Callable[..., None], tuple]] = []
+        self.profile = ServerProfile()  # where the time goes, per step (GET /metrics: pagedserve:server_profile_*)
         self._thread: threading.Thread | None = None
         self._engine_thread = engine_thread  # the thread the engine was built on, if any: it steps there too
         self.consecutive_step_failures = 0
@@ -380,6 +382,7 @@ class AsyncLLM:
                         timeout = self.stat_logger_manager.next_log_in(time.monotonic())
                         if timeout is not None and timeout <= 0:
                             break
+                        self.profile.idle()
                         self._cond.wait(timeout)
                     if self._stop:
                         break
@@ -455,10 +458,14 @@ class AsyncLLM:
     def _step(self) -> None:
         failures_before = self.engine.num_step_failures
         self._step_started = time.monotonic()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             outputs = self.engine.step()
         finally:
             self._step_started = None
+        t1 = time.perf_counter()
+        it = self.engine.last_iteration
+        self.profile.record_step(t1 - t0, time.thread_time() - cpu0, it.forward_time, it.output_time, t1)
         if self.engine.num_step_failures > failures_before:
             self.consecutive_step_failures += 1
         elif self.engine.last_iteration.num_scheduled_tokens:
@@ -506,16 +513,19 @@ class AsyncLLM:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Callable[..., None], tuple]]] = {}
         for loop, fn, args in outbox:
             by_loop.setdefault(loop, []).append((fn, args))
+        posted = time.perf_counter()
         for loop, calls in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_run_calls, calls)
+                loop.call_soon_threadsafe(_run_calls, calls, self.profile, posted)
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
 
 
-def _run_calls(calls: list[tuple[Callable[..., None], tuple]]) -> None:
+def _run_calls(calls: list[tuple[Callable[..., None], tuple]], profile: ServerProfile, posted: float) -> None:
+    started = time.perf_counter()
     for fn, args in calls:
         try:
             fn(*args)
         except Exception:  # pragma: no cover - a bug in the delivery code must not kill the others
             logger.exception("delivering an engine output failed")
+    profile.record_delivery(posted, started, time.perf_counter())

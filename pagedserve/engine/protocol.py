@@ -15,6 +15,7 @@ from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.request_stream import RequestStream
 from pagedserve.lora.request import LoRARequest
 from pagedserve.metrics.loggers import StatLoggerBase
+from pagedserve.metrics.server_profile import ServerProfile
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -44,6 +45,9 @@ class EngineClient(Protocol):
 
     @property
     def accepting(self) -> bool: ...
+
+    @property
+    def profile(self) -> ServerProfile: ...  # where the server's time goes (pagedserve/metrics/server_profile.py)
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                           priority: int = 0, cache_salt: str | None = None,

@@ -41,6 +41,8 @@ registered in prometheus_client's global REGISTRY.  Counters are exposed with th
 | pagedserve:spec_decode_num_draft_tokens_total | counter | draft tokens verified |
 | pagedserve:spec_decode_num_accepted_tokens_total | counter | of which accepted |
 | pagedserve:spec_decode_num_accepted_tokens_per_pos_total{position} | counter | accepted drafts at each draft position (0 = first) |
+| pagedserve:server_profile_seconds_total{part} | counter | where the server's time went (metrics/server_profile.py; registered by the app) |
+| pagedserve:server_profile_events_total{kind} | counter | engine steps, output deliveries, SSE chunks (same) |
 """
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ class SchedulerStats:
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use (ref count > 0), 0..1
     num_kv_blocks: int = 0
     num_used_blocks: int = 0
-    num_stored_tokens: int = 0  # tokens whose K/V sit in blocks held by running requests
-    num_allocated_slots: int = 0  # block slots held by running requests (>= stored tokens)
+    num_stored_tokens: int = 0  # tokens whose K/V sit in blocks held by running requests (get_stats() only)
+    num_allocated_slots: int = 0  # block slots held by running requests (>= stored tokens; get_stats() only)
     # cumulative counters since start
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found cached
@@ -38,6 +38,7 @@ class IterationStats:
     num_generation_tokens: int = 0  # tokens sampled this step
     num_scheduled_reqs: int = 0
     forward_time: float = 0.0  # seconds in the model forward alone (input prep and sampling are overhead)
+    output_time: float = 0.0  # seconds turning the sampled tokens into outputs (stop checks, detokenization)
     step_time: float = 0.0  # seconds for the whole step (schedule + forward + update + detokenize)
 
 

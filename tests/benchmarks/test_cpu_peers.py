@@ -41,7 +41,9 @@ def test_parse_args(cp):
     assert a.dataset == "mixed" and a.threads == 2
     a = cp.parse_args(["--model", "m", "--concurrency", "32,1,32", "--precisions", "bf16", "--engines", "openvino"])
     assert a.concurrencies == [1, 32] and a.precision_list == ["bf16"] and a.engine_list == ["openvino"]
-    for bad in (["--engines", "tgi"], ["--precisions", "fp8"], ["--concurrency", "0"]):
+    assert cp.parse_args(["--model", "m", "--through-server"]).engine_list == ["pagedserve", "vllm"]
+    for bad in (["--engines", "tgi"], ["--precisions", "fp8"], ["--concurrency", "0"],
+                ["--engines", "openvino", "--through-server"]):
         with pytest.raises(SystemExit):
             cp.parse_args(["--model", "m", *bad])
 
@@ -223,6 +225,12 @@ def test_engine_driver_runs_the_closed_loop_in_process(cp, tiny, tmp_path):
         assert r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] > 0
     spec = json.loads((tmp_path / "pagedserve-engine-fp32-spec.json").read_text())
     assert "--num-kv-blocks" in spec["engine_flags"] and spec["engine_flags"][-2:] == ["--dtype", "float32"]
+    # the server's per-step account, filled in-process (benchmarks/server_overhead.py compares the two)
+    runs = json.loads((tmp_path / "pagedserve-engine-fp32-raw.json").read_text())["runs"]
+    for c in ("1", "2"):
+        prof = runs[c]["profile"]
+        assert prof["steps"] > 0 and prof["step"] >= prof["forward"] > 0 and prof["output"] > 0
+        assert prof["engine_thread_cpu"] > 0 and prof["chunks"] == 0
 
 
 def test_rounds_alternate_and_pair_within_a_round(cp, tmp_path):

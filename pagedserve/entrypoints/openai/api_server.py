@@ -206,6 +206,7 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
     from prometheus_client import CollectorRegistry
 
     from pagedserve.metrics.prometheus import CONTENT_TYPE_LATEST, PrometheusStatLogger, render
+    from pagedserve.metrics.server_profile import ServerProfileCollector
 
     def arg(name: str, default: Any) -> Any:
         return getattr(args, name, default) if args is not None else default
@@ -242,6 +243,7 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
                                       max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                                       cache_config=cache_info)
     engine_client.add_stat_logger(prometheus)
+    registry.register(ServerProfileCollector(engine_client.profile, served))
     is_demo = config.model.is_default_model
     model_root = config.model.path
     created = int(time.time())

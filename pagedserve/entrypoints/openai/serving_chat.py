@@ -18,6 +18,7 @@ from pagedserve.entrypoints.openai.protocol import (ChatCompletionLogProbs, Chat
 from pagedserve.entrypoints.openai.serving_engine import (SSE_DONE, ChoiceState, OpenAIServing, SSEResponse,
                                                           chat_logprobs, vllm_prompt_logprobs,
                                                           merge_streams, new_request_id, run_unless_disconnected)
+from pagedserve.entrypoints.openai.sse import StreamChunkEncoder
 from pagedserve.entrypoints.openai.reasoning import REASONING_PARSERS, make_reasoning_parser
 from pagedserve.entrypoints.openai.tool_calls import (ToolPlan, extract_tool_calls, make_tool_call_parser, plan_tools,
                                                       template_tools)
@@ -69,7 +70,7 @@ class OpenAIServingChat(OpenAIServing):
                                     lora_request=lora_request)
         if req.stream:
             return SSEResponse(self._stream(req, plan, request_id, created, model, prompt, streams[0]),
-                               on_close=lambda: self.abort_streams(streams))
+                               on_close=lambda: self.abort_streams(streams), profile=self.engine_client.profile)
         return await run_unless_disconnected(raw_request, self._full(req, plan, request_id, created, model, prompt,
                                                                       streams[0]),
                                              lambda: self.abort_streams(streams))
@@ -129,6 +130,8 @@ class OpenAIServingChat(OpenAIServing):
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         num_top = req.top_logprobs or 0
         cached = 0
+        profile = self.engine_client.profile
+        encoder = StreamChunkEncoder("chat.completion.chunk", request_id, created, model)
 
         def chunk(choice: ChatCompletionStreamChoice) -> str:
             resp = ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
@@ -159,6 +162,15 @@ class OpenAIServingChat(OpenAIServing):
                     if not deltas.content and not deltas.calls and not reasoning and c.finish_reason is None \
                             and not (req.logprobs and c.token_ids):
                         continue
+                    t = time.perf_counter()
+                    finish = c.finish_reason
+                    if finish == "stop" and parsers[c.index].num_calls:
+                        finish = "tool_calls"
+                    if not (req.logprobs or continuous or deltas.calls or reasoning):  # content alone: no models
+                        data = encoder.chat(st.index, deltas.content or None, finish, c.stop_reason)
+                        profile.record_chunk(time.perf_counter() - t)
+                        yield data
+                        continue
                     logprobs = None
                     if req.logprobs:
                         logprobs = ChatCompletionLogProbs(
@@ -166,13 +178,12 @@ class OpenAIServingChat(OpenAIServing):
                     calls = [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
                                            function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
                              for d in deltas.calls]
-                    finish = c.finish_reason
-                    if finish == "stop" and parsers[c.index].num_calls:
-                        finish = "tool_calls"
-                    yield chunk(ChatCompletionStreamChoice(
+                    data = chunk(ChatCompletionStreamChoice(
                         index=st.index, delta=DeltaMessage(content=deltas.content or None, reasoning_content=reasoning or None,
                                                       tool_calls=calls or None),
                         logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason))
+                    profile.record_chunk(time.perf_counter() - t)
+                    yield data
                 if out.finished:
                     cached = out.num_cached_tokens or 0
             if include_usage:

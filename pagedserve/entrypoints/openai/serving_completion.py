@@ -13,6 +13,7 @@ from pagedserve.errors import InvalidRequestError
 from pagedserve.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                                     CompletionResponseChoice, CompletionStreamChoice,
                                                     CompletionStreamResponse, PromptTokensDetails, UsageInfo)
+from pagedserve.entrypoints.openai.sse import StreamChunkEncoder
 from pagedserve.entrypoints.openai.serving_engine import (SSE_DONE, ChoiceState, OpenAIServing, SSEResponse,
                                                           completion_logprobs, merge_streams, new_request_id,
                                                           run_unless_disconnected, vllm_prompt_logprobs)
@@ -77,7 +78,7 @@ class OpenAIServingCompletion(OpenAIServing):
         streams = await self.submit(request_id, prompts, params, req, lora_request=lora_request)
         if req.stream:
             gen = self._stream(req, request_id, created, model, texts, prompts, streams)
-            return SSEResponse(gen, on_close=lambda: self.abort_streams(streams))
+            return SSEResponse(gen, on_close=lambda: self.abort_streams(streams), profile=self.engine_client.profile)
         return await run_unless_disconnected(
             raw_request, self._full(req, request_id, created, model, texts, prompts, streams),
             lambda: self.abort_streams(streams))
@@ -142,6 +143,10 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_tokens = sum(len(p) for p in prompts)
         prompt_lps: list = [None] * len(prompts)  # sent once per request; each of its n choices needs them
         cached = 0
+        profile = self.engine_client.profile
+        encoder = StreamChunkEncoder("text_completion", request_id, created, model)
+        # chunks of text alone (no logprobs or usage in them) skip the pydantic models
+        text_only = req.logprobs is None and req.prompt_logprobs is None and not continuous
         try:
             async for idx, out in merge_streams(streams):
                 if out.prompt_logprobs is not None:
@@ -159,12 +164,18 @@ class OpenAIServingCompletion(OpenAIServing):
                         st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
                     if not delta and c.finish_reason is None and not (req.logprobs is not None and c.token_ids):
                         continue  # nothing to say yet (e.g. text held back while matching a stop string)
+                    t = time.perf_counter()
+                    st.started = True
+                    if text_only:
+                        data = encoder.completion(st.index, delta, c.finish_reason, c.stop_reason)
+                        profile.record_chunk(time.perf_counter() - t)
+                        yield data
+                        continue
                     logprobs = None
                     if req.logprobs is not None:
                         logprobs, st.text_offset = self._logprobs(
                             req, prompts[idx] if first else None, prompt_lps[idx], c.token_ids, c.logprobs or [],
                             st.text_offset)
-                    st.started = True
                     choice = CompletionStreamChoice(index=st.index, text=delta, logprobs=logprobs,
                                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                     if req.prompt_logprobs is not None and prompt_lps[idx] is not None and not st.sent_prompt:
@@ -175,7 +186,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         done = sum(len(s.token_ids) for s in states)
                         chunk.usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=done,
                                                 total_tokens=prompt_tokens + done)
-                    yield f"data: {chunk.model_dump_json()}\n\n"
+                    data = f"data: {chunk.model_dump_json()}\n\n"
+                    profile.record_chunk(time.perf_counter() - t)
+                    yield data
                 if out.finished:
                     cached += out.num_cached_tokens or 0
             if include_usage:

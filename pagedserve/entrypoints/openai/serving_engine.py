@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
@@ -26,6 +27,7 @@ from pagedserve.entrypoints.openai.protocol import (ChatLogProb, ChatLogProbsCon
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.errors import InvalidRequestError
 from pagedserve.lora.request import LoRARequest
+from pagedserve.metrics.server_profile import ServerProfile
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pagedserve.api")
@@ -42,14 +44,22 @@ class SSEResponse(StreamingResponse):
     disconnects before the generator was first iterated (an unstarted generator has no finally to run).
     """
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], profile: ServerProfile) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._on_close = on_close
+        self._profile = profile
 
     async def __call__(self, scope, receive, send) -> None:
+        profile = self._profile
+
+        async def timed_send(message: dict) -> None:  # each chunk's HTTP framing and socket write
+            t = time.perf_counter()
+            await send(message)
+            profile.record_send(time.perf_counter() - t)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, timed_send)
         finally:
             self._on_close()
 
