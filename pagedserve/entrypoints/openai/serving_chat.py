@@ -18,6 +18,7 @@ from pagedserve.entrypoints.openai.protocol import (ChatCompletionLogProbs, Chat
 from pagedserve.entrypoints.openai.serving_engine import (SSE_DONE, ChoiceState, OpenAIServing, SSEResponse,
                                                           chat_logprobs, vllm_prompt_logprobs,
                                                           merge_streams, new_request_id, run_unless_disconnected)
+from pagedserve.entrypoints.openai.serving_beam_search import beam_search, check_beam_search_request
 from pagedserve.entrypoints.openai.reasoning import REASONING_PARSERS, make_reasoning_parser
 from pagedserve.entrypoints.openai.tool_calls import (ToolPlan, extract_tool_calls, make_tool_call_parser, plan_tools,
                                                       template_tools)
@@ -33,6 +34,8 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request | None = None):
         self.check_model(req.model)
+        if req.use_beam_search:
+            check_beam_search_request(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs requires logprobs=true.", param="top_logprobs")
         if req.stream_options is not None and not req.stream:
@@ -65,6 +68,8 @@ class OpenAIServingChat(OpenAIServing):
         request_id = new_request_id("chatcmpl")
         created = int(time.time())
         model = self.served_model_name
+        if req.use_beam_search:
+            return await self._beam_search(req, raw_request, request_id, prompt, requested)
         streams = await self.submit(request_id, [prompt], params, req, prompt_param="messages")
         if req.stream:
             return SSEResponse(self._stream(req, plan, request_id, created, model, prompt, streams[0]),
@@ -72,6 +77,20 @@ class OpenAIServingChat(OpenAIServing):
         return await run_unless_disconnected(raw_request, self._full(req, plan, request_id, created, model, prompt,
                                                                       streams[0]),
                                              lambda: self.abort_streams(streams))
+
+    async def _beam_search(self, req: ChatCompletionRequest, raw_request: Request | None, request_id: str,
+                           prompt: list[int], max_tokens: int | None) -> JSONResponse:
+        """use_beam_search: the n beams as n choices, best first."""
+        result = (await run_unless_disconnected(raw_request, beam_search(self, request_id, [prompt], req, max_tokens,
+                                                                         "messages"), lambda: None))[0]
+        choices = [ChatCompletionResponseChoice(index=rank, message=ChatResponseMessage(content=seq.text),
+                                                finish_reason=seq.finish_reason)
+                   for rank, seq in enumerate(result.sequences)]
+        completion_tokens = sum(len(seq.logprobs) for seq in result.sequences)
+        usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=completion_tokens,
+                          total_tokens=len(prompt) + completion_tokens)
+        return JSONResponse(ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+                                                   usage=usage).model_dump())
 
     def _tool_calls(self, plan: ToolPlan, st: ChoiceState, text: str) -> tuple[str | None, list, str | None]:
         """-> (content, tool calls, finish reason) of a finished choice whose content text is `text`."""

@@ -17,6 +17,7 @@ from pagedserve.entrypoints.openai.serving_engine import (SSE_DONE, ChoiceState,
                                                           completion_logprobs, merge_streams, new_request_id,
                                                           run_unless_disconnected, vllm_prompt_logprobs)
 from pagedserve.engine.request_stream import RequestStream
+from pagedserve.entrypoints.openai.serving_beam_search import beam_search, check_beam_search_request
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -50,6 +51,9 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, req: CompletionRequest, raw_request: Request | None = None):
         self.check_model(req.model)
+        if req.use_beam_search:
+            check_beam_search_request(req)
+            return await self._beam_search(req, raw_request)
         best_of = req.best_of or req.n
         if best_of < req.n:
             raise BadRequest(f"best_of ({best_of}) must be >= n ({req.n}).", param="best_of")
@@ -81,6 +85,21 @@ class OpenAIServingCompletion(OpenAIServing):
         return await run_unless_disconnected(
             raw_request, self._full(req, request_id, created, model, texts, prompts, streams),
             lambda: self.abort_streams(streams))
+
+    async def _beam_search(self, req: CompletionRequest, raw_request: Request | None) -> JSONResponse:
+        """use_beam_search: the n beams of each prompt, best first, indexed prompt_idx * n + rank."""
+        _, prompts = await self.prepare(req)
+        request_id = new_request_id("cmpl")
+        results = await run_unless_disconnected(raw_request, beam_search(self, request_id, prompts, req,
+                                                                         req.max_tokens, "prompt"), lambda: None)
+        choices = [CompletionResponseChoice(index=p * req.n + rank, text=seq.text, finish_reason=seq.finish_reason)
+                   for p, result in enumerate(results) for rank, seq in enumerate(result.sequences)]
+        prompt_tokens = sum(len(p) for p in prompts)
+        completion_tokens = sum(len(seq.logprobs) for result in results for seq in result.sequences)
+        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                          total_tokens=prompt_tokens + completion_tokens)
+        return JSONResponse(CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+                                               usage=usage).model_dump())
 
     # -------------------------------------------------------------------------------- non-streaming
     async def _full(self, req: CompletionRequest, request_id: str, created: int, model: str, texts: list[str],
