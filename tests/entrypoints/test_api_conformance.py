@@ -299,6 +299,7 @@ def test_openapi_constraints(openapi):
 EXPECTED_ERRORS = {
     (C, "post"): {400, 401, 404, 413, 429, 500, 503},
     (CH, "post"): {400, 401, 404, 413, 429, 500, 503},
+    ("/v1/responses", "post"): {400, 401, 404, 413, 429, 500, 503},
     ("/tokenize", "post"): {400, 401, 404, 413, 500},
     ("/detokenize", "post"): {400, 401, 404, 413, 500},
     ("/v1/models", "get"): {401, 500},
@@ -323,7 +324,7 @@ def test_openapi_documents_errors_and_content_types(openapi):
                 assert schema == {"$ref": "#/components/schemas/ErrorResponse"}, (path, status)
             ok = responses["200"]["content"]
             assert list(ok) == (["text/plain"] if path == "/metrics" else
-                                ["application/json", "text/event-stream"] if path in (C, CH) else
+                                ["application/json", "text/event-stream"] if path in (C, CH, "/v1/responses") else
                                 ["application/json"]), (path, list(ok))
     assert seen == set(EXPECTED_ERRORS)
     error = _resolve(openapi, {"$ref": "#/components/schemas/ErrorInfo"})

@@ -3,6 +3,8 @@
 (client.responses.create: plain, streamed, function tools) and vLLM's `vllm:` metric names on /metrics."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -67,5 +69,87 @@ def test_chat_beam_search_equals_offline(server, client, offline):
 def test_beam_search_bad_values_are_400_naming_the_field(server, extra, param):
     body = {"prompt": PROMPT, "max_tokens": 4, "use_beam_search": True, **extra}
     r = httpx.post(server.url + "/v1/completions", json=body, headers=auth_headers(), timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+# ---------------------------------------------------------------------------------------- /v1/responses
+WEATHER = {"type": "function", "name": "get_weather", "description": "the weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                                           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                          "required": ["city", "days"], "additionalProperties": False}}
+
+
+def test_responses_plain_equals_chat(client):
+    model = model_name(client)
+    resp = client.responses.create(model=model, input="hello there", instructions="be brief", max_output_tokens=6,
+                                   temperature=0)
+    chat = client.chat.completions.create(model=model, max_tokens=6, temperature=0, messages=[
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}])
+    assert resp.object == "response" and resp.id.startswith("resp_")
+    (item,) = resp.output
+    assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+    assert resp.output_text == chat.choices[0].message.content
+    assert resp.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+    assert resp.usage.output_tokens == chat.usage.completion_tokens
+    assert resp.usage.total_tokens == resp.usage.input_tokens + resp.usage.output_tokens
+    # a message list (content parts) renders the same prompt
+    listed = client.responses.create(model=model, max_output_tokens=6, temperature=0, input=[
+        {"role": "system", "content": "be brief"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello there"}]}])
+    assert listed.output_text == resp.output_text and listed.usage.input_tokens == resp.usage.input_tokens
+
+
+def test_responses_stream_events(client):
+    model = model_name(client)
+    plain = client.responses.create(model=model, input="tell me", max_output_tokens=8, temperature=0)
+    events = list(client.responses.create(model=model, input="tell me", max_output_tokens=8, temperature=0,
+                                          stream=True))
+    types = [e.type for e in events]
+    assert types[:5] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added", "response.output_text.delta"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete" if plain.status == "incomplete" else "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert deltas == done.text == plain.output_text
+    final = events[-1].response
+    assert final.output_text == plain.output_text and final.usage.output_tokens == plain.usage.output_tokens
+    # the SDK's own accumulator (responses.stream) follows the events (it raises on one out of place) to the same end
+    with client.responses.stream(model=model, input="tell me", max_output_tokens=8, temperature=0) as stream:
+        *_, last = stream
+    assert last.response.output_text == plain.output_text
+
+
+def test_responses_function_tools(client):
+    model = model_name(client)
+    common = dict(model=model, input="weather in Paris?", tools=[WEATHER], temperature=0, max_output_tokens=60,
+                  tool_choice={"type": "function", "name": "get_weather"})
+    resp = client.responses.create(**common)
+    (call,) = resp.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id
+    args = json.loads(call.arguments)
+    assert args["city"] in ("Paris", "Rome") and 1 <= args["days"] <= 7
+    events = list(client.responses.create(stream=True, **common))
+    streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert streamed == done.arguments == call.arguments
+    assert events[-1].response.output[0].type == "function_call"
+    # the call and its result sent back: the model answers in a message
+    follow = client.responses.create(model=model, max_output_tokens=4, temperature=0, tools=[WEATHER], input=[
+        {"role": "user", "content": "weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}], tool_choice="none")
+    assert follow.output[0].type == "message"
+
+
+@pytest.mark.parametrize("extra, param", [({"previous_response_id": "resp_x"}, "previous_response_id"),
+                                          ({"max_output_tokens": 0}, "max_output_tokens"),
+                                          ({"temperature": 3}, "temperature"),
+                                          ({"tool_choice": "required"}, "tool_choice")])
+def test_responses_bad_values_are_400_naming_the_field(server, extra, param):
+    r = httpx.post(server.url + "/v1/responses", json={"input": "hi", **extra}, headers=auth_headers(), timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param

@@ -3,7 +3,7 @@
     app = build_app(async_llm, args)     # tests / embedding
     run_server(args)                     # load the model, bind, serve until SIGINT/SIGTERM
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models, GET /v1/models/{id},
 GET /health, GET /version, POST /tokenize, POST /detokenize, GET /metrics, GET /v1/events (engine step events,
 SSE), GET /dashboard.  See docs/SERVING.md.
 """
@@ -38,6 +38,8 @@ from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, Compl
 from pagedserve.entrypoints.openai import protocol as api_docs  # route docs (responses=)
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagedserve.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from pagedserve.entrypoints.openai.serving_engine import ClientDisconnected, OpenAIServing
@@ -211,6 +213,7 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
                              tool_call_parser=arg("tool_call_parser", None) if arg("enable_auto_tool_choice", False)
                              else None, reasoning_parser=arg("reasoning_parser", None))
     base = OpenAIServing(engine_client, served, log_requests)
+    responses = OpenAIServingResponses(chat)
     names = arg("served_model_name", None)
     chat_template = load_chat_template(arg("chat_template", None))
     defaults = load_generation_defaults(arg("generation_config", None), None if config.model.is_default_model
@@ -268,6 +271,10 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
     @app.post("/v1/chat/completions", response_model=api_docs.ChatCompletionResponse, responses=api_docs.ROUTE_RESPONSES["chat"])
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
         return await guarded(chat.create_chat_completion(req, raw_request))
+
+    @app.post("/v1/responses", response_model=dict[str, Any], responses=api_docs.ROUTE_RESPONSES["responses"])
+    async def create_response(req: ResponsesRequest, raw_request: Request):
+        return await guarded(responses.create_response(req, raw_request))
 
     def model_card() -> ModelCard:
         card = ModelCard(id=served, created=created, root=model_root, max_model_len=max_model_len)

@@ -534,6 +534,9 @@ ROUTE_RESPONSES: dict[str, dict[int | str, dict[str, Any]]] = {
     "chat": {**error_responses(*_BODY, 404, 429, 503),
              200: _sse("A chat completion (JSON), or with stream=true an event stream of chunks ending with "
                        "`data: [DONE]`.")},
+    "responses": {**error_responses(*_BODY, 404, 429, 503),
+                  200: _sse("A Response object (JSON), or with stream=true its typed events (`event:` + `data:`), "
+                            "ending with response.completed or response.incomplete.")},
     "tokenize": error_responses(*_BODY, 404),
     "detokenize": error_responses(*_BODY, 404),
     "models": error_responses(401, 500),

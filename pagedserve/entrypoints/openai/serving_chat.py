@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -33,6 +33,17 @@ class OpenAIServingChat(OpenAIServing):
         self.reasoning_parser = reasoning_parser  # --reasoning-parser: reasoning_content split off the content
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request | None = None):
+        result = await self.generate_chat(req, raw_request)
+        if isinstance(result, ChatCompletionResponse):
+            return JSONResponse(result.model_dump())
+        chunks, close = result
+        return SSEResponse(sse_chunks(chunks), on_close=close)
+
+    async def generate_chat(self, req: ChatCompletionRequest, raw_request: Request | None = None
+                            ) -> ChatCompletionResponse | tuple[AsyncIterator[ChatCompletionStreamResponse],
+                                                                Callable[[], None]]:
+        """The whole response, or with stream (chunks, a callback that aborts the request however the stream
+        ends): what /v1/chat/completions sends and /v1/responses translates."""
         self.check_model(req.model)
         if req.use_beam_search:
             check_beam_search_request(req)
@@ -72,14 +83,14 @@ class OpenAIServingChat(OpenAIServing):
             return await self._beam_search(req, raw_request, request_id, prompt, requested)
         streams = await self.submit(request_id, [prompt], params, req, prompt_param="messages")
         if req.stream:
-            return SSEResponse(self._stream(req, plan, request_id, created, model, prompt, streams[0]),
-                               on_close=lambda: self.abort_streams(streams))
+            return (self._stream(req, plan, request_id, created, model, prompt, streams[0]),
+                    lambda: self.abort_streams(streams))
         return await run_unless_disconnected(raw_request, self._full(req, plan, request_id, created, model, prompt,
                                                                       streams[0]),
                                              lambda: self.abort_streams(streams))
 
     async def _beam_search(self, req: ChatCompletionRequest, raw_request: Request | None, request_id: str,
-                           prompt: list[int], max_tokens: int | None) -> JSONResponse:
+                           prompt: list[int], max_tokens: int | None) -> ChatCompletionResponse:
         """use_beam_search: the n beams as n choices, best first."""
         result = (await run_unless_disconnected(raw_request, beam_search(self, request_id, [prompt], req, max_tokens,
                                                                          "messages"), lambda: None))[0]
@@ -89,8 +100,7 @@ class OpenAIServingChat(OpenAIServing):
         completion_tokens = sum(len(seq.logprobs) for seq in result.sequences)
         usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=completion_tokens,
                           total_tokens=len(prompt) + completion_tokens)
-        return JSONResponse(ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
-                                                   usage=usage).model_dump())
+        return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage)
 
     def _tool_calls(self, plan: ToolPlan, st: ChoiceState, text: str) -> tuple[str | None, list, str | None]:
         """-> (content, tool calls, finish reason) of a finished choice whose content text is `text`."""
@@ -100,7 +110,7 @@ class OpenAIServingChat(OpenAIServing):
         return content, calls, "tool_calls" if calls and st.finish_reason == "stop" else st.finish_reason
 
     async def _full(self, req: ChatCompletionRequest, plan: ToolPlan, request_id: str, created: int, model: str,
-                    prompt: list[int], stream: RequestStream) -> JSONResponse:
+                    prompt: list[int], stream: RequestStream) -> ChatCompletionResponse:
         states = [ChoiceState(index=i) for i in range(req.n)]
         cached = 0
         prompt_logprobs = None
@@ -131,12 +141,11 @@ class OpenAIServingChat(OpenAIServing):
         usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=completion_tokens,
                           total_tokens=len(prompt) + completion_tokens,
                           prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
-        resp = ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage,
+        return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage,
                                       prompt_logprobs=vllm_prompt_logprobs(self.tokenizer, prompt_logprobs))
-        return JSONResponse(resp.model_dump())
 
     async def _stream(self, req: ChatCompletionRequest, plan: ToolPlan, request_id: str, created: int, model: str,
-                      prompt: list[int], stream: RequestStream) -> AsyncIterator[str]:
+                      prompt: list[int], stream: RequestStream) -> AsyncIterator[ChatCompletionStreamResponse]:
         """Content and tool calls stream as the text grows, through the same parser as the non-streamed answer
         (tool_calls.py), so the concatenated deltas always equal it: a named or required call's arguments stream
         piece by piece (the first piece carries id and name); an "auto" call goes out whole once closed."""
@@ -148,13 +157,13 @@ class OpenAIServingChat(OpenAIServing):
         num_top = req.top_logprobs or 0
         cached = 0
 
-        def chunk(choice: ChatCompletionStreamChoice) -> str:
+        def chunk(choice: ChatCompletionStreamChoice) -> ChatCompletionStreamResponse:
             resp = ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
             if continuous:
                 done = sum(len(s.token_ids) for s in states)
                 resp.usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=done,
                                        total_tokens=len(prompt) + done)
-            return f"data: {resp.model_dump_json()}\n\n"
+            return resp
 
         try:
             # OpenAI's first chunk per choice: the role, empty content.
@@ -200,10 +209,20 @@ class OpenAIServingChat(OpenAIServing):
                     usage=UsageInfo(prompt_tokens=len(prompt), completion_tokens=completion_tokens,
                                     total_tokens=len(prompt) + completion_tokens,
                                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached)))
-                yield f"data: {final.model_dump_json()}\n\n"
-            yield SSE_DONE
-        except Exception as exc:
-            yield sse_error(exception_to_openai(exc))
-            yield SSE_DONE
+                yield final
         finally:
             self.abort_streams([stream])
+
+
+async def sse_chunks(chunks: AsyncIterator[ChatCompletionStreamResponse]) -> AsyncIterator[str]:
+    """Chat chunks as Server-Sent Events, ending with [DONE]; an engine failure or shutdown mid-stream becomes an
+    error event (the status line went out as 200)."""
+    try:
+        async for chunk in chunks:
+            yield f"data: {chunk.model_dump_json()}\n\n"
+        yield SSE_DONE
+    except Exception as exc:
+        yield sse_error(exception_to_openai(exc))
+        yield SSE_DONE
+    finally:
+        await chunks.aclose()
