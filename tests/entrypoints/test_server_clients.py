@@ -8,7 +8,7 @@ import json
 import httpx
 import openai
 import pytest
-from server_helpers import API_KEY, ServerProcess, auth_headers
+from server_helpers import API_KEY, ServerProcess, auth_headers, metric_value
 
 from pagedserve import LLM, BeamSearchParams
 
@@ -153,3 +153,43 @@ def test_responses_bad_values_are_400_naming_the_field(server, extra, param):
     r = httpx.post(server.url + "/v1/responses", json={"input": "hi", **extra}, headers=auth_headers(), timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+# ------------------------------------------------------------------------------------------ vllm: metrics
+VLLM_SERIES = [  # (vLLM's name, pagedserve's)
+    ("vllm:num_requests_running", "pagedserve:num_requests_running"),
+    ("vllm:num_requests_waiting", "pagedserve:num_requests_waiting"),
+    ("vllm:kv_cache_usage_perc", "pagedserve:kv_cache_usage_perc"),
+    ("vllm:gpu_cache_usage_perc", "pagedserve:kv_cache_usage_perc"),
+    ("vllm:prompt_tokens_total", "pagedserve:prompt_tokens_total"),
+    ("vllm:generation_tokens_total", "pagedserve:generation_tokens_total"),
+    ("vllm:prefix_cache_queries_total", "pagedserve:prefix_cache_queries_total"),
+    ("vllm:time_to_first_token_seconds_count", "pagedserve:time_to_first_token_seconds_count"),
+    ("vllm:time_to_first_token_seconds_sum", "pagedserve:time_to_first_token_seconds_sum"),
+    ("vllm:time_per_output_token_seconds_count", "pagedserve:inter_token_latency_seconds_count"),
+    ("vllm:inter_token_latency_seconds_sum", "pagedserve:inter_token_latency_seconds_sum"),
+    ("vllm:e2e_request_latency_seconds_count", "pagedserve:e2e_request_latency_seconds_count"),
+    ("vllm:request_prompt_tokens_sum", "pagedserve:request_prompt_tokens_sum"),
+    ("vllm:iteration_tokens_total_count", "pagedserve:iteration_tokens_total_count"),
+]
+
+
+def test_vllm_metric_names_are_the_same_series(server, client):
+    model = model_name(client)
+    before = httpx.get(server.url + "/metrics").text
+    # a prompt no other test sent: no prefix-cache hit, so its every token is a prefill token computed
+    out = client.completions.create(model=model, prompt=PROMPT[::-1] + [9], max_tokens=5, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    text = httpx.get(server.url + "/metrics").text  # no API key: as Prometheus scrapes it
+    for vllm_name, own in VLLM_SERIES:
+        assert metric_value(text, vllm_name, model_name=model) == metric_value(text, own, model_name=model), vllm_name
+    # counted once: the request's tokens moved both names by exactly its usage
+    for name, count in (("vllm:prompt_tokens_total", out.usage.prompt_tokens),
+                        ("vllm:generation_tokens_total", out.usage.completion_tokens)):
+        assert metric_value(text, name, model_name=model) - metric_value(before, name, model_name=model) == count
+    success = metric_value(text, "vllm:request_success_total", model_name=model, finished_reason="length")
+    assert success == metric_value(text, "pagedserve:request_success_total", model_name=model,
+                                   finished_reason="length") > 0
+    assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
+    assert "# TYPE vllm:request_success_total counter" in text
+    assert "vllm:engine_step_failures" not in text  # pagedserve's own additions keep their one name
