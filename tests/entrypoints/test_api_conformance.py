@@ -97,6 +97,8 @@ def business_rule_broken(path: str, body: Any, error: dict[str, Any], vocab: int
         return "min_tokens > max_tokens"
     if field == "min_tokens" and max_tokens is None and body.get("min_tokens", 0) > 0:
         return "min_tokens > the default max_tokens (what the context leaves after the prompt)"
+    if body.get("use_beam_search") is True and (code == "unsupported_parameter" or field in ("n", "max_tokens")):
+        return "a field use_beam_search does not honour, n above half of --max-logprobs, or no room for max_tokens"
     best_of, n = body.get("best_of"), body.get("n", 1)
     if field == "best_of" and best_of is not None and (best_of < n or (best_of > n and body.get("stream"))):
         return "best_of < n, or best_of > n with stream"

@@ -97,6 +97,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                    help="split the thinking off chat answers into reasoning_content (vLLM's parsers): qwen3 "
                         "(<think>...</think>), deepseek_r1 (answer starts in reasoning), gpt_oss (harmony channels)")
+    p.add_argument("--structured-outputs-config", type=structured_outputs_config, default={},
+                   help='vLLM\'s, as JSON; one key here: {"enable_in_reasoning": true} applies output constraints to '
+                        "the thinking too (default: only after the reasoning ends, with --reasoning-parser)")
     p.add_argument("--max-consecutive-step-failures", type=int, default=5,
                    help="/health answers 503 after this many failed engine steps in a row (until one succeeds)")
     p.add_argument("--step-timeout-s", type=float, default=DEFAULT_STEP_TIMEOUT_S,
@@ -106,6 +109,20 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(p)  # --served-model-name, --max-num-seqs, --num-kv-blocks, ... (vLLM names)
     p.set_defaults(func=run_server)
     return p
+
+
+def structured_outputs_config(text: str) -> dict[str, bool]:
+    """--structured-outputs-config: vLLM's JSON, of which this server has one key (anything else is an error)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict) or set(value) - {"enable_in_reasoning"} or \
+            not all(isinstance(v, bool) for v in value.values()):
+        raise argparse.ArgumentTypeError('expected {"enable_in_reasoning": true|false}')
+    return value
 
 
 # ------------------------------------------------------------------------------------------ API key
@@ -211,7 +228,8 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
     completion = OpenAIServingCompletion(engine_client, served, log_requests)
     chat = OpenAIServingChat(engine_client, served, log_requests,
                              tool_call_parser=arg("tool_call_parser", None) if arg("enable_auto_tool_choice", False)
-                             else None, reasoning_parser=arg("reasoning_parser", None))
+                             else None, reasoning_parser=arg("reasoning_parser", None),
+                             constrain_reasoning=arg("structured_outputs_config", {}).get("enable_in_reasoning", False))
     base = OpenAIServing(engine_client, served, log_requests)
     responses = OpenAIServingResponses(chat)
     names = arg("served_model_name", None)

@@ -368,6 +368,14 @@ class ChatCompletionStreamResponse(_Response):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: Optional[UsageInfo] = None
+    prompt_logprobs: Optional[list[Optional[dict[str, dict[str, Any]]]]] = None  # with prompt_logprobs, once
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler):  # the key only in the chunk that carries them, as the completions stream
+        out = handler(self)
+        if out.get("prompt_logprobs") is None:
+            out.pop("prompt_logprobs", None)
+        return out
 
 
 # ------------------------------------------------------------------------------------------ utilities

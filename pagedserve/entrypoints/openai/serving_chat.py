@@ -2,6 +2,7 @@
 -> one engine request with n samples; tool calls per entrypoints/openai/tool_calls.py."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -27,10 +28,11 @@ from pagedserve.errors import InvalidRequestError
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args: Any, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 **kwargs: Any) -> None:
+                 constrain_reasoning: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tool_call_parser = tool_call_parser  # set with --enable-auto-tool-choice --tool-call-parser
         self.reasoning_parser = reasoning_parser  # --reasoning-parser: reasoning_content split off the content
+        self.constrain_reasoning = constrain_reasoning  # vLLM's enable_in_reasoning: constraints hold from token one
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request | None = None):
         result = await self.generate_chat(req, raw_request)
@@ -51,9 +53,6 @@ class OpenAIServingChat(OpenAIServing):
             raise BadRequest("top_logprobs requires logprobs=true.", param="top_logprobs")
         if req.stream_options is not None and not req.stream:
             raise BadRequest("stream_options is only allowed with stream=true.", param="stream_options")
-        if req.prompt_logprobs is not None and req.stream:
-            raise BadRequest("prompt_logprobs is only returned by non-streamed chat completions.",
-                             param="prompt_logprobs", code="unsupported_parameter")
         if (req.max_tokens is not None and req.max_completion_tokens is not None
                 and req.max_tokens != req.max_completion_tokens):
             raise BadRequest("max_tokens and max_completion_tokens disagree; send only max_completion_tokens.",
@@ -69,6 +68,13 @@ class OpenAIServingChat(OpenAIServing):
                 raise InvalidRequestError(f"Give one output constraint: tool_choice {plan.mode!r} constrains the "
                                           f"output already.", param="tool_choice")
             params.structured_outputs = plan.constraint
+        reasoner = make_reasoning_parser(self.reasoning_parser, req.chat_template_kwargs)
+        if params.structured_outputs is not None and reasoner is not None and reasoner.thinking and \
+                not self.constrain_reasoning:
+            # as vLLM: the constraint applies once the thinking ends (gpt_oss: once the final channel opens)
+            marker = reasoner.spec.content_start or reasoner.spec.end
+            params.structured_outputs = dataclasses.replace(params.structured_outputs, start_after_token_ids=tuple(
+                self.tokenizer.encode(marker, add_special_tokens=False)))
         _, prompt = await self.encode_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                            req.chat_template_kwargs,
                                            tools=template_tools(req) if plan.mode != "none" or req.tools else None)
@@ -156,9 +162,13 @@ class OpenAIServingChat(OpenAIServing):
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         num_top = req.top_logprobs or 0
         cached = 0
+        prompt_logprobs = None  # vLLM's shape, sent once, with the first chunk after the prefill computed them
 
         def chunk(choice: ChatCompletionStreamChoice) -> ChatCompletionStreamResponse:
-            resp = ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
+            nonlocal prompt_logprobs
+            resp = ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice],
+                                                prompt_logprobs=prompt_logprobs)
+            prompt_logprobs = None
             if continuous:
                 done = sum(len(s.token_ids) for s in states)
                 resp.usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=done,
@@ -170,6 +180,8 @@ class OpenAIServingChat(OpenAIServing):
             for st in states:
                 yield chunk(ChatCompletionStreamChoice(index=st.index, delta=DeltaMessage(role="assistant", content="")))
             async for _, out in merge_streams([stream]):
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs = vllm_prompt_logprobs(self.tokenizer, out.prompt_logprobs)
                 for c in out.outputs:
                     st = states[c.index]
                     st.token_ids.extend(c.token_ids)
