@@ -162,13 +162,17 @@ def business_rule_broken(path: str, body: Any, error: dict[str, Any], vocab: int
                 return "the JSON schema is not an object"
     if field in ("tools", "tool_choice"):
         tools = body.get("tools") or []
-        choice = body.get("tool_choice", "auto" if tools else "none")
-        names = {t["function"]["name"] for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)}
+        choice = body.get("tool_choice")
+        if choice is None:  # absent or null: the default
+            choice = "auto" if tools else "none"
+        # chat's tools are {"function": {"name"}}, /v1/responses' {"name"} (and so are their named tool_choice)
+        names = {t["function"]["name"] if isinstance(t.get("function"), dict) else t.get("name")
+                 for t in tools if isinstance(t, dict)}
         if choice == "auto" and tools:
             return '"auto" tool choice without --enable-auto-tool-choice'
         if choice not in (None, "none") and not tools:
             return "tool_choice without tools"
-        if isinstance(choice, dict) and (choice.get("function") or {}).get("name") not in names:
+        if isinstance(choice, dict) and ((choice.get("function") or {}).get("name") or choice.get("name")) not in names:
             return "tool_choice names a function that is not among the tools"
         if code == "invalid_grammar":
             return "a function's parameters schema is invalid"
