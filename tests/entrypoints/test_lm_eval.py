@@ -59,27 +59,34 @@ def hf_loglikelihood(model_dir: str, tokenizer, context: str, continuation: str)
     return float(sum(logprobs[i - 1, whole[i]] for i in range(num_ctx, len(whole))))
 
 
-def test_lm_eval_local_completions_loglikelihoods(server, model_dir, tmp_path):
-    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pagedserve[test] installs it)")
-    from transformers import AutoTokenizer
-
+def run_lm_eval(tmp_path, task_yaml: str, task: str, model: str, model_args: str, *extra: str) -> list[dict]:
+    """`lm_eval --model MODEL` on DOCS as the task `task_yaml` describes (local files, offline) -> its logged
+    samples, one per doc."""
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
     tasks = tmp_path / "tasks"
     tasks.mkdir()
-    (tasks / "tiny_mc.yaml").write_text(TASK_YAML.format(data=data))
+    (tasks / f"{task}.yaml").write_text(task_yaml.format(data=data))
     out_dir = tmp_path / "out"
-    model_args = (f"model={model_dir},base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"
-                  f"tokenizer={model_dir},num_concurrent=1,max_retries=1,tokenized_requests=True")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args,
-                           "--tasks", "pagedserve_tiny_mc", "--include_path", str(tasks), "--output_path",
-                           str(out_dir), "--log_samples"], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args, *extra,
+                           "--tasks", task, "--include_path", str(tasks), "--output_path", str(out_dir),
+                           "--log_samples"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    samples_files = list(out_dir.rglob("samples_pagedserve_tiny_mc_*.jsonl"))
+    samples_files = list(out_dir.rglob(f"samples_{task}_*.jsonl"))
     assert samples_files, list(out_dir.rglob("*"))
     samples = [json.loads(line) for line in samples_files[0].read_text().splitlines()]
     assert len(samples) == len(DOCS)
+    return samples
+
+
+def test_lm_eval_local_completions_loglikelihoods(server, model_dir, tmp_path):
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pagedserve[test] installs it)")
+    from transformers import AutoTokenizer
+
+    model_args = (f"model={model_dir},base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"
+                  f"tokenizer={model_dir},num_concurrent=1,max_retries=1,tokenized_requests=True")
+    samples = run_lm_eval(tmp_path, TASK_YAML, "pagedserve_tiny_mc", "local-completions", model_args)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     checked = 0
     for sample in samples:
@@ -128,23 +135,9 @@ def test_lm_eval_local_chat_completions_generate_until(server, model_dir, tmp_pa
     pytest.importorskip("lm_eval", reason="lm-eval is not installed (pagedserve[test] installs it)")
     from transformers import AutoTokenizer
 
-    data = tmp_path / "docs.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    (tasks / "tiny_gen.yaml").write_text(GEN_TASK_YAML.format(data=data))
-    out_dir = tmp_path / "out"
     model_args = f"model={model_dir},base_url={server.url}/v1/chat/completions,num_concurrent=1,max_retries=1"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-chat-completions", "--model_args",
-                           model_args, "--apply_chat_template", "--tasks", "pagedserve_tiny_gen", "--include_path",
-                           str(tasks), "--output_path", str(out_dir), "--log_samples"], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    samples_files = list(out_dir.rglob("samples_pagedserve_tiny_gen_*.jsonl"))
-    assert samples_files, list(out_dir.rglob("*"))
-    samples = [json.loads(line) for line in samples_files[0].read_text().splitlines()]
-    assert len(samples) == len(DOCS)
+    samples = run_lm_eval(tmp_path, GEN_TASK_YAML, "pagedserve_tiny_gen", "local-chat-completions", model_args,
+                          "--apply_chat_template")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     for sample in samples:
         question = sample["doc"]["question"]

@@ -8,8 +8,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import ConfigDict, Discriminator, Field, Tag
 
-from pagedserve.entrypoints.openai.protocol import (FunctionName, Int, JsonSchemaFormat, NonEmptyStr, _Request,
-                                                    _SEED_MAX, _SEED_MIN)
+from pagedserve.entrypoints.openai.protocol import (FunctionDefinition, FunctionName, Int, JsonSchemaFormat,
+                                                    NamedFunction, NonEmptyStr, _Request, _SEED_MAX, _SEED_MIN)
 
 
 class InputText(_Request):
@@ -60,17 +60,13 @@ InputItem = Annotated[Union[Annotated[InputMessage, Tag("message")], Annotated[I
                       Discriminator(_item_type)]
 
 
-class FunctionTool(_Request):
+class FunctionTool(FunctionDefinition):
+    """Chat's function definition, flat: {"type": "function", "name", ...}."""
     type: Literal["function"]
-    name: FunctionName
-    description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = Field(None, description="a JSON schema of the arguments")
-    strict: Optional[bool] = None
 
 
-class NamedFunctionChoice(_Request):
+class NamedFunctionChoice(NamedFunction):
     type: Literal["function"]
-    name: FunctionName
 
 
 class TextFormatText(_Request):
