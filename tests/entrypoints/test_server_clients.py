@@ -50,6 +50,9 @@ def test_completions_beam_search_equals_offline(client, offline, length_penalty)
     assert [c.text for c in out.choices] == [s.text for s in ref.sequences]
     assert [c.finish_reason for c in out.choices] == ["length"] * 3
     assert out.usage.prompt_tokens == len(PROMPT) and out.usage.completion_tokens == 18
+    text = httpx.get(str(client.base_url.join("/metrics"))).text  # every beam's KV blocks back in the pool
+    assert metric_value(text, "pagedserve:num_requests_running") == 0
+    assert metric_value(text, "pagedserve:kv_cache_usage_perc") == pytest.approx(0.0, abs=1e-6)
 
 
 def test_chat_beam_search_equals_offline(server, client, offline):
