@@ -151,8 +151,12 @@ def test_responses_function_tools(client):
 @pytest.mark.parametrize("extra, param", [({"previous_response_id": "resp_x"}, "previous_response_id"),
                                           ({"max_output_tokens": 0}, "max_output_tokens"),
                                           ({"temperature": 3}, "temperature"),
-                                          ({"tool_choice": "required"}, "tool_choice")])
+                                          ({"tool_choice": "required"}, "tool_choice"),
+                                          ({"input": "x " * 400}, "input"),  # past max_model_len
+                                          ({"text": {"format": {"type": "json_schema", "name": "s",
+                                                                "schema": {"type": "nonsense"}}}}, "text.format")])
 def test_responses_bad_values_are_400_naming_the_field(server, extra, param):
+    """Named as the client sent them, not as the chat request they became (input, not messages)."""
     r = httpx.post(server.url + "/v1/responses", json={"input": "hi", **extra}, headers=auth_headers(), timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param

@@ -20,16 +20,29 @@ import pydantic
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from pagedserve.entrypoints.openai.errors import exception_to_openai, validation_error_to_openai
+from pagedserve.entrypoints.openai.errors import OpenAIError, exception_to_openai, validation_error_to_openai
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                                     ChatCompletionStreamResponse, UsageInfo)
 from pagedserve.entrypoints.openai.protocol_responses import (InputFunctionCall, InputMessage, ResponsesRequest)
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_engine import SSEResponse
+from pagedserve.errors import InvalidRequestError
 
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# chat's field -> the Responses field it came from, so that a 400 names what the client sent
+_RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+def responses_param(param: str | None) -> str | None:
+    if param is None:
+        return None
+    head, sep, rest = param.partition(".")
+    head, bracket, index = head.partition("[")
+    return _RESPONSES_PARAMS.get(head, head) + bracket + index + sep + rest
 
 
 # ------------------------------------------------------------------------------------ request
@@ -70,7 +83,9 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
     except pydantic.ValidationError as exc:
-        raise validation_error_to_openai(list(exc.errors()), None) from None
+        err = validation_error_to_openai(list(exc.errors()), None)
+        err.param = responses_param(err.param)
+        raise err from None
 
 
 # ----------------------------------------------------------------------------------- response
@@ -106,7 +121,11 @@ class OpenAIServingResponses:
     async def create_response(self, req: ResponsesRequest, raw_request: Request | None = None):
         chat_req = to_chat_request(req)
         response_id, created = _id("resp"), int(time.time())
-        result = await self.chat.generate_chat(chat_req, raw_request)
+        try:
+            result = await self.chat.generate_chat(chat_req, raw_request)
+        except (OpenAIError, InvalidRequestError) as exc:
+            exc.param = responses_param(exc.param)
+            raise
         if isinstance(result, ChatCompletionResponse):
             choice = result.choices[0]
             output = []
