@@ -50,6 +50,13 @@ def test_completions_beam_search_equals_offline(client, offline, length_penalty)
     assert [c.text for c in out.choices] == [s.text for s in ref.sequences]
     assert [c.finish_reason for c in out.choices] == ["length"] * 3
     assert out.usage.prompt_tokens == len(PROMPT) and out.usage.completion_tokens == 18
+    # streamed: the same beams, one chunk each once the search ends (as vLLM streams beam search)
+    chunks = list(client.completions.create(model=model_name(client), prompt=PROMPT, n=3, max_tokens=6, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={
+                                                "use_beam_search": True, "length_penalty": length_penalty,
+                                                "ignore_eos": True}))
+    assert [(c.index, c.text) for ch in chunks for c in ch.choices] == [(c.index, c.text) for c in out.choices]
+    assert chunks[-1].usage.completion_tokens == 18
     text = httpx.get(str(client.base_url.join("/metrics"))).text  # every beam's KV blocks back in the pool
     assert metric_value(text, "pagedserve:num_requests_running") == 0
     assert metric_value(text, "pagedserve:kv_cache_usage_perc") == pytest.approx(0.0, abs=1e-6)
@@ -63,9 +70,13 @@ def test_chat_beam_search_equals_offline(server, client, offline):
     ref = offline.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=2, max_tokens=5))[0]
     assert [c.message.content for c in out.choices] == [s.text for s in ref.sequences]
     assert [c.finish_reason for c in out.choices] == [s.finish_reason for s in ref.sequences]
+    chunks = list(client.chat.completions.create(model=model_name(client), messages=messages, n=2, max_tokens=5,
+                                                 stream=True, extra_body={"use_beam_search": True}))
+    assert [(c.index, c.delta.content) for ch in chunks for c in ch.choices] == \
+        [(c.index, c.message.content) for c in out.choices]
 
 
-@pytest.mark.parametrize("extra, param", [({"stream": True}, "stream"), ({"logprobs": 2}, "logprobs"),
+@pytest.mark.parametrize("extra, param", [({"echo": True}, "echo"), ({"logprobs": 2}, "logprobs"),
                                           ({"temperature": 0.7}, "temperature"), ({"n": 11}, "n"),
                                           ({"max_tokens": 300}, "max_tokens"),
                                           ({"length_penalty": "x"}, "length_penalty")])

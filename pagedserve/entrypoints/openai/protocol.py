@@ -483,7 +483,7 @@ BUSINESS_RULES: dict[str, str] = {
     "logit_bias / allowed_token_ids": "400 if a token id is outside the vocabulary or a bias outside [-100, 100]",
     "best_of": "400 if below n, or above n with stream",
     "truncate_prompt_tokens": "400 if 0 or above max_model_len - 1",
-    "use_beam_search": "400 with a field beam search does not honour (stream, logprobs, temperature > 0, ...), or n "
+    "use_beam_search": "400 with a field beam search does not honour (logprobs, echo, temperature > 0, ...), or n "
                        "above half of --max-logprobs",
     "priority": "400 if non-zero without --scheduling-policy priority",
     "stream_options": "400 without stream=true",

@@ -1,7 +1,8 @@
 """vLLM's `use_beam_search` on /v1/completions and /v1/chat/completions: the offline search (engine/beam_search.py)
 driven through the async engine client, each step's live beams one batch of one-token requests sharing their
 parents' KV blocks through the prefix cache, exactly as `LLM.beam_search`.  The `n` beams come back ranked
-(best first) by cum_logprob / len**length_penalty."""
+(best first) by cum_logprob / len**length_penalty.  With stream, the response starts at once and the beams go out
+as chunks when the search ends (as vLLM streams a beam search: its beams are known only at the end)."""
 from __future__ import annotations
 
 from pagedserve.engine.beam_search import BeamSearch
@@ -16,7 +17,7 @@ from pagedserve.sampling_params import BeamSearchParams
 BEAM_SEARCH_FIELDS = frozenset({
     "model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "ignore_eos", "length_penalty",
     "use_beam_search", "temperature", "cache_salt", "priority", "user", "add_generation_prompt",
-    "continue_final_message", "chat_template_kwargs"})
+    "continue_final_message", "chat_template_kwargs", "stream", "stream_options"})
 
 
 def check_beam_search_request(req: _SamplingFields) -> None:
@@ -30,9 +31,10 @@ def check_beam_search_request(req: _SamplingFields) -> None:
                          code="unsupported_parameter")
 
 
-async def beam_search(serving: OpenAIServing, request_id: str, prompts: list[list[int]], req: _SamplingFields,
-                      max_tokens: int | None, prompt_param: str) -> list[BeamSearchOutput]:
-    """Beam search over `prompts`, `req.n` beams each; max_tokens None: up to max_model_len."""
+def plan_beam_search(serving: OpenAIServing, prompts: list[list[int]], req: _SamplingFields,
+                     max_tokens: int | None) -> BeamSearch:
+    """The search over `prompts`, `req.n` beams each (max_tokens None: up to max_model_len); a 400 for what it
+    cannot run, before anything is sent."""
     config = serving.engine_client.config.model
     try:
         serving.input_processor.check_beam_width(req.n)
@@ -46,7 +48,11 @@ async def beam_search(serving: OpenAIServing, request_id: str, prompts: list[lis
                          f"({config.max_model_len}).", param="max_tokens")
     params = BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
                               length_penalty=req.length_penalty)
-    search = BeamSearch(prompts, params, config.eos_token_ids, config.vocab_size)
+    return BeamSearch(prompts, params, config.eos_token_ids, config.vocab_size)
+
+
+async def run_beam_search(serving: OpenAIServing, request_id: str, search: BeamSearch, req: _SamplingFields,
+                          prompt_param: str) -> list[BeamSearchOutput]:
     step = 0
     while live := search.live_prompts():
         streams = await serving.submit(f"{request_id}-beam{step}", live, search.step_params, req, prompt_param)

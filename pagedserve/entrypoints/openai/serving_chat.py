@@ -19,7 +19,8 @@ from pagedserve.entrypoints.openai.protocol import (ChatCompletionLogProbs, Chat
 from pagedserve.entrypoints.openai.serving_engine import (SSE_DONE, ChoiceState, OpenAIServing, SSEResponse,
                                                           chat_logprobs, vllm_prompt_logprobs,
                                                           merge_streams, new_request_id, run_unless_disconnected)
-from pagedserve.entrypoints.openai.serving_beam_search import beam_search, check_beam_search_request
+from pagedserve.entrypoints.openai.serving_beam_search import (check_beam_search_request, plan_beam_search,
+                                                               run_beam_search)
 from pagedserve.entrypoints.openai.reasoning import REASONING_PARSERS, make_reasoning_parser
 from pagedserve.entrypoints.openai.tool_calls import (ToolPlan, extract_tool_calls, make_tool_call_parser, plan_tools,
                                                       template_tools)
@@ -96,17 +97,36 @@ class OpenAIServingChat(OpenAIServing):
                                              lambda: self.abort_streams(streams))
 
     async def _beam_search(self, req: ChatCompletionRequest, raw_request: Request | None, request_id: str,
-                           prompt: list[int], max_tokens: int | None) -> ChatCompletionResponse:
-        """use_beam_search: the n beams as n choices, best first."""
-        result = (await run_unless_disconnected(raw_request, beam_search(self, request_id, [prompt], req, max_tokens,
-                                                                         "messages"), lambda: None))[0]
+                           prompt: list[int], max_tokens: int | None):
+        """use_beam_search: the n beams as n choices, best first (streamed: one chunk each when the search ends)."""
+        search = plan_beam_search(self, [prompt], req, max_tokens)
+        created = int(time.time())
+
+        def usage(sequences) -> UsageInfo:
+            completion_tokens = sum(len(seq.logprobs) for seq in sequences)
+            return UsageInfo(prompt_tokens=len(prompt), completion_tokens=completion_tokens,
+                             total_tokens=len(prompt) + completion_tokens)
+
+        async def chunks() -> AsyncIterator[ChatCompletionStreamResponse]:
+            sequences = (await run_beam_search(self, request_id, search, req, "messages"))[0].sequences
+            for rank, seq in enumerate(sequences):
+                yield ChatCompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
+                                                   choices=[ChatCompletionStreamChoice(
+                                                       index=rank, delta=DeltaMessage(role="assistant", content=seq.text),
+                                                       finish_reason=seq.finish_reason)])
+            if req.stream_options and req.stream_options.include_usage:
+                yield ChatCompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
+                                                   choices=[], usage=usage(sequences))
+
+        if req.stream:
+            return chunks(), lambda: None  # the search aborts its step requests itself
+        sequences = (await run_unless_disconnected(raw_request, run_beam_search(self, request_id, search, req,
+                                                                                "messages"), lambda: None))[0].sequences
         choices = [ChatCompletionResponseChoice(index=rank, message=ChatResponseMessage(content=seq.text),
                                                 finish_reason=seq.finish_reason)
-                   for rank, seq in enumerate(result.sequences)]
-        completion_tokens = sum(len(seq.logprobs) for seq in result.sequences)
-        usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=completion_tokens,
-                          total_tokens=len(prompt) + completion_tokens)
-        return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage)
+                   for rank, seq in enumerate(sequences)]
+        return ChatCompletionResponse(id=request_id, created=created, model=self.served_model_name, choices=choices,
+                                      usage=usage(sequences))
 
     def _tool_calls(self, plan: ToolPlan, st: ChoiceState, text: str) -> tuple[str | None, list, str | None]:
         """-> (content, tool calls, finish reason) of a finished choice whose content text is `text`."""
