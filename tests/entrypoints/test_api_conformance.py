@@ -85,7 +85,7 @@ def business_rule_broken(path: str, body: Any, error: dict[str, Any], vocab: int
     max_tokens = body.get("max_tokens", None if path == CH else 16)
     if path == CH and body.get("max_completion_tokens") is not None:
         max_tokens = body["max_completion_tokens"]
-    if code == "context_length_exceeded" and field in ("prompt", "messages", "max_tokens"):
+    if code == "context_length_exceeded" and field in ("prompt", "messages", "max_tokens", "input", "max_output_tokens"):
         return "prompt (+ max_tokens) longer than max_model_len"  # needs the tokenizer: the server decides
     if field in ("prompt", "messages") and path != CH and _ids_out_of_vocab(body.get("prompt"), vocab):
         return "prompt token id outside the vocabulary"
