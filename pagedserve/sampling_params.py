@@ -32,6 +32,9 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False  # JSON: compact separators only, no free whitespace (vLLM's name)
     # The request field the constraint came from (errors name it): structured_outputs, response_format, ...
     source: str = "structured_outputs"
+    # The grammar applies only after the output contains these tokens (with --reasoning-parser: the end of the
+    # thinking, as vLLM applies structured output after the reasoning ends); None: from the first token.
+    start_after_token_ids: tuple[int, ...] | None = None
 
     def param(self, kind: str | None = None) -> str:
         return f"{self.source}.{kind}" if self.source == "structured_outputs" and kind else self.source

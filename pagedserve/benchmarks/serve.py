@@ -289,9 +289,11 @@ def scrape_spec_decode_counters(base_url: str) -> dict[str, float] | None:
     except Exception:
         return None
     counters: dict[str, float] = {}
+    # pagedserve exports each counter under both prefixes (the same series): read one, pagedserve's if there
+    prefix = "pagedserve:" if any(f.name.startswith("pagedserve:") for f in families) else "vllm:"
     for family in families:
         name = family.name.split(":", 1)[-1]
-        if name not in SPEC_COUNTERS:
+        if name not in SPEC_COUNTERS or not family.name.startswith(prefix):
             continue
         for sample in family.samples:
             if sample.name.endswith("_total"):

@@ -266,7 +266,8 @@ class LLMEngine:
         self.output_processor.add_request(processed, sequences)
         for seq in sequences:
             if processed.grammar is not None:
-                self.structured_output.add(seq.request_id, processed.grammar)
+                self.structured_output.add(seq.request_id, processed.grammar,
+                                           params.structured_outputs.start_after_token_ids)
             self.scheduler.add_request(seq)
             if self.events.active:
                 self.events.on_arrival(seq)
@@ -317,7 +318,7 @@ class LLMEngine:
         sched_out: SchedulerOutput | None = None
         try:
             self.events.begin_step()
-            depth = 1 if self.structured_output.matchers else self.max_batches_in_flight
+            depth = 1 if self.structured_output.active else self.max_batches_in_flight
             if len(self._in_flight) < depth:
                 sched_out = self.scheduler.schedule(depth)
                 if not sched_out.is_empty:
@@ -341,7 +342,7 @@ class LLMEngine:
             return self._fail_step(sched_out, exc)
 
     def _token_masks(self) -> StructuredOutputManager | None:
-        return self.structured_output if self.structured_output.matchers else None
+        return self.structured_output if self.structured_output.active else None
 
     def _before_forward(self, sched_out: SchedulerOutput) -> None:
         self._save_kv(sched_out.kv_saves)  # evicted blocks, before this forward overwrites them
@@ -362,14 +363,14 @@ class LLMEngine:
         to_stop, failed = self.output_processor.process_tokens(progressed, runner_out.logprobs, now)
         if runner_out.pooled:  # pooled requests are done: finished like a stop, their KV blocks freed at once
             to_stop += self.output_processor.process_pooled(runner_out.pooled, now)
-        if grammars.matchers:  # a completed grammar ends its sequence ("stop"), like EOS (no drafts: one token)
+        if grammars.active:  # a completed grammar ends its sequence ("stop"), like EOS (no drafts: one token)
             to_stop += grammars.accept([(r.request_id, r.all_token_ids[-1]) for r, _ in progressed if not r.is_finished])
         if to_stop:
             self.scheduler.finish_requests(to_stop, RequestStatus.FINISHED_STOPPED)
         outputs = self._fail_requests(failed, now) if failed else []
         outputs += self.output_processor.make_outputs(now)
         output_time = time.perf_counter() - t_out
-        if grammars.matchers:
+        if grammars.active:
             grammars.retain(self.scheduler.requests)
         self.last_iteration = IterationStats(
             num_scheduled_tokens=sched_out.num_scheduled_tokens,

@@ -56,6 +56,8 @@ class StructuredOutputManager:
         self.overlap_masks = overlap_masks  # False: sample first, fill only rejected rows' masks (module docstring)
         self._ll_tokenizer = None  # built on first use (~0.1-1 s)
         self.matchers: dict[str, Any] = {}  # sequence id -> llguidance.LLMatcher
+        # sequences whose grammar starts after a marker (the end of reasoning): id -> (grammar, marker, last tokens)
+        self.pending: dict[str, tuple[CompiledGrammar, tuple[int, ...], list[int]]] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._ll_executor = None  # llguidance's batch executor: one GIL-free call for all rows
         # statistics: seconds spent filling masks; rows filled; rows checked first, and how many of those rejected
@@ -70,14 +72,34 @@ class StructuredOutputManager:
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
         return self._ll_tokenizer
 
+    @property
+    def active(self) -> bool:
+        """Whether any live sequence has a grammar (running, or waiting for its marker)."""
+        return bool(self.matchers or self.pending)
+
     # ------------------------------------------------------------------------------ per sequence
-    def add(self, sequence_id: str, grammar: CompiledGrammar) -> None:
-        self.matchers[sequence_id] = grammar.new_matcher()  # a copy of the request's template: no compile here
+    def add(self, sequence_id: str, grammar: CompiledGrammar, start_after: tuple[int, ...] | None = None) -> None:
+        """start_after: the grammar takes over from the token after this sequence in the output; until then the
+        sequence samples freely (no mask, nothing consumed)."""
+        if start_after:
+            self.pending[sequence_id] = (grammar, tuple(start_after), [])
+        else:
+            self.matchers[sequence_id] = grammar.new_matcher()  # a copy of the request's template: no compile here
 
     def retain(self, live_sequence_ids) -> None:
         """Drop the state of every sequence that is no longer live (finished, aborted or failed)."""
-        for sid in [sid for sid in self.matchers if sid not in live_sequence_ids]:
-            del self.matchers[sid]
+        for state in (self.matchers, self.pending):
+            for sid in [sid for sid in state if sid not in live_sequence_ids]:
+                del state[sid]
+
+    def _watch(self, sequence_id: str, token: int) -> None:
+        """A pending sequence's token: once its output ends with the marker, its grammar starts."""
+        grammar, marker, last = self.pending[sequence_id]
+        last.append(token)
+        del last[:-len(marker)]
+        if tuple(last) == marker:
+            del self.pending[sequence_id]
+            self.matchers[sequence_id] = grammar.new_matcher()
 
     @property
     def ll_executor(self):
@@ -96,6 +118,8 @@ class StructuredOutputManager:
         for sid, token in sampled:
             matcher = self.matchers.get(sid)
             if matcher is None:
+                if sid in self.pending:
+                    self._watch(sid, token)
                 continue
             ok = matcher.consume_token(token)
             if not ok:

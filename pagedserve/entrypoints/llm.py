@@ -10,11 +10,12 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedserve.config import EngineArgs
+from pagedserve.engine.beam_search import BeamSearch
 from pagedserve.engine.input_processor import render_chat
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.score_utils import pair_scores, score_pairs, score_prompts
 from pagedserve.lora.request import LoRARequest
-from pagedserve.outputs import (BeamSearchOutput, BeamSearchSequence, ClassificationRequestOutput,
+from pagedserve.outputs import (BeamSearchOutput, ClassificationRequestOutput,
                                 EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput, RequestOutput,
                                 ScoringRequestOutput)
 from pagedserve.pooling_params import PoolingParams
@@ -140,50 +141,16 @@ class LLM:
         return self.generate(prompt_token_ids=token_ids, sampling_params=sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(self, prompts: Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """Deterministic beam search, as in vLLM: every step, each live beam is one request for one token with
-        the top 2*beam_width logprobs; the best beam_width continuations survive. A beam's request repeats its
-        parent's tokens, so the prefix cache hands it the parent's full KV blocks (ref count +1, no copy);
-        only the partly filled last block is recomputed."""
+        """Deterministic beam search, as in vLLM (engine/beam_search.py): each step's live beams run as one
+        batch of one-token requests that share their parents' KV blocks through the prefix cache."""
         engine = self.llm_engine
-        width = params.beam_width
-        engine.input_processor.check_beam_width(width)
-        step_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=min(2 * width, engine.model_config.vocab_size),
-                                     ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
-        eos = engine.model_config.eos_token_ids
-        beams = [[BeamSearchSequence(engine.tokenize(p) if not isinstance(p, dict) else list(p["prompt_token_ids"]), [])]
-                 for p in ([prompts] if isinstance(prompts, str) else prompts)]
-        done: list[list[BeamSearchSequence]] = [[] for _ in beams]
-        for _ in range(params.max_tokens):
-            live = [(i, b) for i, group in enumerate(beams) for b in group]
-            if not live:
-                break
-            outs = self.generate(prompt_token_ids=[b.tokens for _, b in live], sampling_params=step_params,
-                                 use_tqdm=False)
-            candidates: list[list[BeamSearchSequence]] = [[] for _ in beams]
-            for (i, beam), out in zip(live, outs):
-                for token, lp in out.outputs[0].logprobs[0].items():
-                    candidates[i].append(BeamSearchSequence(beam.tokens + [token], beam.logprobs + [lp.logprob],
-                                                            beam.cum_logprob + lp.logprob))
-            for i, group in enumerate(candidates):
-                group.sort(key=lambda b: b.cum_logprob, reverse=True)
-                beams[i] = []
-                for cand in group[:2 * width]:
-                    if not params.ignore_eos and cand.tokens[-1] in eos:
-                        cand.finish_reason = "stop"
-                        done[i].append(cand)
-                    elif len(beams[i]) < width:
-                        beams[i].append(cand)
-        results = []
-        tokenizer = self.get_tokenizer()
-        for prompt_beams, finished in zip(beams, done):
-            for b in prompt_beams:
-                b.finish_reason = "length"
-            pool = finished + prompt_beams
-            pool.sort(key=lambda b: b.cum_logprob / max(len(b.logprobs), 1) ** params.length_penalty, reverse=True)
-            for b in pool[:width]:
-                b.text = tokenizer.decode(b.tokens[len(b.tokens) - len(b.logprobs):], skip_special_tokens=True)
-            results.append(BeamSearchOutput(pool[:width]))
-        return results
+        engine.input_processor.check_beam_width(params.beam_width)
+        search = BeamSearch([engine.tokenize(p) if not isinstance(p, dict) else list(p["prompt_token_ids"])
+                             for p in ([prompts] if isinstance(prompts, str) else prompts)],
+                            params, engine.model_config.eos_token_ids, engine.model_config.vocab_size)
+        while live := search.live_prompts():
+            search.advance(self.generate(prompt_token_ids=live, sampling_params=search.step_params, use_tqdm=False))
+        return search.results(self.get_tokenizer())
 
     @staticmethod
     def _normalize_prompts(prompts, prompt_token_ids) -> list[tuple[str | list[int], str | None]]:

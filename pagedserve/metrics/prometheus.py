@@ -43,11 +43,17 @@ registered in prometheus_client's global REGISTRY.  Counters are exposed with th
 | pagedserve:spec_decode_num_accepted_tokens_per_pos_total{position} | counter | accepted drafts at each draft position (0 = first) |
 | pagedserve:server_profile_seconds_total{part} | counter | where the server's time went (metrics/server_profile.py; registered by the app) |
 | pagedserve:server_profile_events_total{kind} | counter | engine steps, output deliveries, SSE chunks (same) |
+
+Every metric vLLM also has is exported a second time under vLLM's own name (`VLLM_NAMES`: `vllm:` + the same
+name, plus vLLM's older names `vllm:gpu_cache_usage_perc` and `vllm:time_per_output_token_seconds`), so that vLLM's
+Grafana dashboards and alerts work unchanged: the copies are the same series read at scrape time
+(`VllmNames`), not a second set of counters.
 """
 from __future__ import annotations
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
                                generate_latest)
+from prometheus_client.metrics_core import Metric
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
 
 from pagedserve.metrics.loggers import StatLoggerBase, StepStats
@@ -65,6 +71,41 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0]
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+# pagedserve name (after the prefix) -> vLLM's names for the same measurement.  pagedserve's own additions
+# (engine_step_failures, num_requests_rejected_queue_full, kv_connector_*) have no vLLM name.
+_SAME = ("num_requests_running", "num_requests_waiting", "prefix_cache_queries", "prefix_cache_hits",
+         "num_preemptions", "prompt_tokens", "generation_tokens", "request_success", "time_to_first_token_seconds",
+         "request_time_per_output_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+         "request_inference_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+         "iteration_tokens_total", "request_prompt_tokens", "request_generation_tokens", "request_params_n",
+         "request_params_max_tokens", "cache_config_info", "external_prefix_cache_queries",
+         "external_prefix_cache_hits", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+         "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos")
+VLLM_NAMES: dict[str, tuple[str, ...]] = {
+    **{name: ("vllm:" + name,) for name in _SAME},
+    # vLLM V1 exports the KV usage and the inter-token latency under a current and an older (deprecated) name
+    "kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "inter_token_latency_seconds": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+}
+
+
+class VllmNames:
+    """A collector yielding the given metrics' families again under their vLLM names (VLLM_NAMES): the same
+    samples at the same scrape, so the two names can never disagree and nothing is counted twice."""
+
+    def __init__(self, metrics: list) -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        for metric in self.metrics:
+            for family in metric.collect():
+                for alias in VLLM_NAMES.get(family.name.removeprefix(PREFIX), ()):
+                    copy = Metric(alias, family.documentation, family.type, family.unit)
+                    copy.samples = [sample._replace(name=alias + sample.name[len(family.name):])
+                                    for sample in family.samples]
+                    yield copy
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -93,15 +134,19 @@ class PrometheusStatLogger(StatLoggerBase):
         labels = ["model_name", "engine"]
         self._lv = {"model_name": model_name, "engine": str(engine_index)}
         p = PREFIX
+        made: list = []  # every metric, for their vLLM-named copies
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(p + name, doc, labels, registry=registry, multiprocess_mode="mostrecent")
+            made.append(Gauge(p + name, doc, labels, registry=registry, multiprocess_mode="mostrecent"))
+            return made[-1]
 
         def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
-            return Counter(p + name, doc, labels + (extra or []), registry=registry)
+            made.append(Counter(p + name, doc, labels + (extra or []), registry=registry))
+            return made[-1]
 
         def hist(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(p + name, doc, labels, buckets=buckets, registry=registry)
+            made.append(Histogram(p + name, doc, labels, buckets=buckets, registry=registry))
+            return made[-1]
 
         self.g_running = gauge("num_requests_running", "Number of requests in model execution batches.").labels(**self._lv)
         self.g_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.").labels(**self._lv)
@@ -153,6 +198,7 @@ class PrometheusStatLogger(StatLoggerBase):
             info = Gauge(p + "cache_config_info", "Information of the LLMEngine CacheConfig",
                          [str(k) for k in cache_config], registry=registry, multiprocess_mode="mostrecent")
             info.labels(**{str(k): str(v) for k, v in cache_config.items()}).set(1)
+            made.append(info)
 
         self.c_external_queries = counter("external_prefix_cache_queries",
                                           "External prefix cache queries from KV connector cross-instance cache "
@@ -175,6 +221,7 @@ class PrometheusStatLogger(StatLoggerBase):
         self._c_spec_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                        "Accepted tokens per draft position.", ["position"])
         self._last_spec = SpecDecodingStats()
+        registry.register(VllmNames(made))
 
         # The scheduler reports cumulative counters; Prometheus counters take increments.
         self._last_queries = 0

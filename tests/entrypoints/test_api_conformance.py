@@ -85,7 +85,7 @@ def business_rule_broken(path: str, body: Any, error: dict[str, Any], vocab: int
     max_tokens = body.get("max_tokens", None if path == CH else 16)
     if path == CH and body.get("max_completion_tokens") is not None:
         max_tokens = body["max_completion_tokens"]
-    if code == "context_length_exceeded" and field in ("prompt", "messages", "max_tokens"):
+    if code == "context_length_exceeded" and field in ("prompt", "messages", "max_tokens", "input", "max_output_tokens"):
         return "prompt (+ max_tokens) longer than max_model_len"  # needs the tokenizer: the server decides
     if field in ("prompt", "messages") and path != CH and _ids_out_of_vocab(body.get("prompt"), vocab):
         return "prompt token id outside the vocabulary"
@@ -97,6 +97,8 @@ def business_rule_broken(path: str, body: Any, error: dict[str, Any], vocab: int
         return "min_tokens > max_tokens"
     if field == "min_tokens" and max_tokens is None and body.get("min_tokens", 0) > 0:
         return "min_tokens > the default max_tokens (what the context leaves after the prompt)"
+    if body.get("use_beam_search") is True and (code == "unsupported_parameter" or field in ("n", "max_tokens")):
+        return "a field use_beam_search does not honour, n above half of --max-logprobs, or no room for max_tokens"
     best_of, n = body.get("best_of"), body.get("n", 1)
     if field == "best_of" and best_of is not None and (best_of < n or (best_of > n and body.get("stream"))):
         return "best_of < n, or best_of > n with stream"
@@ -160,13 +162,17 @@ def business_rule_broken(path: str, body: Any, error: dict[str, Any], vocab: int
                 return "the JSON schema is not an object"
     if field in ("tools", "tool_choice"):
         tools = body.get("tools") or []
-        choice = body.get("tool_choice", "auto" if tools else "none")
-        names = {t["function"]["name"] for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)}
+        choice = body.get("tool_choice")
+        if choice is None:  # absent or null: the default
+            choice = "auto" if tools else "none"
+        # chat's tools are {"function": {"name"}}, /v1/responses' {"name"} (and so are their named tool_choice)
+        names = {t["function"]["name"] if isinstance(t.get("function"), dict) else t.get("name")
+                 for t in tools if isinstance(t, dict)}
         if choice == "auto" and tools:
             return '"auto" tool choice without --enable-auto-tool-choice'
         if choice not in (None, "none") and not tools:
             return "tool_choice without tools"
-        if isinstance(choice, dict) and (choice.get("function") or {}).get("name") not in names:
+        if isinstance(choice, dict) and ((choice.get("function") or {}).get("name") or choice.get("name")) not in names:
             return "tool_choice names a function that is not among the tools"
         if code == "invalid_grammar":
             return "a function's parameters schema is invalid"
@@ -299,6 +305,7 @@ def test_openapi_constraints(openapi):
 EXPECTED_ERRORS = {
     (C, "post"): {400, 401, 404, 413, 429, 500, 503},
     (CH, "post"): {400, 401, 404, 413, 429, 500, 503},
+    ("/v1/responses", "post"): {400, 401, 404, 413, 429, 500, 503},
     ("/tokenize", "post"): {400, 401, 404, 413, 500},
     ("/detokenize", "post"): {400, 401, 404, 413, 500},
     ("/v1/models", "get"): {401, 500},
@@ -323,7 +330,7 @@ def test_openapi_documents_errors_and_content_types(openapi):
                 assert schema == {"$ref": "#/components/schemas/ErrorResponse"}, (path, status)
             ok = responses["200"]["content"]
             assert list(ok) == (["text/plain"] if path == "/metrics" else
-                                ["application/json", "text/event-stream"] if path in (C, CH) else
+                                ["application/json", "text/event-stream"] if path in (C, CH, "/v1/responses") else
                                 ["application/json"]), (path, list(ok))
     assert seen == set(EXPECTED_ERRORS)
     error = _resolve(openapi, {"$ref": "#/components/schemas/ErrorInfo"})

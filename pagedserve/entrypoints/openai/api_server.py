@@ -3,8 +3,9 @@
     app = build_app(async_llm, args)     # tests / embedding
     run_server(args)                     # load the model, bind, serve until SIGINT/SIGTERM
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (generative models); POST /v1/embeddings, /pooling,
-/score, /v1/score, /rerank, /v1/rerank, /v2/rerank (pooling models: serving_pooling.py); GET /v1/models, GET /v1/models/{id},
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (generative models); POST
+/v1/embeddings, /pooling, /score, /v1/score, /rerank, /v1/rerank, /v2/rerank (pooling models: serving_pooling.py);
+GET /v1/models, GET /v1/models/{id},
 GET /health, GET /version, POST /tokenize, POST /detokenize, GET /metrics, GET /v1/events (engine step events,
 SSE), GET /dashboard.  See docs/SERVING.md.
 """
@@ -43,6 +44,8 @@ from pagedserve.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from pagedserve.entrypoints.openai.pooling_protocol import (EmbeddingRequest, EmbeddingResponse, PoolingRequest,
                                                             PoolingResponse, RerankRequest, RerankResponse,
                                                             ScoreRequest, ScoreResponse)
+from pagedserve.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagedserve.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from pagedserve.entrypoints.openai.serving_engine import ClientDisconnected, OpenAIServing
@@ -101,6 +104,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                    help="split the thinking off chat answers into reasoning_content (vLLM's parsers): qwen3 "
                         "(<think>...</think>), deepseek_r1 (answer starts in reasoning), gpt_oss (harmony channels)")
+    p.add_argument("--structured-outputs-config", type=structured_outputs_config, default={},
+                   help='vLLM\'s, as JSON; one key here: {"enable_in_reasoning": true} applies output constraints to '
+                        "the thinking too (default: only after the reasoning ends, with --reasoning-parser)")
     p.add_argument("--max-consecutive-step-failures", type=int, default=5,
                    help="/health answers 503 after this many failed engine steps in a row (until one succeeds)")
     p.add_argument("--step-timeout-s", type=float, default=DEFAULT_STEP_TIMEOUT_S,
@@ -112,6 +118,20 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(p)  # --served-model-name, --max-num-seqs, --num-kv-blocks, ... (vLLM names)
     p.set_defaults(func=run_server)
     return p
+
+
+def structured_outputs_config(text: str) -> dict[str, bool]:
+    """--structured-outputs-config: vLLM's JSON, of which this server has one key (anything else is an error)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict) or set(value) - {"enable_in_reasoning"} or \
+            not all(isinstance(v, bool) for v in value.values()):
+        raise argparse.ArgumentTypeError('expected {"enable_in_reasoning": true|false}')
+    return value
 
 
 # ------------------------------------------------------------------------------------------ API key
@@ -218,9 +238,11 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
     completion = OpenAIServingCompletion(engine_client, served, log_requests)
     chat = OpenAIServingChat(engine_client, served, log_requests,
                              tool_call_parser=arg("tool_call_parser", None) if arg("enable_auto_tool_choice", False)
-                             else None, reasoning_parser=arg("reasoning_parser", None))
+                             else None, reasoning_parser=arg("reasoning_parser", None),
+                             constrain_reasoning=arg("structured_outputs_config", {}).get("enable_in_reasoning", False))
     base = OpenAIServing(engine_client, served, log_requests)
     pooling = OpenAIServingPooling(engine_client, served, log_requests)
+    responses = OpenAIServingResponses(chat)
     names = arg("served_model_name", None)
     chat_template = load_chat_template(arg("chat_template", None))
     defaults = load_generation_defaults(arg("generation_config", None), None if config.model.is_default_model
@@ -303,6 +325,9 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
     add_pooling_route(("/pooling",), PoolingRequest, PoolingResponse, pooling.create_pooling)
     add_pooling_route(("/score", "/v1/score"), ScoreRequest, ScoreResponse, pooling.create_score)
     add_pooling_route(("/rerank", "/v1/rerank", "/v2/rerank"), RerankRequest, RerankResponse, pooling.create_rerank)
+    @app.post("/v1/responses", response_model=dict[str, Any], responses=api_docs.ROUTE_RESPONSES["responses"])
+    async def create_response(req: ResponsesRequest, raw_request: Request):
+        return await guarded(responses.create_response(req, raw_request))
 
     def model_card() -> ModelCard:
         card = ModelCard(id=served, created=created, root=model_root, max_model_len=max_model_len)

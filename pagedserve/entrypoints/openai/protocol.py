@@ -130,6 +130,9 @@ class _SamplingFields(_Request):
     bad_words: Optional[list[str]] = None
     prompt_logprobs: Optional[Int(ge=0, le=MAX_LOGPROBS)] = None  # vLLM's: returned as `prompt_logprobs`
     truncate_prompt_tokens: Optional[Int(ge=-1, description="-1 or >= 1: keep the prompt's last k tokens")] = None
+    # vLLM's server beam search: n beams, ranked by cum_logprob / len**length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # ---- structured output: OpenAI's response_format, vLLM's structured_outputs and older guided_* names
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputsRequest] = None
@@ -365,6 +368,14 @@ class ChatCompletionStreamResponse(_Response):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: Optional[UsageInfo] = None
+    prompt_logprobs: Optional[list[Optional[dict[str, dict[str, Any]]]]] = None  # with prompt_logprobs, once
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler):  # the key only in the chunk that carries them, as the completions stream
+        out = handler(self)
+        if out.get("prompt_logprobs") is None:
+            out.pop("prompt_logprobs", None)
+        return out
 
 
 # ------------------------------------------------------------------------------------------ utilities
@@ -472,6 +483,8 @@ BUSINESS_RULES: dict[str, str] = {
     "logit_bias / allowed_token_ids": "400 if a token id is outside the vocabulary or a bias outside [-100, 100]",
     "best_of": "400 if below n, or above n with stream",
     "truncate_prompt_tokens": "400 if 0 or above max_model_len - 1",
+    "use_beam_search": "400 with a field beam search does not honour (logprobs, echo, temperature > 0, ...), or n "
+                       "above half of --max-logprobs",
     "priority": "400 if non-zero without --scheduling-policy priority",
     "stream_options": "400 without stream=true",
     "max_completion_tokens": "400 if both it and max_tokens are given and they differ",
@@ -530,6 +543,9 @@ ROUTE_RESPONSES: dict[str, dict[int | str, dict[str, Any]]] = {
              200: _sse("A chat completion (JSON), or with stream=true an event stream of chunks ending with "
                        "`data: [DONE]`.")},
     "pooling": error_responses(*_BODY, 404, 429, 503),  # embeddings, pooling, score, rerank: one JSON answer
+    "responses": {**error_responses(*_BODY, 404, 429, 503),
+                  200: _sse("A Response object (JSON), or with stream=true its typed events (`event:` + `data:`), "
+                            "ending with response.completed or response.incomplete.")},
     "tokenize": error_responses(*_BODY, 404),
     "detokenize": error_responses(*_BODY, 404),
     "models": error_responses(401, 500),

@@ -18,6 +18,8 @@ from pagedserve.entrypoints.openai.serving_engine import (SSE_DONE, ChoiceState,
                                                           completion_logprobs, merge_streams, new_request_id,
                                                           run_unless_disconnected, vllm_prompt_logprobs)
 from pagedserve.engine.request_stream import RequestStream
+from pagedserve.entrypoints.openai.serving_beam_search import (check_beam_search_request, plan_beam_search,
+                                                               run_beam_search)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -51,6 +53,11 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, req: CompletionRequest, raw_request: Request | None = None):
         lora_request = self.check_model(req.model)
+        if req.use_beam_search:
+            check_beam_search_request(req)
+            if lora_request is not None:  # the search's steps run on the base model
+                raise BadRequest("use_beam_search is not supported with a LoRA adapter.", param="model")
+            return await self._beam_search(req, raw_request)
         best_of = req.best_of or req.n
         if best_of < req.n:
             raise BadRequest(f"best_of ({best_of}) must be >= n ({req.n}).", param="best_of")
@@ -82,6 +89,45 @@ class OpenAIServingCompletion(OpenAIServing):
         return await run_unless_disconnected(
             raw_request, self._full(req, request_id, created, model, texts, prompts, streams),
             lambda: self.abort_streams(streams))
+
+    async def _beam_search(self, req: CompletionRequest, raw_request: Request | None):
+        """use_beam_search: the n beams of each prompt, best first, indexed prompt_idx * n + rank."""
+        _, prompts = await self.prepare(req)
+        search = plan_beam_search(self, prompts, req, req.max_tokens)
+        request_id = new_request_id("cmpl")
+        created = int(time.time())
+        prompt_tokens = sum(len(p) for p in prompts)
+
+        def choices_and_usage(results) -> tuple[list[CompletionResponseChoice], UsageInfo]:
+            choices = [CompletionResponseChoice(index=p * req.n + rank, text=seq.text, finish_reason=seq.finish_reason)
+                       for p, result in enumerate(results) for rank, seq in enumerate(result.sequences)]
+            completion_tokens = sum(len(seq.logprobs) for result in results for seq in result.sequences)
+            return choices, UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                       total_tokens=prompt_tokens + completion_tokens)
+
+        async def stream() -> AsyncIterator[str]:
+            try:
+                choices, usage = choices_and_usage(await run_beam_search(self, request_id, search, req, "prompt"))
+                for c in choices:
+                    chunk = CompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
+                                                     choices=[CompletionStreamChoice(
+                                                         index=c.index, text=c.text, finish_reason=c.finish_reason)])
+                    yield f"data: {chunk.model_dump_json()}\n\n"
+                if req.stream_options and req.stream_options.include_usage:
+                    final = CompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
+                                                     choices=[], usage=usage)
+                    yield f"data: {final.model_dump_json()}\n\n"
+                yield SSE_DONE
+            except Exception as exc:
+                yield sse_error(exception_to_openai(exc))
+                yield SSE_DONE
+
+        if req.stream:
+            return SSEResponse(stream(), on_close=lambda: None)  # the search aborts its step requests itself
+        choices, usage = choices_and_usage(await run_unless_disconnected(
+            raw_request, run_beam_search(self, request_id, search, req, "prompt"), lambda: None))
+        return JSONResponse(CompletionResponse(id=request_id, created=created, model=self.served_model_name,
+                                               choices=choices, usage=usage).model_dump())
 
     # -------------------------------------------------------------------------------- non-streaming
     async def _full(self, req: CompletionRequest, request_id: str, created: int, model: str, texts: list[str],

@@ -52,6 +52,7 @@ def _held_back(text: str, marker: str) -> int:
 class ReasoningParser:
     def __init__(self, spec: ReasoningSpec, thinking: bool = True) -> None:
         self.spec = spec
+        self.thinking = thinking
         self.state = (REASONING if spec.start is None else BEFORE) if thinking else CONTENT
         self.buffer = ""
         self.at_start = spec.strip_leading_start and thinking
