@@ -123,7 +123,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield SSE_DONE
 
         if req.stream:
-            return SSEResponse(stream(), on_close=lambda: None)  # the search aborts its step requests itself
+            return SSEResponse(stream(), on_close=lambda: None,  # the search aborts its step requests itself
+                               profile=self.engine_client.profile)
         choices, usage = choices_and_usage(await run_unless_disconnected(
             raw_request, run_beam_search(self, request_id, search, req, "prompt"), lambda: None))
         return JSONResponse(CompletionResponse(id=request_id, created=created, model=self.served_model_name,

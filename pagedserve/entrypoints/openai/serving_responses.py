@@ -138,7 +138,8 @@ class OpenAIServingResponses:
             return JSONResponse(self.body(req, response_id, created, output, choice.finish_reason,
                                           usage_body(result.usage)))
         chunks, close = result
-        return SSEResponse(self._events(req, response_id, created, chunks), on_close=close)
+        return SSEResponse(self._events(req, response_id, created, chunks), on_close=close,
+                           profile=self.chat.engine_client.profile)
 
     def body(self, req: ResponsesRequest, response_id: str, created: int, output: list[dict[str, Any]],
              finish_reason: str | None, usage: dict[str, Any] | None) -> dict[str, Any]:
