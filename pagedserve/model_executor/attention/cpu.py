@@ -11,7 +11,8 @@ views keep the common [num_blocks, block_size, num_kv_heads, head_dim] indexing 
   * prefill chunks: with AVX-512 (head_dim % 16 == 0), one native call per chunk reads the chunk's whole context,
     its own new K/V included, from the cache through its block table (causal with an offset; bfloat16 on AMX
     tiles where the CPU has them); elsewhere the reference SDPA per chunk.
-A sliding-window layer runs the reference SDPA paths (with the window's masks) over the natively written cache.
+A sliding-window or soft-capped layer (Gemma) runs the reference paths (the window's masks, the cap) over the
+natively written cache.
 Any activation dtype the kernels do not read (float16), or a build without the kernels, runs the reference paths.
 """
 from __future__ import annotations
@@ -59,13 +60,14 @@ class CpuAttentionBackend(TorchSDPABackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
         kernels = self._native(q)
         if kernels is None:
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
         kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if sliding_window is not None:  # the native kernels attend to the whole context: the reference's masks
-            return self.attend(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+        # the native kernels attend to the whole context without a soft cap: the reference's masks and cap
+        if sliding_window is not None or logits_soft_cap is not None:
+            return self.attend(q, k, v, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         d = meta.num_decodes
         if d:

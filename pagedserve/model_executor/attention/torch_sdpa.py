@@ -8,6 +8,8 @@
 
 A sliding-window layer (`sliding_window`: each query attends to the last `sliding_window` positions, its own
 included, as Hugging Face's sliding masks do) adds the window's lower bound to the decode and prefill masks.
+A soft-capped layer (Gemma 2's `attn_logit_softcapping`: scores -> cap * tanh(scores / cap)) cannot go through
+SDPA, which has no hook between the scores and the softmax: it runs the same masks through explicit matmuls.
 
 The tests compare the other backends with this one, and the engine's greedy outputs on it with Hugging Face's.
 The CPU backend (cpu.py) runs these same paths wherever its kernels do not apply.
@@ -64,27 +66,27 @@ class TorchSDPABackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
         self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
 
     @classmethod
     def attend(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               sliding_window: int | None = None) -> torch.Tensor:
+               sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
         """Attention over a cache the step's K/V are already written to (any backend's layout, any backend's
         metadata: another backend's is viewed as this one's)."""
         meta = TorchSDPAMetadata.from_common(meta)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
-            cls.decode(q, k_cache, v_cache, meta, scale, out, sliding_window)
+            cls.decode(q, k_cache, v_cache, meta, scale, out, sliding_window, logits_soft_cap)
         for span in meta.prefills:
-            cls.prefill(q, k, v, k_cache, v_cache, span, scale, out, sliding_window)
+            cls.prefill(q, k, v, k_cache, v_cache, span, scale, out, sliding_window, logits_soft_cap)
         return out
 
     @staticmethod
     def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TorchSDPAMetadata, scale: float,
-               out: torch.Tensor, sliding_window: int | None = None) -> None:
+               out: torch.Tensor, sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
         """The decode rows (the first meta.num_decodes of q) into out."""
         d = meta.num_decodes
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -92,13 +94,13 @@ class TorchSDPABackend(AttentionBackend):
         keys = k_cache[bt].reshape(d, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
         values = v_cache[bt].reshape(d, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
         mask = meta.decode_mask if sliding_window is None else meta.sliding_decode_mask(sliding_window)
-        o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys, values, attn_mask=mask,
-                                           scale=scale, enable_gqa=True)
+        o = _sdpa(q[:d].unsqueeze(2), keys, values, mask, scale, logits_soft_cap)
         out[:d] = o.squeeze(2)
 
     @staticmethod
     def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                span: PrefillSpan, scale: float, out: torch.Tensor, sliding_window: int | None = None) -> None:
+                span: PrefillSpan, scale: float, out: torch.Tensor, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> None:
         """One prefill chunk's rows into out."""
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         sl = slice(span.start, span.start + span.num_tokens)
@@ -114,7 +116,23 @@ class TorchSDPABackend(AttentionBackend):
         else:
             keys = k_cache[span.block_ids].reshape(-1, num_kv_heads, head_dim)[:span.context_len].to(q.dtype)
             values = v_cache[span.block_ids].reshape(-1, num_kv_heads, head_dim)[:span.context_len].to(q.dtype)
-        o = F.scaled_dot_product_attention(qs, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
-                                           attn_mask=mask, is_causal=mask is None,
-                                           scale=scale, enable_gqa=True)
+        o = _sdpa(qs, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), mask, scale,
+                  logits_soft_cap)
         out[sl] = o.squeeze(0).transpose(0, 1)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+          logits_soft_cap: float | None) -> torch.Tensor:
+    """q [B, H, Lq, D], k/v [B, KVH, Lk, D]; mask: bool, True = attend (None: causal, Lq == Lk). PyTorch's SDPA, or
+    with a soft cap the same attention as explicit matmuls (Hugging Face's eager order: scale, cap, mask, float32
+    softmax)."""
+    if logits_soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / logits_soft_cap) * logits_soft_cap
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v

@@ -272,10 +272,11 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
-        if sliding_window is not None:  # the kernels attend to the whole context: the reference's window masks
+                sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+        # the kernels attend to the whole context without a soft cap: the reference's window masks and cap
+        if sliding_window is not None or logits_soft_cap is not None:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            return TorchSDPABackend.attend(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+            return TorchSDPABackend.attend(q, k, v, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
         return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
 
     def fused_ops(self, x: torch.Tensor) -> ModuleType | None:

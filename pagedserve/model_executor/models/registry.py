@@ -16,6 +16,9 @@ _MODELS: dict[str, tuple[str, str]] = {  # architecture -> (module in models/, c
     "MixtralForCausalLM": ("moe", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("moe", "Qwen3MoeForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 
