@@ -146,12 +146,13 @@ def test_write_kv_by_slot_mapping(kv_dtype):
     assert int((flat_k != 0).any(-1).any(-1).sum()) == 3  # nothing else written
 
 
-@pytest.mark.parametrize("window", [None, 8])
-def test_mixed_step_through_paged_attention(window):
+@pytest.mark.parametrize("window, soft_cap", [(None, None), (8, None), (None, 3.0)])
+def test_mixed_step_through_paged_attention(window, soft_cap):
     """The backend's entry point on a step as the runner builds it: two decode rows, then a first prefill chunk
     and a later one, against the reference after the step's K/V are written, and against the PyTorch SDPA
     reference backend on a copy of the cache (same layout: both token-major). With a sliding window (8: the later
-    chunk crosses its edge) against the reference backend's windowed masks (tested in test_attention.py)."""
+    chunk crosses its edge) or a logits soft cap (Gemma 2's) against the reference backend's windowed masks and cap
+    (tested in test_attention.py)."""
     block_size, kvh, hd, heads = 8, 2, 16, 4
     k_cache, v_cache = random_cache(30, block_size, kvh, hd, torch.float32, seed=9)
     # (earlier context, new tokens): two decodes, a first chunk, a chunk after 12 tokens
@@ -173,12 +174,12 @@ def test_mixed_step_through_paged_attention(window):
     backend, reference = get_attention_backend("triton", DEVICE), get_attention_backend("torch", DEVICE)
     assert isinstance(backend, ta.TritonAttentionBackend)
     ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
-    out = backend.forward(q, k, v, k_cache, v_cache, backend.build_metadata(meta), 0.25, window)
+    out = backend.forward(q, k, v, k_cache, v_cache, backend.build_metadata(meta), 0.25, window, soft_cap)
     torch.testing.assert_close(out, reference.forward(q, k, v, ref_k_cache, ref_v_cache,
-                                                      reference.build_metadata(meta), 0.25, window),
+                                                      reference.build_metadata(meta), 0.25, window, soft_cap),
                                atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(k_cache, ref_k_cache, atol=0, rtol=0)
-    if window is not None:
+    if window is not None or soft_cap is not None:
         return
     start = 0
     for (first, n), table in zip(spans, tables):
