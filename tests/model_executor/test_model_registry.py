@@ -15,7 +15,8 @@ from pagedserve.model_executor.quantization.unquantized import UnquantizedConfig
 def test_supported_architectures_come_from_the_registry():
     assert SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                        "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                                       "Qwen3MoeForCausalLM")
+                                       "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                                       "Phi3ForCausalLM")
     for arch in SUPPORTED_ARCHITECTURES:
         assert get_model_class(arch).__name__ == arch
 
