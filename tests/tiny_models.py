@@ -23,10 +23,8 @@ Architectures (``ARCHS``):
     gemma3        Gemma3ForCausalLM (text): head_dim 32, layers sliding/sliding/full (window 32), RoPE bases 10k
                   (sliding) and 1M with linear x2 scaling (full), q/k norms
     phi3          Phi3ForCausalLM: fused qkv/gate_up checkpoint, LongRoPE with original_max_position_embeddings 1
-                  (attention_factor 1.2 given: the derived one divides by log 1): every token past position 0
-                  takes the long factors (position 0 rotates by nothing either way), as in HF whatever the
-                  chunking (HF's Phi-3 generate recomputes the whole cache when a sequence crosses the threshold;
-                  the engine does not: tests/model_executor/test_rope.py checks both factor sets against HF's)
+                  (attention_factor 1.2 given: the derived one divides by log 1): every sequence is past it, so HF
+                  rotates with the long factors, as the engine does whenever max_model_len exceeds it
 
 Weights are NOT the transformers default init (std 0.02 gives near-uniform logits and greedy
 decoding that repeats one token): linear layers use std = gain/sqrt(fan_in), q/k projections are

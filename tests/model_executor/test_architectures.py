@@ -15,6 +15,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from hf_reference import assert_greedy_match, hf_greedy, mixed_prompts
 from test_correctness import GREEDY, LOGPROB_ATOL, MAX_TOKENS, check_engine_drained, run
 
@@ -89,6 +90,22 @@ def test_phi4_partial_rotary_matches_transformers(tiny_model_dir, tiny_tokenizer
     check_engine_drained(llm)
 
 
+def test_longrope_short_factors_when_max_model_len_fits_the_original_context(tiny_model_dir, tiny_tokenizer):
+    """original_max_position_embeddings 512 (attention factor derived from max_position_embeddings / 512): served
+    with --max-model-len 512 no sequence passes it, the short factors rotate every token, as in transformers; served
+    at the full 1024 the long factors do (vLLM's choice: one rotation for every key a sequence caches)."""
+    model_dir = tiny_model_dir("phi3", original_max_position_embeddings=512,
+                               rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(8)],
+                                             "long_factor": [1.5 + 0.5 * i for i in range(8)]})
+    prompts = mixed_prompts(tiny_tokenizer, n=6)
+    llm, ours = run(model_dir, prompts, num_kv_blocks=512, max_num_batched_tokens=32, max_model_len=512)
+    assert_greedy_match(ours, hf_greedy(model_dir, prompts, MAX_TOKENS), logprob_atol=LOGPROB_ATOL)
+    check_engine_drained(llm)
+    short = llm.llm_engine.runner.model.rotary.cos
+    full = LLM(str(model_dir), num_threads=1, dtype="float32", num_kv_blocks=16).llm_engine.runner.model.rotary.cos
+    assert not torch.allclose(short[100], full[100])
+
+
 def test_yarn_rope_matches_transformers(tiny_model_dir, tiny_tokenizer):
     model_dir = tiny_model_dir("qwen2", rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                       "original_max_position_embeddings": 64})
@@ -102,9 +119,9 @@ def test_dynamic_ntk_rope_past_max_position_embeddings_matches_transformers(tiny
     """max_position_embeddings 64, factor 4: max_model_len up to 256. transformers rescales the base for each
     forward's length past 64 and keeps the largest it has seen (per model object), so the prompts go in increasing
     length, each longer than the previous one's end, and one at a time (one sequence length per forward)."""
-    model_dir = tiny_model_dir("llama", max_position_embeddings=64, rope_scaling={"rope_type": "dynamic", "factor": 4.0})
-    prompts = [p for p in mixed_prompts(tiny_tokenizer, n=3, lengths=(70, 200), seed=5)]
-    prompts.sort(key=len)
+    model_dir = tiny_model_dir("llama", max_position_embeddings=64,
+                               rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    prompts = sorted(mixed_prompts(tiny_tokenizer, n=3, lengths=(70, 200), seed=5), key=len)
     assert all(len(a) + MAX_TOKENS < len(b) for a, b in zip(prompts, prompts[1:]))
     hf = hf_greedy(model_dir, prompts, MAX_TOKENS)
     llm = LLM(str(model_dir), num_threads=1, dtype="float32", num_kv_blocks=512, max_model_len=256)

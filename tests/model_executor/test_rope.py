@@ -1,6 +1,6 @@
 """RoPE scalings against transformers' own rotary modules: the cos/sin each token gets (default, linear, llama3, yarn,
-dynamic NTK past max_position_embeddings, LongRoPE's short and long factors by sequence length), and partial rotary
-applied to q/k as Phi-3's apply_rotary_pos_emb does."""
+dynamic NTK past max_position_embeddings, LongRoPE's short and long factors), and partial rotary applied to q/k as
+Phi-3's apply_rotary_pos_emb does."""
 from __future__ import annotations
 
 import pytest
@@ -51,7 +51,10 @@ def hf_rotary(name: str, partial: float):
 def test_cos_sin_match_transformers(name, length):
     partial = 0.5 if name == "longrope" else 1.0
     dim = int(HEAD_DIM * partial)
-    ours = RotaryEmbedding(HEAD_DIM, 256, 10000.0, SCALINGS[name], rotary_dim=dim, max_position_embeddings=MPE)
+    # LongRoPE's factors follow the served length: a max_model_len within 16 keeps every sequence short
+    max_model_len = 16 if name == "longrope" and length <= 16 else 256
+    ours = RotaryEmbedding(HEAD_DIM, 256, 10000.0, SCALINGS[name], rotary_dim=dim, max_position_embeddings=MPE,
+                           max_model_len=max_model_len)
     positions = torch.arange(length)
     cos, sin = ours.cos_sin(positions, prefill_meta(length))
     hf_cos, hf_sin = hf_rotary(name, partial)(torch.zeros(1, dtype=torch.float32), positions[None])
@@ -60,19 +63,19 @@ def test_cos_sin_match_transformers(name, length):
     torch.testing.assert_close(sin[:, 0], hf_sin[0, :, :dim // 2], atol=2e-6, rtol=1e-5)
 
 
-def test_length_dependent_types_follow_each_rows_context():
-    """A decode row of a long sequence and a short prompt's chunk in one step: each token takes its own request's
-    side of the threshold (LongRoPE's 16)."""
-    rotary = RotaryEmbedding(HEAD_DIM, 256, 10000.0, SCALINGS["longrope"], rotary_dim=HEAD_DIM // 2,
-                             max_position_embeddings=MPE)
+def test_dynamic_ntk_follows_each_rows_sequence():
+    """A decode row of a sequence past max_position_embeddings (64) and a short prompt's chunk in one step: the
+    row's base is rescaled for its length, the chunk keeps the plain frequencies."""
+    rotary = RotaryEmbedding(HEAD_DIM, 256, 10000.0, SCALINGS["dynamic"], max_position_embeddings=MPE)
     span = PrefillSpan(1, 8, 8, torch.zeros(1, dtype=torch.long), None)
     meta = AttentionMetadata(torch.zeros(9, dtype=torch.long), 1, torch.zeros(1, 2, dtype=torch.long),
-                             torch.tensor([30]), 16, [span])
-    positions = torch.cat((torch.tensor([29]), torch.arange(8)))
+                             torch.tensor([100]), 16, [span])
+    positions = torch.cat((torch.tensor([99]), torch.arange(8)))
     cos, _ = rotary.cos_sin(positions, meta)
-    torch.testing.assert_close(cos[0], rotary.long_cos[29][None])
     torch.testing.assert_close(cos[1:], rotary.cos[:8].unsqueeze(1))
-    assert not torch.equal(rotary.long_cos[29], rotary.cos[29])
+    alone, _ = rotary.cos_sin(torch.arange(100), prefill_meta(100))
+    torch.testing.assert_close(cos[0], alone[99])  # as the sequence's own 100-token forward rotates it
+    assert not torch.allclose(cos[0], rotary.cos[99][None])
 
 
 def test_partial_rotary_matches_phi3():

@@ -2,13 +2,18 @@
 yarn, dynamic (NTK) and longrope scalings, each computed as transformers' rope init functions compute it
 (modeling_rope_utils.py), and partial rotary (only the first `rotary_dim` channels of a head rotate).
 
-Two scalings depend on the length of the sequence a forward sees, as transformers applies them per forward call
-(the largest position + 1): longrope uses its long factors once that length is past the pretraining length
-(original_max_position_embeddings), its short ones before; dynamic NTK keeps the plain frequencies up to
-max_position_embeddings and rescales its base past it. Here each token's length is its own request's context in
-the step (a decode row's context, a prefill chunk's end), which is transformers' for a request decoded alone
-with its prompt in one chunk; a chunked prompt that crosses the threshold, or a prefix-cache hit computed under
-the other side of it, rotates its earlier keys as that earlier chunk's length said (vLLM's caveat too).
+Two scalings depend on the length of the sequence a forward sees in transformers (the largest position + 1):
+
+  * longrope takes its long factors once a sequence is past the pretraining length (original_max_position_embeddings),
+    and transformers' Phi-3 generate then recomputes the whole cache with them. A paged cache cannot rotate its
+    keys again, so, as vLLM does, the choice is made once for the served length: the long factors when
+    max_model_len exceeds original_max_position_embeddings, the short ones otherwise. Greedy equals transformers'
+    for every sequence with max_model_len <= original_max_position_embeddings, and past it for sequences longer
+    than the threshold (a short one gets the long factors where transformers uses the short ones);
+  * dynamic NTK keeps the plain frequencies up to max_position_embeddings and rescales its base past it, for each
+    forward's length, without recomputing the cache. Here each token's length is its own request's context in the
+    step (a decode row's context, a prefill chunk's end): transformers' for a request decoded alone with its prompt
+    in one chunk; a chunked prompt past the threshold rotates each chunk with its own end's base.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ def _default_inv_freq(dim: int, theta: float) -> torch.Tensor:
 def rope_inv_freq(dim: int, theta: float, scaling: dict | None,
                   max_position_embeddings: int = 0) -> tuple[torch.Tensor, float]:
     """(inverse frequencies of the `dim` rotated channels, the factor cos and sin are multiplied by); for
-    longrope the short factors' (see LongRopeFrequencies for the long ones)."""
+    longrope the short factors' (`_longrope` with long=True gives the long ones)."""
     kind = rope_type(scaling)
     inv_freq = _default_inv_freq(dim, theta)
     if kind in ("default", "dynamic"):  # dynamic: the plain frequencies up to max_position_embeddings
@@ -109,7 +114,7 @@ def _cos_sin_cache(inv_freq: torch.Tensor, attention_factor: float, max_position
 
 def seq_lens_per_token(meta: AttentionMetadata, num_tokens: int, device: torch.device) -> torch.Tensor:
     """[T] long: each token's request context at the end of this step's part of it (a decode row's context, a
-    prefill chunk's context_len): the sequence length transformers' dynamic RoPE types see in that forward."""
+    prefill chunk's context_len): the sequence length transformers' dynamic NTK sees in that forward."""
     lens = torch.zeros(num_tokens, dtype=torch.long, device=device)
     if meta.num_decodes:
         lens[:meta.num_decodes] = meta.decode_context_lens
@@ -120,48 +125,42 @@ def seq_lens_per_token(meta: AttentionMetadata, num_tokens: int, device: torch.d
 
 class RotaryEmbedding(nn.Module):
     """Neox-style rotation (rotate halves) of the first `rotary_dim` channels (all by default); cos/sin precomputed
-    per position (for longrope: with the short and the long factors)."""
+    per position."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None,
-                 rotary_dim: int | None = None, max_position_embeddings: int | None = None) -> None:
+                 rotary_dim: int | None = None, max_position_embeddings: int | None = None,
+                 max_model_len: int | None = None) -> None:
         """max_position: the positions to precompute; max_position_embeddings: the config's (yarn's, longrope's
-        and dynamic's reference length; max_position by default)."""
+        and dynamic's reference length); max_model_len: the served length (longrope's choice of factors). Both
+        max_position by default."""
         super().__init__()
         dim = rotary_dim or head_dim
         self.kind = rope_type(scaling)
         self.max_position_embeddings = max_position_embeddings or max_position
-        inv_freq, attention_factor = rope_inv_freq(dim, theta, scaling, self.max_position_embeddings)
+        if self.kind == "longrope" and (max_model_len or max_position) > scaling["original_max_position_embeddings"]:
+            inv_freq, attention_factor = _longrope(dim, theta, scaling, self.max_position_embeddings, long=True)
+        else:
+            inv_freq, attention_factor = rope_inv_freq(dim, theta, scaling, self.max_position_embeddings)
         cos, sin = _cos_sin_cache(inv_freq, attention_factor, max_position)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
-        self.threshold = None  # a dynamic type's length past which a token's frequencies change
-        if self.kind == "longrope":
-            self.threshold = scaling["original_max_position_embeddings"]
-            long_cos, long_sin = _cos_sin_cache(
-                *_longrope(dim, theta, scaling, self.max_position_embeddings, long=True), max_position)
-            self.register_buffer("long_cos", long_cos, persistent=False)
-            self.register_buffer("long_sin", long_sin, persistent=False)
-        elif self.kind == "dynamic":
-            self.threshold = self.max_position_embeddings
+        if self.kind == "dynamic":
             self.dim, self.theta, self.factor = dim, theta, scaling["factor"]
 
     def cos_sin(self, positions: torch.Tensor,
                 meta: AttentionMetadata | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, rotary_dim/2] each; looked up once per step and shared by every layer. `meta` (the step's
-        attention metadata) is read by the length-dependent types only."""
-        if self.threshold is None or meta is None:
+        attention metadata) is read by dynamic NTK only."""
+        if self.kind != "dynamic" or meta is None:
             return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        long = (seq_lens_per_token(meta, positions.shape[0], positions.device) > self.threshold)[:, None]
-        if self.kind == "longrope":
-            cos = torch.where(long, self.long_cos[positions], self.cos[positions])
-            sin = torch.where(long, self.long_sin[positions], self.sin[positions])
-            return cos.unsqueeze(1), sin.unsqueeze(1)
-        return self._dynamic_cos_sin(positions, long, meta)
+        return self._dynamic_cos_sin(positions, meta)
 
-    def _dynamic_cos_sin(self, positions: torch.Tensor, long: torch.Tensor, meta: AttentionMetadata):
-        """Dynamic NTK past max_position_embeddings: each token's base rescaled for its sequence length, in float32
-        as transformers computes it (its `seq_len` is a tensor there)."""
+    def _dynamic_cos_sin(self, positions: torch.Tensor, meta: AttentionMetadata):
+        """Dynamic NTK: the plain frequencies for a token of a sequence up to max_position_embeddings long, past it
+        the base rescaled for the token's sequence length, in float32 as transformers computes it (its `seq_len` is
+        a tensor there)."""
         seq = seq_lens_per_token(meta, positions.shape[0], positions.device)
+        long = (seq > self.max_position_embeddings)[:, None]
         mpe, dim = self.max_position_embeddings, self.dim
         base = self.theta * ((self.factor * seq.clamp(min=mpe) / mpe) - (self.factor - 1)) ** (dim / (dim - 2))
         inv_freq = 1.0 / (base[:, None] ** (torch.arange(0, dim, 2, dtype=torch.int64,

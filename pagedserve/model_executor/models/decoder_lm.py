@@ -72,9 +72,8 @@ class DecoderForCausalLM(nn.Module):
 
     def make_rotary(self, cfg: ModelConfig) -> nn.Module:
         """The rotary embedding whose `cos_sin(positions, meta)` every layer reads (a family with partial rotary
-        or per-layer bases overrides it). Positions past max_position_embeddings only where a scaling extends it."""
-        return RotaryEmbedding(cfg.head_dim, max(cfg.max_model_len, cfg.max_position_embeddings), cfg.rope_theta,
-                               cfg.rope_scaling, max_position_embeddings=cfg.max_position_embeddings)
+        or per-layer bases overrides it)."""
+        return build_rotary(cfg, cfg.rope_theta, cfg.rope_scaling)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The first stage's input embeddings (a family that scales them overrides it)."""
@@ -218,6 +217,14 @@ class DecoderForCausalLM(nn.Module):
             return tensor[rank * rows:(rank + 1) * rows]
         return tensor
 
+
+def build_rotary(cfg: ModelConfig, theta: float, scaling: dict | None,
+                 rotary_dim: int | None = None) -> RotaryEmbedding:
+    """A rotary embedding over the model's served positions (past max_position_embeddings where a scaling extends
+    the context), the config's reference lengths given."""
+    return RotaryEmbedding(cfg.head_dim, max(cfg.max_model_len, cfg.max_position_embeddings), theta, scaling,
+                           rotary_dim=rotary_dim, max_position_embeddings=cfg.max_position_embeddings,
+                           max_model_len=cfg.max_model_len)
 
 def _iter_safetensors(model_dir: Path):
     index = model_dir / "model.safetensors.index.json"

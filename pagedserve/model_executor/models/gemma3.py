@@ -12,6 +12,7 @@ from pagedserve.model_executor.attention.metadata import AttentionMetadata
 from pagedserve.model_executor.layers.decoder import DecoderOptions
 from pagedserve.model_executor.layers.rotary import RotaryEmbedding
 from pagedserve.model_executor.model_config import ModelConfig
+from pagedserve.model_executor.models.decoder_lm import build_rotary
 from pagedserve.model_executor.models.gemma2 import Gemma2ForCausalLM
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -45,7 +46,5 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         for kind in _LAYER_TYPES:
             p = params[kind]
             scaling = p if p.get("rope_type", p.get("type", "default")) != "default" else None
-            rotaries[kind] = RotaryEmbedding(cfg.head_dim, max(cfg.max_model_len, cfg.max_position_embeddings),
-                                             p["rope_theta"], scaling,
-                                             max_position_embeddings=cfg.max_position_embeddings)
+            rotaries[kind] = build_rotary(cfg, p["rope_theta"], scaling)
         return PerLayerTypeRotary(rotaries)

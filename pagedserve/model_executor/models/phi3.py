@@ -1,7 +1,8 @@
 """Phi-3 / Phi-4 (Phi3ForCausalLM): Llama's layer; the checkpoint fuses q/k/v into qkv_proj and gate/up into
 gate_up_proj, split here into the shared loader's names (so tensor-parallel slicing is the shared rule's); partial
 rotary (partial_rotary_factor, Phi-4-mini's 0.75: the first channels of each head rotate) and LongRoPE
-(layers/rotary.py: short factors up to original_max_position_embeddings, long ones past it).
+(layers/rotary.py: the long factors when max_model_len exceeds original_max_position_embeddings, as vLLM chooses;
+a shorter --max-model-len serves the short ones).
 
 With partial rotary the native whole-stack decode (full-head rotation) does not run; the Python layers do."""
 from __future__ import annotations
@@ -12,9 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pagedserve.model_executor.layers.rotary import RotaryEmbedding
 from pagedserve.model_executor.model_config import ModelConfig
-from pagedserve.model_executor.models.decoder_lm import DecoderForCausalLM
+from pagedserve.model_executor.models.decoder_lm import DecoderForCausalLM, build_rotary
 
 
 class Phi3ForCausalLM(DecoderForCausalLM):
@@ -32,8 +32,7 @@ class Phi3ForCausalLM(DecoderForCausalLM):
         scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
         if scaling is not None and self.original_max_position_embeddings is not None:  # hub configs: top level
             scaling.setdefault("original_max_position_embeddings", self.original_max_position_embeddings)
-        return RotaryEmbedding(cfg.head_dim, max(cfg.max_model_len, cfg.max_position_embeddings), cfg.rope_theta,
-                               scaling, rotary_dim=self.rotary_dim, max_position_embeddings=cfg.max_position_embeddings)
+        return build_rotary(cfg, cfg.rope_theta, scaling, self.rotary_dim)
 
     def checkpoint_tensors(self, model_dir: Path):
         cfg, d = self.cfg, self.cfg.head_dim
