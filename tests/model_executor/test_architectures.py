@@ -17,7 +17,14 @@ import shutil
 import pytest
 import torch
 from hf_reference import assert_greedy_match, hf_greedy, mixed_prompts
-from test_correctness import GREEDY, LOGPROB_ATOL, MAX_TOKENS, check_engine_drained, run
+from test_correctness import (
+    GREEDY,
+    LOGPROB_ATOL,
+    MAX_TOKENS,
+    check_engine_drained,
+    check_prefix_cache_hits_match_transformers,
+    run,
+)
 
 from pagedserve import LLM
 
@@ -25,17 +32,8 @@ from pagedserve import LLM
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3"])
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_chunked_prefill_and_prefix_cache_hits_match_transformers(arch, backend, tiny_model_dir, tiny_tokenizer):
-    model_dir = tiny_model_dir(arch)
-    shared = mixed_prompts(tiny_tokenizer, n=1, lengths=(100, 100), seed=3)[0]
-    prompts = [shared + tail for tail in ([5, 6, 7], [9] * 40, [11, 12])]
-    llm = LLM(str(model_dir), num_threads=1, dtype="float32", num_kv_blocks=512, enable_prefix_caching=True,
-              max_num_batched_tokens=32, attention_backend=backend)
-    hf = hf_greedy(model_dir, prompts, MAX_TOKENS)
-    for _ in range(2):  # the second pass hits the first's blocks
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
-        assert_greedy_match([o.outputs[0] for o in outs], hf, logprob_atol=LOGPROB_ATOL)
-    assert llm.llm_engine.get_stats().scheduler.prefix_cache_hits > 0
-    check_engine_drained(llm)
+    check_prefix_cache_hits_match_transformers(tiny_model_dir(arch), tiny_tokenizer, max_num_batched_tokens=32,
+                                                attention_backend=backend)
 
 
 def test_gemma_layers_are_what_the_config_says(tiny_model_dir):
