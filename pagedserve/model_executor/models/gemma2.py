@@ -43,7 +43,7 @@ class GemmaDecoderLayer(nn.Module):
         self.layer_type = cfg.layer_types[int(prefix.split(".")[1])] if cfg.layer_types else "full_attention"
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, attn_backend)
         self.self_attn = Attention(cfg, parallel, attn_backend, quant_config, options, f"{prefix}.self_attn")
-        self.self_attn.scale = hf["query_pre_attn_scalar"] ** -0.5
+        self.self_attn.scale = hf.get("query_pre_attn_scalar", 256) ** -0.5  # transformers' default
         self.self_attn.logits_soft_cap = hf.get("attn_logit_softcapping")
         if options.qk_norm:  # Gemma 3: the per-head norms are (1 + w) too
             self.self_attn.q_norm = GemmaRMSNorm(cfg.head_dim, eps, attn_backend)
