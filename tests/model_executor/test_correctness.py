@@ -113,7 +113,8 @@ CONFIGS = ["prefix-caching-off", "budget-32-chunked", "pool-fits-longest-only", 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral-sw"])  # mistral-sw: chunks across the window's edge
+# mistral-sw: chunks across the window's edge; gemma2: soft caps, pre/post norms; phi3: fused checkpoint, LongRoPE
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral-sw", "gemma2", "phi3"])
 @pytest.mark.parametrize("config", CONFIGS)
 def test_greedy_same_in_every_config(arch, config, tiny_model_dir, tiny_tokenizer, monkeypatch):
     model_dir = tiny_model_dir(arch)
