@@ -7,7 +7,9 @@
     later chunk gathers its context through its block table (causal with an offset).
 
 A sliding-window layer (`sliding_window`: each query attends to the last `sliding_window` positions, its own
-included, as Hugging Face's sliding masks do) adds the window's lower bound to the decode and prefill masks.
+included, as Hugging Face's sliding masks do) gathers only the blocks its window reaches (a decode row's last
+ceil(window / block_size) + 1, a chunk's from its first query's window on) and adds the window's lower bound to the
+masks: a long context's windowed layer reads about a window of K/V, not the whole context.
 A soft-capped layer (Gemma 2's `attn_logit_softcapping`: scores -> cap * tanh(scores / cap)) cannot go through
 SDPA, which has no hook between the scores and the softmax: it runs the same masks through explicit matmuls.
 
@@ -36,12 +38,21 @@ class TorchSDPAMetadata(AttentionMetadata):
         positions = torch.arange(width, device=self.decode_context_lens.device)
         return (positions[None, :] < self.decode_context_lens[:, None])[:, None, None, :]
 
-    def sliding_decode_mask(self, window: int) -> torch.Tensor:
-        """decode_mask limited to each row's last `window` positions (its own included)."""
-        width = self.decode_block_tables.shape[1] * self.block_size
-        positions = torch.arange(width, device=self.decode_context_lens.device)[None, :]
-        lens = self.decode_context_lens[:, None]
-        return ((positions < lens) & (positions >= lens - window))[:, None, None, :]
+    def sliding_decode_view(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block tables [num_decodes, n], mask [num_decodes, 1, 1, n * block_size]) of the n blocks that hold each
+        row's last `window` positions (its own included): the same n blocks per row (from the one the window starts
+        in, moved back where the table ends sooner), so one gather serves every row, on the device (no sync).
+        Built on the first windowed layer's decode, read by the others."""
+        views = self.__dict__.setdefault("_sliding_decode_views", {})
+        if window not in views:
+            bs, tables, lens = self.block_size, self.decode_block_tables, self.decode_context_lens
+            n = min(tables.shape[1], -(-window // bs) + 1)
+            first = ((lens - window).clamp(min=0) // bs).clamp(max=tables.shape[1] - n)
+            idx = first[:, None] + torch.arange(n, device=lens.device)[None, :]
+            positions = (first * bs)[:, None] + torch.arange(n * bs, device=lens.device)[None, :]
+            mask = (positions < lens[:, None]) & (positions >= lens[:, None] - window)
+            views[window] = tables.gather(1, idx), mask[:, None, None, :]
+        return views[window]
 
     @classmethod
     def from_common(cls, common: AttentionMetadata) -> TorchSDPAMetadata:
@@ -90,10 +101,12 @@ class TorchSDPABackend(AttentionBackend):
         """The decode rows (the first meta.num_decodes of q) into out."""
         d = meta.num_decodes
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        bt = meta.decode_block_tables
+        if sliding_window is None:
+            bt, mask = meta.decode_block_tables, meta.decode_mask
+        else:
+            bt, mask = meta.sliding_decode_view(sliding_window)
         keys = k_cache[bt].reshape(d, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
         values = v_cache[bt].reshape(d, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-        mask = meta.decode_mask if sliding_window is None else meta.sliding_decode_mask(sliding_window)
         o = _sdpa(q[:d].unsqueeze(2), keys, values, mask, scale, logits_soft_cap)
         out[:d] = o.squeeze(2)
 
@@ -102,20 +115,25 @@ class TorchSDPABackend(AttentionBackend):
                 span: PrefillSpan, scale: float, out: torch.Tensor, sliding_window: int | None = None,
                 logits_soft_cap: float | None = None) -> None:
         """One prefill chunk's rows into out."""
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        block_size, num_kv_heads, head_dim = k_cache.shape[1:]
         sl = slice(span.start, span.start + span.num_tokens)
         qs = q[sl].transpose(0, 1).unsqueeze(0)
         mask = span.causal_mask
+        start = 0  # the first cached position read: a window's first block
         if sliding_window is not None and span.context_len > sliding_window:
-            mask = sliding_causal_mask(span.context_len - span.num_tokens, span.context_len, sliding_window,
-                                       q.device)
+            first = span.context_len - span.num_tokens
+            mask = sliding_causal_mask(first, span.context_len, sliding_window, q.device)
             if span.causal_mask is None:  # the chunk's own K/V are its whole context: same key range
                 mask = mask[:, -span.num_tokens:]
+            else:  # from the block where the chunk's first query's window starts
+                start = max(0, first - sliding_window + 1) // block_size * block_size
+                mask = mask[:, start:]
         if span.causal_mask is None:  # the chunk is the whole context so far
             keys, values = k[sl], v[sl]
         else:
-            keys = k_cache[span.block_ids].reshape(-1, num_kv_heads, head_dim)[:span.context_len].to(q.dtype)
-            values = v_cache[span.block_ids].reshape(-1, num_kv_heads, head_dim)[:span.context_len].to(q.dtype)
+            blocks, end = span.block_ids[start // block_size:], span.context_len - start
+            keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:end].to(q.dtype)
+            values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:end].to(q.dtype)
         o = _sdpa(qs, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), mask, scale,
                   logits_soft_cap)
         out[sl] = o.squeeze(0).transpose(0, 1)
