@@ -167,8 +167,8 @@ class RotaryEmbedding(nn.Module):
                                                          device=positions.device).float() / dim)[None, :])
         freqs = positions[:, None].float() * inv_freq
         short = positions.clamp(max=self.cos.shape[0] - 1)
-        cos = torch.where(long, freqs.cos(), self.cos[short])
-        sin = torch.where(long, freqs.sin(), self.sin[short])
+        cos = torch.where(long, freqs.cos().to(self.cos.dtype), self.cos[short])  # the model dtype, as the cache
+        sin = torch.where(long, freqs.sin().to(self.sin.dtype), self.sin[short])
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
 

@@ -226,6 +226,7 @@ def build_rotary(cfg: ModelConfig, theta: float, scaling: dict | None,
                            rotary_dim=rotary_dim, max_position_embeddings=cfg.max_position_embeddings,
                            max_model_len=cfg.max_model_len)
 
+
 def _iter_safetensors(model_dir: Path):
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
