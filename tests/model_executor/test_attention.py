@@ -223,10 +223,12 @@ def test_selector_resolves_names_and_refuses_bad_ones(monkeypatch):
 
 @pytest.mark.parametrize("num_seqs, num_kv_heads, threads", [(1, 2, 2), (2, 4, 4), (1, 2, 3), (5, 2, 2), (3, 4, 1)])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_decode_kernel_every_task_split(num_seqs, num_kv_heads, threads, kv_dtype):
+@pytest.mark.parametrize("window", [0, 23])
+def test_decode_kernel_every_task_split(num_seqs, num_kv_heads, threads, kv_dtype, window):
     """With at least as many sequences as threads the kernel runs one task per sequence; with fewer it splits each
     context into ranges and merges their partial softmaxes (cases chosen to hit both, a 1-token context leaves a
-    range empty). Every split gives plain attention over the sequence's blocks."""
+    range empty). Every split gives plain attention over the sequence's blocks; with a window (23: it starts inside
+    a block) over each sequence's last 23 positions."""
     kernels = cpu_kernels()
     if kernels is None:
         pytest.fail("the native CPU kernel did not build (needs a C++ compiler and ninja)")
@@ -241,13 +243,14 @@ def test_decode_kernel_every_task_split(num_seqs, num_kv_heads, threads, kv_dtyp
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, HD ** -0.5)
+        out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, HD ** -0.5, window=window)
         single = kernels.paged_decode_attention(q[:1], k_cache, v_cache, tables[:1], torch.tensor([1]), HD ** -0.5)
     finally:
         torch.set_num_threads(old)
     for i in range(num_seqs):
-        keys = k_cache[tables[i]].reshape(-1, num_kv_heads, HD)[:lens[i]].float()
-        values = v_cache[tables[i]].reshape(-1, num_kv_heads, HD)[:lens[i]].float()
+        first = max(0, int(lens[i]) - window) if window else 0
+        keys = k_cache[tables[i]].reshape(-1, num_kv_heads, HD)[first:lens[i]].float()
+        values = v_cache[tables[i]].reshape(-1, num_kv_heads, HD)[first:lens[i]].float()
         k = keys.repeat_interleave(heads // num_kv_heads, dim=1).transpose(0, 1)
         v = values.repeat_interleave(heads // num_kv_heads, dim=1).transpose(0, 1)
         expected = ((q[i].unsqueeze(1) @ k.transpose(1, 2)) * HD ** -0.5).softmax(-1) @ v
