@@ -18,6 +18,13 @@ Architectures (``ARCHS``):
     qwen2         Qwen2ForCausalLM, non-zero q/k/v biases
     qwen3         Qwen3ForCausalLM, non-trivial q_norm/k_norm, head_dim=32 != hidden/heads=16
     sharded       same as "llama" (other seed) saved in several shards + model.safetensors.index.json
+    gemma2        Gemma2ForCausalLM: window 32 on even layers, attention soft cap 10, final soft cap 30,
+                  query_pre_attn_scalar 24 (!= head_dim)
+    gemma3        Gemma3ForCausalLM (text): head_dim 32, layers sliding/sliding/full (window 32), RoPE bases 10k
+                  (sliding) and 1M with linear x2 scaling (full), q/k norms
+    phi3          Phi3ForCausalLM: fused qkv/gate_up checkpoint, LongRoPE with original_max_position_embeddings 1
+                  (attention_factor 1.2 given: the derived one divides by log 1): every sequence is past it, so HF
+                  rotates with the long factors, as the engine does whenever max_model_len exceeds it
 
 Weights are NOT the transformers default init (std 0.02 gives near-uniform logits and greedy
 decoding that repeats one token): linear layers use std = gain/sqrt(fan_in), q/k projections are
@@ -49,8 +56,9 @@ __all__ = [
 
 # "-hd128": head_dim 128 (SmolLM2's, Qwen3's, most 7B models'), wider than hidden_size / heads, end to end
 # (new architectures go at the end: each arch's seed is its index, and the others' weights must not change)
-ARCHS = ("llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "sharded", "llama-hd128", "qwen3-hd128",
-         "mistral-sw", "qwen2-sw")
+_FIRST_ARCHS = ("llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "sharded", "llama-hd128",
+                "qwen3-hd128", "mistral-sw", "qwen2-sw")
+ARCHS = _FIRST_ARCHS + ("gemma2", "gemma3", "phi3")
 
 # mixture-of-experts families (not in ARCHS: the engine-feature matrices over ARCHS are dense-only for now);
 # every 2nd Qwen3-MoE layer sparse with layer 0 dense (mlp_only_layers), so both MLP kinds run
@@ -214,7 +222,8 @@ _BASE = dict(
 
 OUT_GAIN_TIED = 5.0
 QK_NORM_RANGE = (1.5, 3.0)
-_ARCH_SEEDS = {a: i for i, a in enumerate(ARCHS + MOE_ARCHS)}
+# seeds in the order the archs were added (the MoE ones before the later dense ones): no arch's weights change
+_ARCH_SEEDS = {a: i for i, a in enumerate(_FIRST_ARCHS + MOE_ARCHS + ARCHS[len(_FIRST_ARCHS):])}
 
 
 def _arch_spec(arch: str) -> tuple[str, dict[str, Any]]:
@@ -254,6 +263,21 @@ def _arch_spec(arch: str) -> tuple[str, dict[str, Any]]:
         return "Qwen3ForCausalLM", dict(
             _BASE, head_dim=128, use_sliding_window=False, sliding_window=None, attention_bias=False
         )
+    if arch == "gemma2":
+        return "Gemma2ForCausalLM", dict(_BASE, head_dim=16, sliding_window=32, attn_logit_softcapping=10.0,
+                                         final_logit_softcapping=30.0, query_pre_attn_scalar=24)
+    if arch == "gemma3":
+        return "Gemma3ForCausalLM", dict(
+            _BASE, num_hidden_layers=3, head_dim=32, sliding_window=32, query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0}})
+    if arch == "phi3":
+        return "Phi3ForCausalLM", dict(
+            _BASE, original_max_position_embeddings=1, sliding_window=None,
+            rope_scaling={"type": "longrope", "attention_factor": 1.2,
+                          "short_factor": [1.0 + 0.05 * i for i in range(8)],
+                          "long_factor": [1.5 + 0.5 * i for i in range(8)]})
     if arch == "mixtral":
         return "MixtralForCausalLM", dict(_BASE, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
                                           sliding_window=None, num_hidden_layers=2)
@@ -270,6 +294,8 @@ def _arch_spec(arch: str) -> tuple[str, dict[str, Any]]:
 def _config_class(model_cls_name: str):
     import transformers
 
+    if model_cls_name == "Gemma3ForCausalLM":  # the text-only model's config (Gemma3Config is the multimodal one)
+        return transformers.Gemma3TextConfig
     return getattr(transformers, model_cls_name.replace("ForCausalLM", "Config"))
 
 

@@ -63,9 +63,11 @@ class ModelConfig:
         if layer_types is None and sliding and "max_window_layers" in cfg:  # Qwen2's layers from this one slide
             layer_types = ["sliding_attention" if i >= cfg["max_window_layers"] else "full_attention"
                            for i in range(cfg["num_hidden_layers"])]
-        if max_model_len is not None and max_model_len > max_pos:
+        limit = _scaled_context(max_pos, scaling)
+        if max_model_len is not None and max_model_len > limit:
+            scaled = f", {limit} with its rope scaling" if limit != max_pos else ""
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
-                             f"({max_pos}).")
+                             f"({max_pos}{scaled}).")
         return cls(
             model_dir=model_dir,
             architecture=arch,
@@ -111,6 +113,17 @@ class ModelConfig:
         attn = h * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         per_layer = attn + 3 * h * i + 2 * h
         return self.num_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+
+
+def _scaled_context(max_pos: int, scaling: dict | None) -> int:
+    """The positions a model serves: yarn's and dynamic NTK's scaling extend max_position_embeddings by their
+    factor (vLLM's rule); the default max_model_len stays max_position_embeddings."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind == "yarn" and scaling.get("factor"):
+        return max(max_pos, int(scaling.get("original_max_position_embeddings", max_pos) * scaling["factor"]))
+    if kind == "dynamic":
+        return int(max_pos * scaling["factor"])
+    return max_pos
 
 
 def _eos_ids(model_dir: Path, cfg: dict) -> frozenset[int]:

@@ -16,13 +16,16 @@ from pagedserve.model_executor.kernels import cpu_kernels
 BS, KVH, H, HD = 16, 2, 6, 32
 
 
-def reference(q, keys, values, first, window=None):
+def reference(q, keys, values, first, window=None, soft_cap=None):
     """Causal attention of queries at positions first.. over keys 0..; q [n, H, D], keys [ctx, KVH, D]; with a
-    window, each query sees only the last `window` positions (its own included)."""
+    window, each query sees only the last `window` positions (its own included); with a soft cap, scores become
+    cap * tanh(scores / cap)."""
     n, ctx = q.shape[0], keys.shape[0]
     k = keys.repeat_interleave(H // KVH, dim=1).transpose(0, 1)
     v = values.repeat_interleave(H // KVH, dim=1).transpose(0, 1)
     scores = q.transpose(0, 1) @ k.transpose(1, 2) * HD ** -0.5
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
     mask = torch.arange(ctx)[None, :] <= torch.arange(first, first + n)[:, None]
     if window is not None:
         mask &= torch.arange(ctx)[None, :] > torch.arange(first, first + n)[:, None] - window
@@ -115,6 +118,23 @@ def test_sliding_window_matches_reference(backend_name, window, monkeypatch):
         offset += new
 
 
+@pytest.mark.parametrize("backend_name", ["cpu", "cpu-fallback", "torch"])
+@pytest.mark.parametrize("window", [None, 20])
+def test_logits_soft_cap_matches_reference(backend_name, window, monkeypatch):
+    """Gemma 2's attention-logit soft cap (a cap of 2: most scores of these random q/k are past it) on decode rows
+    and prefill chunks, with and without a window: every backend, the native one by its reference path."""
+    backend = make_backend(backend_name, monkeypatch)
+    q, k, v, k_cache, v_cache, meta, seqs, full_kv = mixed_batch(backend, torch.float32, torch.float32)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, HD ** -0.5, window, 2.0)
+    offset = 0
+    for (cached, new), (keys, values) in zip(seqs, full_kv):
+        expected = reference(q[offset:offset + new], keys, values, cached, window, soft_cap=2.0)
+        torch.testing.assert_close(out[offset:offset + new], expected, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(expected, reference(q[offset:offset + new], keys, values, cached, window),
+                                  atol=1e-3) or new == cached + new == 1  # the cap changes the result
+        offset += new
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_backend_matches_torch_reference_backend(dtype, monkeypatch):
     """The native CPU backend (head-major joint layout) against the PyTorch SDPA reference backend (token-major):
@@ -150,9 +170,9 @@ def test_each_forward_builds_the_backend_metadata_once_and_every_layer_reads_it(
             self.built.append(super().build_metadata(common))
             return self.built[-1]
 
-        def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):
+        def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, logits_soft_cap=None):
             self.seen.append(meta)
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
 
     cfg = ModelConfig.from_dir(tiny_model_dir("llama"))
     backend = Recording(torch.device("cpu"))
@@ -203,10 +223,12 @@ def test_selector_resolves_names_and_refuses_bad_ones(monkeypatch):
 
 @pytest.mark.parametrize("num_seqs, num_kv_heads, threads", [(1, 2, 2), (2, 4, 4), (1, 2, 3), (5, 2, 2), (3, 4, 1)])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_decode_kernel_every_task_split(num_seqs, num_kv_heads, threads, kv_dtype):
+@pytest.mark.parametrize("window", [0, 23])
+def test_decode_kernel_every_task_split(num_seqs, num_kv_heads, threads, kv_dtype, window):
     """With at least as many sequences as threads the kernel runs one task per sequence; with fewer it splits each
     context into ranges and merges their partial softmaxes (cases chosen to hit both, a 1-token context leaves a
-    range empty). Every split gives plain attention over the sequence's blocks."""
+    range empty). Every split gives plain attention over the sequence's blocks; with a window (23: it starts inside
+    a block) over each sequence's last 23 positions."""
     kernels = cpu_kernels()
     if kernels is None:
         pytest.fail("the native CPU kernel did not build (needs a C++ compiler and ninja)")
@@ -221,13 +243,14 @@ def test_decode_kernel_every_task_split(num_seqs, num_kv_heads, threads, kv_dtyp
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, HD ** -0.5)
+        out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, HD ** -0.5, window=window)
         single = kernels.paged_decode_attention(q[:1], k_cache, v_cache, tables[:1], torch.tensor([1]), HD ** -0.5)
     finally:
         torch.set_num_threads(old)
     for i in range(num_seqs):
-        keys = k_cache[tables[i]].reshape(-1, num_kv_heads, HD)[:lens[i]].float()
-        values = v_cache[tables[i]].reshape(-1, num_kv_heads, HD)[:lens[i]].float()
+        first = max(0, int(lens[i]) - window) if window else 0
+        keys = k_cache[tables[i]].reshape(-1, num_kv_heads, HD)[first:lens[i]].float()
+        values = v_cache[tables[i]].reshape(-1, num_kv_heads, HD)[first:lens[i]].float()
         k = keys.repeat_interleave(heads // num_kv_heads, dim=1).transpose(0, 1)
         v = values.repeat_interleave(heads // num_kv_heads, dim=1).transpose(0, 1)
         expected = ((q[i].unsqueeze(1) @ k.transpose(1, 2)) * HD ** -0.5).softmax(-1) @ v

@@ -113,7 +113,8 @@ CONFIGS = ["prefix-caching-off", "budget-32-chunked", "pool-fits-longest-only", 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral-sw"])  # mistral-sw: chunks across the window's edge
+# mistral-sw: chunks across the window's edge; gemma2: soft caps, pre/post norms; phi3: fused checkpoint, LongRoPE
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral-sw", "gemma2", "phi3"])
 @pytest.mark.parametrize("config", CONFIGS)
 def test_greedy_same_in_every_config(arch, config, tiny_model_dir, tiny_tokenizer, monkeypatch):
     model_dir = tiny_model_dir(arch)
@@ -164,10 +165,16 @@ def test_sliding_window_prefix_cache_hits_match_transformers(tiny_model_dir, tin
     """A window-32 model served prompts that share a 100-token prefix, the second time from the prefix cache: the
     cached blocks hold every position's K/V (the sliding layer's keys inside the window of the suffix included), so
     the hit computes what a cold run does, HF-exact."""
-    model_dir = tiny_model_dir("mistral-sw")
-    shared = mixed_prompts(tiny_tokenizer, n=1, lengths=(100, 100), seed=3)[0]
+    check_prefix_cache_hits_match_transformers(tiny_model_dir("mistral-sw"), tiny_tokenizer)
+
+
+def check_prefix_cache_hits_match_transformers(model_dir, tokenizer, **engine_kwargs) -> None:
+    """Prompts sharing a 100-token prefix served twice (the second pass from the prefix cache), HF-exact both times;
+    the engine drained after."""
+    shared = mixed_prompts(tokenizer, n=1, lengths=(100, 100), seed=3)[0]
     prompts = [shared + tail for tail in ([5, 6, 7], [9] * 40, [11, 12])]
-    llm = LLM(str(model_dir), num_threads=1, dtype="float32", num_kv_blocks=512, enable_prefix_caching=True)
+    llm = LLM(str(model_dir), num_threads=1, dtype="float32", num_kv_blocks=512, enable_prefix_caching=True,
+              **engine_kwargs)
     hf = hf_greedy(model_dir, prompts, MAX_TOKENS)
     for _ in range(2):  # the second pass hits the first's blocks
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)

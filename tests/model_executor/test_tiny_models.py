@@ -75,6 +75,7 @@ def test_tokenizer_deterministic_and_saved_equals_built(tiny_tokenizer):
 _MODEL_TYPE = {
     "llama": "llama", "llama-tied": "llama", "llama3-rope": "llama", "sharded": "llama",
     "mistral": "mistral", "mistral-sw": "mistral", "qwen2": "qwen2", "qwen2-sw": "qwen2", "qwen3": "qwen3", "llama-hd128": "llama", "qwen3-hd128": "qwen3",
+    "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3",
 }
 
 

@@ -28,8 +28,10 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: list[int],
-                        positions: list[int], scale: float) -> torch.Tensor:
-    """q [n, H, D] at `positions` of one request: softmax over its context up to each row's position, float32."""
+                        positions: list[int], scale: float, window: int | None = None,
+                        soft_cap: float | None = None) -> torch.Tensor:
+    """q [n, H, D] at `positions` of one request: softmax over its context up to each row's position (its last
+    `window` positions with a window; scores capped at soft_cap * tanh(scores / soft_cap) with a cap), float32."""
     block_size, kvh, hd = k_cache.shape[1:]
     ctx = max(positions) + 1
     keys = k_cache[block_ids].reshape(-1, kvh, hd)[:ctx].float()
@@ -37,7 +39,11 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     group = q.shape[1] // kvh
     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,chd->hnc", q.float(), keys) * scale
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
     visible = torch.arange(ctx)[None, :] <= torch.tensor(positions)[:, None]
+    if window is not None:
+        visible &= torch.arange(ctx)[None, :] > torch.tensor(positions)[:, None] - window
     scores = scores.masked_fill(~visible.to(scores.device)[None], float("-inf"))
     return torch.einsum("hnc,chd->nhd", scores.softmax(-1), values)
 
@@ -80,6 +86,40 @@ def test_decode_matches_reference(dtype, block_size, heads, kv_heads, head_dim):
     for i, n in enumerate(lens):
         want = reference_attention(q[i:i + 1], k_cache, v_cache, tables[i], [n - 1], scale)
         torch.testing.assert_close(out[i:i + 1].float(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("window, soft_cap", [(20, None), (40, 2.0), (None, 2.0), (1, None)])
+def test_decode_window_and_soft_cap_over_partitions(window, soft_cap):
+    """Sliding window and soft cap in the decode kernel: rows of 1-100 tokens over 32-token partitions, so whole
+    partitions lie before a row's window (they contribute nothing) and a window may start inside a tile."""
+    lens, block_size, kvh, hd = [1, 5, 37, 70, 100], 16, 2, 16
+    k_cache, v_cache = random_cache(64, block_size, kvh, hd, torch.float32, seed=12)
+    tables = random_tables(lens, block_size, 64, seed=13)
+    width = max(map(len, tables))
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=DEVICE)
+    q = torch.randn(len(lens), 4, hd, generator=torch.Generator().manual_seed(14)).to(DEVICE)
+    out = torch.empty_like(q)
+    ta.decode_attention(q, k_cache, v_cache, bt, torch.tensor(lens, device=DEVICE), 0.5, out, partition=32,
+                        block_n=16, window=window, soft_cap=soft_cap)
+    for i, n in enumerate(lens):
+        want = reference_attention(q[i:i + 1], k_cache, v_cache, tables[i], [n - 1], 0.5, window, soft_cap)
+        torch.testing.assert_close(out[i:i + 1], want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window, soft_cap", [(20, None), (5, 2.0), (None, 2.0)])
+def test_prefill_window_and_soft_cap(window, soft_cap):
+    """A chunk of 40 after 50 tokens and a first chunk of 37, 16-row query tiles: each tile starts at its first
+    row's window, each row keeps its own lower bound."""
+    block_size, kvh, hd = 8, 2, 16
+    k_cache, v_cache = random_cache(40, block_size, kvh, hd, torch.float32, seed=15)
+    for first, n in ((50, 40), (0, 37)):
+        table = random_tables([first + n], block_size, 40, seed=16)[0]
+        q = torch.randn(n, 4, hd, generator=torch.Generator().manual_seed(17)).to(DEVICE)
+        out = torch.empty_like(q)
+        ta.prefill_attention(q, k_cache, v_cache, torch.tensor(table, device=DEVICE), first + n, 0.5, out,
+                             block_m=16, block_n=16, window=window, soft_cap=soft_cap)
+        want = reference_attention(q, k_cache, v_cache, table, list(range(first, first + n)), 0.5, window, soft_cap)
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
 
 
 def test_decode_tiles_below_sixteen_tokens_are_refused():
@@ -146,12 +186,13 @@ def test_write_kv_by_slot_mapping(kv_dtype):
     assert int((flat_k != 0).any(-1).any(-1).sum()) == 3  # nothing else written
 
 
-@pytest.mark.parametrize("window", [None, 8])
-def test_mixed_step_through_paged_attention(window):
+@pytest.mark.parametrize("window, soft_cap", [(None, None), (8, None), (None, 3.0), (8, 3.0)])
+def test_mixed_step_through_paged_attention(window, soft_cap):
     """The backend's entry point on a step as the runner builds it: two decode rows, then a first prefill chunk
     and a later one, against the reference after the step's K/V are written, and against the PyTorch SDPA
     reference backend on a copy of the cache (same layout: both token-major). With a sliding window (8: the later
-    chunk crosses its edge) against the reference backend's windowed masks (tested in test_attention.py)."""
+    chunk crosses its edge) or a logits soft cap (Gemma 2's), in the kernels, against the reference backend's
+    windowed masks and cap (tested in test_attention.py)."""
     block_size, kvh, hd, heads = 8, 2, 16, 4
     k_cache, v_cache = random_cache(30, block_size, kvh, hd, torch.float32, seed=9)
     # (earlier context, new tokens): two decodes, a first chunk, a chunk after 12 tokens
@@ -173,12 +214,12 @@ def test_mixed_step_through_paged_attention(window):
     backend, reference = get_attention_backend("triton", DEVICE), get_attention_backend("torch", DEVICE)
     assert isinstance(backend, ta.TritonAttentionBackend)
     ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
-    out = backend.forward(q, k, v, k_cache, v_cache, backend.build_metadata(meta), 0.25, window)
+    out = backend.forward(q, k, v, k_cache, v_cache, backend.build_metadata(meta), 0.25, window, soft_cap)
     torch.testing.assert_close(out, reference.forward(q, k, v, ref_k_cache, ref_v_cache,
-                                                      reference.build_metadata(meta), 0.25, window),
+                                                      reference.build_metadata(meta), 0.25, window, soft_cap),
                                atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(k_cache, ref_k_cache, atol=0, rtol=0)
-    if window is not None:
+    if window is not None or soft_cap is not None:
         return
     start = 0
     for (first, n), table in zip(spans, tables):
@@ -206,4 +247,4 @@ def test_kernels_compile_for_sm90():
     r = subprocess.run([sys.executable, script, "bf16", "fp32"], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     shared = [int(n) for n in re.findall(r"compiled for sm_90, (\d+) bytes", r.stdout)]
-    assert len(shared) == 16 and max(shared) <= H100_H200_MAX_SHARED, r.stdout  # 8 kernels x 2 dtypes
+    assert len(shared) == 20 and max(shared) <= H100_H200_MAX_SHARED, r.stdout  # 10 kernels x 2 dtypes

@@ -37,7 +37,7 @@ def compile_kernel(kernel, dtype: str, target: GPUTarget, **constexprs) -> int:
         elif name.endswith("_ptr"):
             signature[name] = f"*{dtype}"
         else:
-            signature[name] = "fp32" if name in ("scale", "eps") else "i32"
+            signature[name] = "fp32" if name in ("scale", "eps", "soft_cap") else "i32"
     compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=target)
     return compiled.metadata.shared
 
@@ -50,7 +50,11 @@ def main(dtypes: list[str], arch: int = 90) -> None:
             "write_kv": (ta._write_kv_kernel, dict(BLOCK_H=8, BLOCK_D=HEAD_DIM)),
             "decode": (ta._decode_partition_kernel, dict(
                 BLOCK_SIZE=BLOCK_SIZE, PARTITION=ta.DECODE_PARTITION, BLOCK_N=ta.DECODE_BLOCK_N, BLOCK_G=16,
-                BLOCK_D=HEAD_DIM, FP32_DOT=fp32)),
+                BLOCK_D=HEAD_DIM, FP32_DOT=fp32, WINDOW=False, SOFT_CAP=False)),
+            # a sliding-window, soft-capped layer's variant (Gemma 2)
+            "decode_window_cap": (ta._decode_partition_kernel, dict(
+                BLOCK_SIZE=BLOCK_SIZE, PARTITION=ta.DECODE_PARTITION, BLOCK_N=ta.DECODE_BLOCK_N, BLOCK_G=16,
+                BLOCK_D=HEAD_DIM, FP32_DOT=fp32, WINDOW=True, SOFT_CAP=True)),
             "decode_reduce": (ta._decode_reduce_kernel, dict(BLOCK_P=4, BLOCK_D=HEAD_DIM)),
             "rms_norm": (tlo._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK_N=1024)),  # hidden 1024
             "rms_norm_heads": (tlo._rms_norm_kernel, dict(HAS_RESIDUAL=False, BLOCK_N=HEAD_DIM)),  # q/k norm
@@ -58,7 +62,10 @@ def main(dtypes: list[str], arch: int = 90) -> None:
             "rotary": (tlo._rotary_kernel, dict(BLOCK=HEAD_DIM // 2)),
             "prefill": (ta._prefill_kernel, dict(
                 BLOCK_SIZE=BLOCK_SIZE, BLOCK_M=ta.PREFILL_BLOCK_M, BLOCK_N=ta.PREFILL_BLOCK_N, BLOCK_D=HEAD_DIM,
-                FP32_DOT=fp32)),
+                FP32_DOT=fp32, WINDOW=False, SOFT_CAP=False)),
+            "prefill_window_cap": (ta._prefill_kernel, dict(
+                BLOCK_SIZE=BLOCK_SIZE, BLOCK_M=ta.PREFILL_BLOCK_M, BLOCK_N=ta.PREFILL_BLOCK_N, BLOCK_D=HEAD_DIM,
+                FP32_DOT=fp32, WINDOW=True, SOFT_CAP=True)),
         }
         for name, (kernel, constexprs) in kernels.items():
             shared = compile_kernel(kernel, dtype, target, **constexprs)

@@ -8,7 +8,11 @@
     block table (causal with an offset).
 
 A sliding-window layer (`sliding_window`: each query attends to the last `sliding_window` positions, its own
-included, as Hugging Face's sliding masks do) adds the window's lower bound to the decode and prefill masks.
+included, as Hugging Face's sliding masks do) gathers only the blocks its window reaches (a decode row's last
+ceil(window / block_size) + 1, a chunk's from its first query's window on) and adds the window's lower bound to the
+masks: a long context's windowed layer reads about a window of K/V, not the whole context.
+A soft-capped layer (Gemma 2's `attn_logit_softcapping`: scores -> cap * tanh(scores / cap)) cannot go through
+SDPA, which has no hook between the scores and the softmax: it runs the same masks through explicit matmuls.
 
 The tests compare the other backends with this one, and the engine's greedy outputs on it with Hugging Face's.
 The CPU backend (cpu.py) runs these same paths wherever its kernels do not apply.
@@ -35,12 +39,21 @@ class TorchSDPAMetadata(AttentionMetadata):
         positions = torch.arange(width, device=self.decode_context_lens.device)
         return (positions[None, :] < self.decode_context_lens[:, None])[:, None, None, :]
 
-    def sliding_decode_mask(self, window: int) -> torch.Tensor:
-        """decode_mask limited to each row's last `window` positions (its own included)."""
-        width = self.decode_block_tables.shape[1] * self.block_size
-        positions = torch.arange(width, device=self.decode_context_lens.device)[None, :]
-        lens = self.decode_context_lens[:, None]
-        return ((positions < lens) & (positions >= lens - window))[:, None, None, :]
+    def sliding_decode_view(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block tables [num_decodes, n], mask [num_decodes, 1, 1, n * block_size]) of the n blocks that hold each
+        row's last `window` positions (its own included): the same n blocks per row (from the one the window starts
+        in, moved back where the table ends sooner), so one gather serves every row, on the device (no sync).
+        Built on the first windowed layer's decode, read by the others."""
+        views = self.__dict__.setdefault("_sliding_decode_views", {})
+        if window not in views:
+            bs, tables, lens = self.block_size, self.decode_block_tables, self.decode_context_lens
+            n = min(tables.shape[1], -(-window // bs) + 1)
+            first = ((lens - window).clamp(min=0) // bs).clamp(max=tables.shape[1] - n)
+            idx = first[:, None] + torch.arange(n, device=lens.device)[None, :]
+            positions = (first * bs)[:, None] + torch.arange(n * bs, device=lens.device)[None, :]
+            mask = (positions < lens[:, None]) & (positions >= lens[:, None] - window)
+            views[window] = tables.gather(1, idx), mask[:, None, None, :]
+        return views[window]
 
     @classmethod
     def from_common(cls, common: AttentionMetadata) -> TorchSDPAMetadata:
@@ -65,57 +78,81 @@ class TorchSDPABackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
         self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
 
     @classmethod
     def attend(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               sliding_window: int | None = None) -> torch.Tensor:
+               sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
         """Attention over a cache the step's K/V are already written to (any backend's layout, any backend's
         metadata: another backend's is viewed as this one's)."""
         meta = TorchSDPAMetadata.from_common(meta)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
-            cls.decode(q, k_cache, v_cache, meta, scale, out, sliding_window)
+            cls.decode(q, k_cache, v_cache, meta, scale, out, sliding_window, logits_soft_cap)
         for span in meta.prefills:
-            cls.prefill(q, k, v, k_cache, v_cache, span, scale, out, sliding_window)
+            cls.prefill(q, k, v, k_cache, v_cache, span, scale, out, sliding_window, logits_soft_cap)
         return out
 
     @staticmethod
     def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TorchSDPAMetadata, scale: float,
-               out: torch.Tensor, sliding_window: int | None = None) -> None:
+               out: torch.Tensor, sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
         """The decode rows (the first meta.num_decodes of q) into out."""
         d = meta.num_decodes
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        bt = meta.decode_block_tables
+        if sliding_window is None:
+            bt, mask = meta.decode_block_tables, meta.decode_mask
+        else:
+            bt, mask = meta.sliding_decode_view(sliding_window)
         keys = k_cache[bt].reshape(d, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
         values = v_cache[bt].reshape(d, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-        mask = meta.decode_mask if sliding_window is None else meta.sliding_decode_mask(sliding_window)
-        o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys, values, attn_mask=mask,
-                                           scale=scale, enable_gqa=True)
+        o = _sdpa(q[:d].unsqueeze(2), keys, values, mask, scale, logits_soft_cap)
         out[:d] = o.squeeze(2)
 
     @staticmethod
     def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                span: PrefillSpan, scale: float, out: torch.Tensor, sliding_window: int | None = None) -> None:
+                span: PrefillSpan, scale: float, out: torch.Tensor, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> None:
         """One prefill chunk's rows into out."""
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        block_size, num_kv_heads, head_dim = k_cache.shape[1:]
         sl = slice(span.start, span.start + span.num_tokens)
         qs = q[sl].transpose(0, 1).unsqueeze(0)
         mask = span.causal_mask
+        start = 0  # the first cached position read: a window's first block
         if sliding_window is not None and span.context_len > sliding_window:
-            mask = sliding_causal_mask(span.context_len - span.num_tokens, span.context_len, sliding_window,
-                                       q.device)
+            first = span.context_len - span.num_tokens
+            mask = sliding_causal_mask(first, span.context_len, sliding_window, q.device)
             if span.causal_mask is None:  # the chunk's own K/V are its whole context: same key range
                 mask = mask[:, -span.num_tokens:]
+            else:  # from the block where the chunk's first query's window starts
+                start = max(0, first - sliding_window + 1) // block_size * block_size
+                mask = mask[:, start:]
         if span.causal_mask is None:  # the chunk is the whole context so far
             keys, values = k[sl], v[sl]
         else:
-            keys = k_cache[span.block_ids].reshape(-1, num_kv_heads, head_dim)[:span.context_len].to(q.dtype)
-            values = v_cache[span.block_ids].reshape(-1, num_kv_heads, head_dim)[:span.context_len].to(q.dtype)
-        o = F.scaled_dot_product_attention(qs, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
-                                           attn_mask=mask, is_causal=mask is None and span.causal,
-                                           scale=scale, enable_gqa=True)
+            blocks, end = span.block_ids[start // block_size:], span.context_len - start
+            keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:end].to(q.dtype)
+            values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:end].to(q.dtype)
+        o = _sdpa(qs, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), mask, scale,
+                  logits_soft_cap, span.causal)
         out[sl] = o.squeeze(0).transpose(0, 1)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+          logits_soft_cap: float | None, causal: bool = True) -> torch.Tensor:
+    """q [B, H, Lq, D], k/v [B, KVH, Lk, D]; mask: bool, True = attend (None: causal, Lq == Lk, or with causal False
+    every key). PyTorch's SDPA, or with a soft cap the same attention as explicit matmuls (Hugging Face's eager order:
+    scale, cap, mask, float32 softmax)."""
+    if logits_soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and causal,
+                                              scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / logits_soft_cap) * logits_soft_cap
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
+        mask = mask.tril() if causal else mask
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v

@@ -17,6 +17,10 @@ decode steps may be captured as CUDA graphs (cuda_graphs.py): the K/V write skip
   * prefill chunk: one program per (tile of BLOCK_M query rows, query head) walks the chunk's context through its
     block table in tiles of BLOCK_N tokens up to its last row's position: causal with an offset (the chunk's
     first token sits at position context_len - num_tokens), so a later chunk sees its earlier context too.
+  * sliding window (Mistral, Qwen2, Gemma's sliding layers: a query sees its last `window` positions): the decode
+    partitions and the prefill tiles start at the window's first tile, so a windowed layer reads about a window
+    of K/V whatever the context; a logits soft cap (Gemma 2: scores -> cap * tanh(scores / cap)) is applied to the
+    scores of each tile before the online softmax.
 
 Without a GPU these kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before this module is imported):
 that is how CI checks them against a PyTorch reference (tests/model_executor/test_triton_attention.py).
@@ -33,7 +37,6 @@ from pagedserve import envs
 from pagedserve.model_executor import triton_layer_ops
 from pagedserve.model_executor.attention.backend import AttentionBackend
 from pagedserve.model_executor.attention.metadata import AttentionMetadata
-from pagedserve.model_executor.attention.torch_sdpa import TorchSDPABackend
 
 # Tokens per split-K partition of a decode row: enough work per program to hide the K/V loads' latency, few
 # enough partitions that a batch of one still spreads a long context over many SMs.
@@ -63,18 +66,24 @@ def _dot(a, b, FP32: tl.constexpr):
 
 @triton.jit
 def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_ptr, n, n_mask, visible, kv_head, d, d_mask, scale,
-                 stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr, FP32_DOT: tl.constexpr):
+                 soft_cap, stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr, FP32_DOT: tl.constexpr,
+                 SOFT_CAP: tl.constexpr):
     """Folds one tile of context tokens `n` (found through the block table at table_ptr) into the online-softmax
     state (running max m_i, sum l_i, unnormalised output acc) of the query rows q; visible [rows, N] says which
-    (query, key) pairs count. Returns the new state."""
+    (query, key) pairs count; with SOFT_CAP the scores are capped at soft_cap first. Returns the new state."""
     block = tl.load(table_ptr + n // BLOCK_SIZE, mask=n_mask, other=0)
     kv_off = block * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-    s = tl.where(visible, _dot(q, tl.trans(k), FP32_DOT) * scale, float("-inf"))
+    s = _dot(q, tl.trans(k), FP32_DOT) * scale
+    if SOFT_CAP:  # cap * tanh(s / cap), tanh(x) = 2 sigmoid(2x) - 1
+        s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)
+    s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
+    # a row that has seen no visible key yet (a tile before its window) keeps max -inf: subtract 0 there, not -inf
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
     v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + _dot(p.to(q.dtype), v, FP32_DOT)
 
@@ -115,11 +124,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 @triton.jit
 def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, context_lens_ptr,
-                             part_out_ptr, part_max_ptr, part_sum_ptr, scale,
+                             part_out_ptr, part_max_ptr, part_sum_ptr, scale, window, soft_cap,
                              stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
                              num_heads, head_dim, group_size, num_partitions,
                              BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr):
+                             BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr,
+                             WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -136,12 +146,17 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, c
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     start = part * PARTITION
     end = tl.minimum(start + PARTITION, context_len)
-    for tile in range(start, end, BLOCK_N):  # [G, N] scores: the group's query heads padded to 16 rows
+    lo = 0  # the first visible position: the window's
+    if WINDOW:
+        lo = tl.maximum(context_len - window, 0)
+    # [G, N] scores: the group's query heads padded to 16 rows; from the tile holding `lo` (a partition before
+    # the window runs no tile: max -inf, sum 0, merged away)
+    for tile in range(tl.maximum(start, lo - lo % BLOCK_N), end, BLOCK_N):
         n = tile + tl.arange(0, BLOCK_N)
-        n_mask = n < end
+        n_mask = (n < end) & (n >= lo)
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr + row * stride_bt,
-                                     n, n_mask, n_mask[None, :], kv_head, d, d_mask, scale,
-                                     stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP32_DOT)
+                                     n, n_mask, n_mask[None, :], kv_head, d, d_mask, scale, soft_cap,
+                                     stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP32_DOT, SOFT_CAP)
     # partials laid out [row, head, partition(, dim)]; an empty partition leaves max -inf, sum 0
     part_idx = (row * num_heads + heads) * num_partitions + part
     tl.store(part_max_ptr + part_idx, m_i, mask=g_mask)
@@ -172,9 +187,11 @@ def _decode_reduce_kernel(part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, str
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, out: torch.Tensor,
-                     partition: int = DECODE_PARTITION, block_n: int = DECODE_BLOCK_N) -> None:
+                     partition: int = DECODE_PARTITION, block_n: int = DECODE_BLOCK_N,
+                     window: int | None = None, soft_cap: float | None = None) -> None:
     """q, out: [R, H, D] (head_dim contiguous); block_tables [R, W]; context_lens [R] (0: a padding row, out 0).
-    Partitions = ceil(W * block_size / partition): fixed by the table's width, not by the lengths' values."""
+    Partitions = ceil(W * block_size / partition): fixed by the table's width, not by the lengths' values.
+    window: each row sees its last this many positions; soft_cap: scores capped (both None: neither)."""
     if block_n < 16:  # the interpreter runs smaller tiles; the GPU compiler refuses them
         raise ValueError(f"decode tiles of {block_n} tokens: tl.dot needs K >= 16 on a GPU")
     rows, num_heads, head_dim = q.shape
@@ -186,22 +203,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_sum = torch.empty_like(part_max)
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dimension >= 16
     _decode_partition_kernel[(rows, num_kv_heads, num_partitions)](
-        q, k_cache, v_cache, block_tables, context_lens, part_out, part_max, part_sum, scale,
+        q, k_cache, v_cache, block_tables, context_lens, part_out, part_max, part_sum, scale, window or 0,
+        soft_cap or 1.0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         num_heads, head_dim, group, num_partitions,
         BLOCK_SIZE=block_size, PARTITION=partition, BLOCK_N=block_n,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, FP32_DOT=_fp32_dot(q.dtype))
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, FP32_DOT=_fp32_dot(q.dtype),
+        WINDOW=window is not None, SOFT_CAP=soft_cap is not None)
     _decode_reduce_kernel[(rows, num_heads)](
         part_out, part_max, part_sum, out, out.stride(0), out.stride(1), num_heads, head_dim, num_partitions,
         BLOCK_P=max(2, triton.next_power_of_2(num_partitions)), BLOCK_D=block_d)
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_ids_ptr, out_ptr, scale,
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_ids_ptr, out_ptr, scale, window, soft_cap,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
                     num_tokens, first_pos, head_dim, group_size,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    FP32_DOT: tl.constexpr):
+                    FP32_DOT: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr):
     tile_m = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // group_size
@@ -217,46 +236,57 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_ids_ptr, out_ptr, sca
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # the tile's last row sees the context up to its own position (causal with the chunk's offset)
     end = first_pos + tl.minimum((tile_m + 1) * BLOCK_M, num_tokens)
-    for tile in range(0, end, BLOCK_N):
+    lo = 0  # the tile's first row's window starts here; each row's own lower bound is in `visible`
+    if WINDOW:
+        lo = tl.maximum(first_pos + tile_m * BLOCK_M - window + 1, 0)
+    for tile in range(lo - lo % BLOCK_N, end, BLOCK_N):
         n = tile + tl.arange(0, BLOCK_N)
         n_mask = n < end
+        visible = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if WINDOW:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_ids_ptr, n, n_mask,
-                                     (n[None, :] <= q_pos[:, None]) & n_mask[None, :], kv_head, d, d_mask, scale,
-                                     stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP32_DOT)
-    o = acc / l_i[:, None]  # every row sees at least itself: l_i > 0 for real rows
+                                     visible, kv_head, d, d_mask, scale, soft_cap,
+                                     stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP32_DOT, SOFT_CAP)
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a real row sees at least itself; a padding row may see nothing
     tl.store(out_ptr + m[:, None] * stride_ot + head * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & d_mask[None, :])
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
                       context_len: int, scale: float, out: torch.Tensor,
-                      block_m: int = PREFILL_BLOCK_M, block_n: int = PREFILL_BLOCK_N) -> None:
+                      block_m: int = PREFILL_BLOCK_M, block_n: int = PREFILL_BLOCK_N,
+                      window: int | None = None, soft_cap: float | None = None) -> None:
     """One chunk: q, out [n, H, D] at positions context_len - n .. context_len - 1 (their K/V already written);
-    block_ids: the request's block table (long)."""
+    block_ids: the request's block table (long); window, soft_cap as decode_attention's."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     _prefill_kernel[(triton.cdiv(num_tokens, block_m), num_heads)](
-        q, k_cache, v_cache, block_ids, out, scale,
+        q, k_cache, v_cache, block_ids, out, scale, window or 0, soft_cap or 1.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_tokens, context_len - num_tokens, head_dim, num_heads // num_kv_heads,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         # tl.dot needs every dimension >= 16
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), FP32_DOT=_fp32_dot(q.dtype))
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), FP32_DOT=_fp32_dot(q.dtype),
+        WINDOW=window is not None, SOFT_CAP=soft_cap is not None)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, window: int | None = None,
+                    soft_cap: float | None = None) -> torch.Tensor:
     """AttentionBackend.forward's contract: q [T, H, D], k/v [T, KVH, D] (this step's new tokens), decode rows
     first. No host synchronisation: a decode-only step runs inside a CUDA graph."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     d = meta.num_decodes
     if d:
-        decode_attention(q[:d], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, out[:d])
+        decode_attention(q[:d], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, out[:d],
+                         window=window, soft_cap=soft_cap)
     for span in meta.prefills:
         sl = slice(span.start, span.start + span.num_tokens)
-        prefill_attention(q[sl], k_cache, v_cache, span.block_ids, span.context_len, scale, out[sl])
+        prefill_attention(q[sl], k_cache, v_cache, span.block_ids, span.context_len, scale, out[sl],
+                          window=window, soft_cap=soft_cap)
     return out
 
 
@@ -272,11 +302,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
-        if sliding_window is not None:  # the kernels attend to the whole context: the reference's window masks
-            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            return TorchSDPABackend.attend(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
-        return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+                sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+        return paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
 
     def fused_ops(self, x: torch.Tensor) -> ModuleType | None:
         return triton_layer_ops if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else None

@@ -9,7 +9,7 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("scale"), py::arg("out") = py::none());
+        py::arg("scale"), py::arg("out") = py::none(), py::arg("window") = 0);
   m.def("paged_prefill_attention", &paged_prefill_attention, "causal attention of one prefill chunk over its "
         "sequence's paged KV cache (CPU, AVX-512)", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_ids"), py::arg("first"), py::arg("scale"), py::arg("out"));

@@ -585,7 +585,7 @@ inline bool attend_bf16(const TQ*, float, const T*, const T*, const int64_t*, in
 
 template <typename TQ, typename T>
 void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
-                   const int64_t* context_lens, TQ* out, Shape s, float scale) {
+                   const int64_t* context_lens, TQ* out, Shape s, float scale, int64_t window) {
   const int64_t heads = s.num_heads, d = s.head_dim;
   // The work split: every context in parts of at most `span` tokens (a multiple of 16, the chunked kernels' step),
   // the tasks in sequence order, each thread a contiguous run of them holding ~1/threads of all the keys; a split
@@ -594,19 +594,24 @@ void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_
   // 100-token ones) while the other waited at the barrier.
   const int64_t threads = at::get_num_threads();
   constexpr int64_t kAlign = 16;
+  // With a sliding window (window > 0) a sequence's keys start at its window's first position.
+  std::vector<int64_t> first_key(s.num_seqs, 0);
   int64_t total = 0;
-  for (int64_t i = 0; i < s.num_seqs; ++i) total += context_lens[i];
+  for (int64_t i = 0; i < s.num_seqs; ++i) {
+    if (window > 0) first_key[i] = std::max<int64_t>(0, context_lens[i] - window);
+    total += context_lens[i] - first_key[i];
+  }
   const int64_t span = std::max<int64_t>(4 * kAlign, (total / (4 * threads) + kAlign - 1) / kAlign * kAlign);
   std::vector<int64_t> first_task(s.num_seqs + 1, 0);
   for (int64_t i = 0; i < s.num_seqs; ++i)
-    first_task[i + 1] = first_task[i] + std::max<int64_t>(1, (context_lens[i] + span - 1) / span);
+    first_task[i + 1] = first_task[i] + std::max<int64_t>(1, (context_lens[i] - first_key[i] + span - 1) / span);
   const int64_t num_tasks = first_task[s.num_seqs];
   const bool any_split = num_tasks > s.num_seqs;
   std::vector<int64_t> task_seq(num_tasks), task_t0(num_tasks), task_t1(num_tasks);
   for (int64_t i = 0; i < s.num_seqs; ++i)
     for (int64_t t = first_task[i]; t < first_task[i + 1]; ++t) {
       task_seq[t] = i;
-      task_t0[t] = (t - first_task[i]) * span;
+      task_t0[t] = first_key[i] + (t - first_task[i]) * span;
       task_t1[t] = std::min(context_lens[i], task_t0[t] + span);
     }
   std::vector<int64_t> bounds(threads + 1, num_tasks);  // thread th runs tasks [bounds[th], bounds[th + 1])
@@ -687,11 +692,12 @@ void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_
 // q: [S, H, D] float32 or bfloat16 (heads contiguous, any stride between sequences: a view of the fused QKV
 // output); k_cache, v_cache: [num_blocks, block_size, KVH, D] float32, bfloat16 or float16 (layout_of: token- or
 // head-major blocks, any stride between blocks); block_tables:
-// [S, max_blocks] int64; context_lens: [S] int64. Accumulates in float32; writes into `out` ([S, H, D], q's
-// dtype, contiguous) when given; returns it.
+// [S, max_blocks] int64; context_lens: [S] int64; window > 0: each row attends to its last `window` positions
+// only (a sliding-window layer). Accumulates in float32; writes into `out` ([S, H, D], q's dtype, contiguous) when
+// given; returns it.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     c10::optional<torch::Tensor> out_opt) {
+                                     c10::optional<torch::Tensor> out_opt, int64_t window) {
   TORCH_CHECK(ps::is_act_dtype(q.scalar_type()) && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be float32 or bfloat16 [S, H, D] with contiguous heads");
   const CacheLayout layout = layout_of(k_cache, v_cache);
@@ -710,7 +716,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     using TQ = std::remove_pointer_t<decltype(qtag)>;
     ps::with_cache_type(k_cache.scalar_type(), [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
-      decode_kernel<TQ, T>(ps::ptr<TQ>(q), ps::ptr<T>(k_cache), ps::ptr<T>(v_cache), tp, lp, ps::ptr<TQ>(out), s, sc);
+      decode_kernel<TQ, T>(ps::ptr<TQ>(q), ps::ptr<T>(k_cache), ps::ptr<T>(v_cache), tp, lp, ps::ptr<TQ>(out), s, sc,
+                           window);
     });
   });
   return out;

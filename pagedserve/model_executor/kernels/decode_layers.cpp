@@ -67,7 +67,7 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor x, c10::opt
     rotary_inplace(qk, cos, sin);
     write_kv(k, v, caches[2 * i], caches[2 * i + 1], slot_mapping);
     const torch::Tensor o = paged_decode_attention(q, caches[2 * i], caches[2 * i + 1], block_tables, context_lens,
-                                                   scale, c10::nullopt);
+                                                   scale, c10::nullopt, 0);
     h = product(o.view({t, q_size}), w + 7, width[1]);
     h = rms_norm(h, residual, w[11], eps, c10::nullopt);
     x = product(silu_and_mul(product(h, w + 12, width[2])), w + 16, x.size(1));

@@ -10,7 +10,7 @@
 // decode_attention.cpp
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     c10::optional<torch::Tensor> out);
+                                     c10::optional<torch::Tensor> out, int64_t window);
 // prefill_attention.cpp
 bool native_prefill(int64_t head_dim);
 void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_ids,

@@ -50,6 +50,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, attn_backend) if options.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
         self.sliding_window = cfg.layer_sliding_window(int(prefix.split(".")[1]))  # prefix: layers.{i}.self_attn
+        self.logits_soft_cap: float | None = None  # a family that caps attention scores sets it (Gemma 2)
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -66,7 +67,8 @@ class Attention(nn.Module):
                 qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         qk = apply_rotary(qk, cos_sin, self.attn_backend.fused_ops(qk))  # q and k heads together: half the ops
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        o = self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        o = self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
+                                      self.logits_soft_cap)
         return self.parallel.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
 
 

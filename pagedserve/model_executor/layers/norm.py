@@ -1,4 +1,4 @@
-"""RMSNorm, optionally fused with the residual add before it."""
+"""RMSNorm, optionally fused with the residual add before it; Gemma's (1 + w) variant."""
 from __future__ import annotations
 
 import torch
@@ -39,3 +39,15 @@ class RMSNorm(nn.Module):
             return False
         ops.rms_norm(x, None, self.weight, self.eps, x)
         return True
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint stores w, the norm multiplies by (1 + w), in float32 as Hugging Face does.
+    Folded once after loading (`fold_weight`) into a float32 weight, so the forward is RMSNorm's; activations of
+    another dtype (bfloat16) take PyTorch's float32 path rather than a fused op that reads the weight in theirs."""
+
+    def fold_weight(self) -> None:
+        self.weight = nn.Parameter(1.0 + self.weight.detach().float(), requires_grad=False)
+
+    def _ops(self, x: torch.Tensor):
+        return super()._ops(x) if x.dtype == self.weight.dtype else None

@@ -34,6 +34,8 @@ from pagedserve.model_executor.quantization.base import QuantizationConfig
 class DecoderForCausalLM(nn.Module):
     supports_fused_decode = True  # every layer is the dense DecoderLayer the native decode stack runs
     has_lm_head = True  # pooling models (models/adapters.py) read the final hidden states instead
+    norm_class = RMSNorm  # the final norm's (a family with another norm sets its own)
+    final_logit_soft_cap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
 
     def __init__(self, cfg: ModelConfig, parallel: ParallelState, attn_backend: AttentionBackend,
                  quant_config: QuantizationConfig) -> None:
@@ -45,16 +47,16 @@ class DecoderForCausalLM(nn.Module):
         self.num_local_kv_heads = layout.local_kv_heads(cfg.num_kv_heads)
         self.layer_range = layout.layer_range(cfg.num_layers, parallel.pp_rank)
         vocab_rows = layout.vocab_rows(cfg.vocab_size)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = self.make_rotary(cfg)
         self.embed_tokens = VocabParallelEmbedding(vocab_rows, cfg.hidden_size, parallel) \
             if parallel.is_first_stage else None
         options = self.decoder_options(cfg)
         # prefixes name the checkpoint's layers (global indices), for formats that treat some layers differently
-        self.layers = nn.ModuleList(DecoderLayer(cfg, parallel, attn_backend, quant_config, options, f"layers.{i}")
+        self.layers = nn.ModuleList(self.make_layer(cfg, parallel, attn_backend, quant_config, options, f"layers.{i}")
                                     for i in self.layer_range)
         self.norm = self.lm_head = None
         if parallel.is_last_stage:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, attn_backend)
+            self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps, attn_backend)
         if parallel.is_last_stage and self.has_lm_head:
             self.lm_head = Linear(cfg.hidden_size, vocab_rows, False, quant_config, "lm_head")
             if cfg.tie_word_embeddings and self.embed_tokens is not None:
@@ -64,6 +66,20 @@ class DecoderForCausalLM(nn.Module):
     def decoder_options(self, cfg: ModelConfig) -> DecoderOptions:
         """What this family sets on the shared decoder layer (a subclass overrides it)."""
         return DecoderOptions(qkv_bias=bool(cfg.attention_bias))
+
+    def make_layer(self, cfg: ModelConfig, parallel: ParallelState, attn_backend: AttentionBackend,
+                   quant_config: QuantizationConfig, options: DecoderOptions, prefix: str) -> nn.Module:
+        """One decoder layer (a family with its own layer overrides it)."""
+        return DecoderLayer(cfg, parallel, attn_backend, quant_config, options, prefix)
+
+    def make_rotary(self, cfg: ModelConfig) -> nn.Module:
+        """The rotary embedding whose `cos_sin(positions, meta)` every layer reads (a family with partial rotary
+        or per-layer bases overrides it)."""
+        return build_rotary(cfg, cfg.rope_theta, cfg.rope_scaling)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first stage's input embeddings (a family that scales them overrides it)."""
+        return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor | None:
@@ -77,6 +93,8 @@ class DecoderForCausalLM(nn.Module):
             return torch.empty((0, self.cfg.vocab_size), device=x.device)
         # in the model dtype: the sampler converts to float32 where it needs to (greedy rows take the argmax as is)
         logits = self.lm_head(self.norm(x[logits_indices], residual[logits_indices]))
+        if self.final_logit_soft_cap is not None:  # elementwise: each rank caps its vocabulary rows
+            logits = torch.tanh(logits / self.final_logit_soft_cap) * self.final_logit_soft_cap
         return self.parallel.gather_vocab(logits, self.cfg.vocab_size)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
@@ -86,11 +104,11 @@ class DecoderForCausalLM(nn.Module):
         ps = self.parallel
         meta = self.attn_backend.build_metadata(meta)
         if self.embed_tokens is not None:
-            x, residual = self.embed_tokens(input_ids), None
+            x, residual = self.embed(input_ids), None
         else:
             x, residual = ps.recv_hidden(input_ids.shape[0], self.cfg.hidden_size,
-                                         self.layers[0].input_layernorm.weight.dtype, input_ids.device)
-        cos_sin = self.rotary.cos_sin(positions)
+                                         self.hidden_dtype, input_ids.device)
+        cos_sin = self.rotary.cos_sin(positions, meta)
         fused = self.fused_decode(x, residual, cos_sin, kv_caches, meta) if self.fused_decode is not None else None
         if fused is not None:
             x, residual = fused
@@ -105,6 +123,7 @@ class DecoderForCausalLM(nn.Module):
     def process_weights_after_loading(self) -> None:
         """Once loaded and in the model dtype: each linear's method turns its weight into what its kernels read,
         then the native whole-stack decode is built where it can run."""
+        self.hidden_dtype = self.layers[0].input_layernorm.weight.dtype  # the model dtype, what stages hand over
         for module in self.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
@@ -120,7 +139,7 @@ class DecoderForCausalLM(nn.Module):
         fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
         loaded: set[str] = set()
-        for name, tensor in _iter_safetensors(model_dir):
+        for name, tensor in self.checkpoint_tensors(model_dir):
             name = self._local_name(name.removeprefix("model."))
             if name is None:
                 continue
@@ -156,6 +175,11 @@ class DecoderForCausalLM(nn.Module):
         missing = expected - loaded
         if missing:
             raise ValueError(f"Checkpoint {model_dir} lacks weights: {sorted(missing)[:5]} ...")
+
+    def checkpoint_tensors(self, model_dir: Path):
+        """(name, tensor) of every checkpoint tensor, in the names the loader maps (a family whose checkpoint fuses
+        projections differently splits them here)."""
+        return _iter_safetensors(model_dir)
 
     def load_extra_weight(self, name: str, tensor: torch.Tensor, params: dict) -> str | None:
         """A family's own checkpoint tensors (MoE experts): copies `tensor` into `params` and returns the key it
@@ -224,6 +248,15 @@ def _load_shard(param: torch.Tensor, tensor: torch.Tensor, offset: int, size: in
         return
     factor = getattr(param, "packed_factor", 1)
     param.data.narrow(dim, offset // factor, size // factor).copy_(tensor)
+
+
+def build_rotary(cfg: ModelConfig, theta: float, scaling: dict | None,
+                 rotary_dim: int | None = None) -> RotaryEmbedding:
+    """A rotary embedding over the model's served positions (past max_position_embeddings where a scaling extends
+    the context), the config's reference lengths given."""
+    return RotaryEmbedding(cfg.head_dim, max(cfg.max_model_len, cfg.max_position_embeddings), theta, scaling,
+                           rotary_dim=rotary_dim, max_position_embeddings=cfg.max_position_embeddings,
+                           max_model_len=cfg.max_model_len)
 
 
 def _iter_safetensors(model_dir: Path):

@@ -18,6 +18,9 @@ _MODELS: dict[str, tuple[str, str]] = {  # architecture -> (module in models/, c
     "MixtralForCausalLM": ("moe", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("moe", "Qwen3MoeForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
 }
 _POOLING_MODELS: dict[str, tuple[str, str]] = {  # architecture -> (the causal architecture, adapter)
     "LlamaForSequenceClassification": ("LlamaForCausalLM", "as_seq_cls_model"),
