@@ -39,35 +39,48 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    _add_generate_parser(subparsers)
-    from pagedserve.entrypoints.openai.api_server import add_serve_parser
-    from pagedserve.benchmarks.cli import add_bench_parser
-    from pagedserve.entrypoints.disagg_proxy import add_proxy_parser
-    from pagedserve.entrypoints.router import add_router_parser
-    from pagedserve.entrypoints.dashboard.replay import add_replay_parser
-    from pagedserve.entrypoints.diagnose import add_diagnose_parser
+def _add_serve_parser(subparsers) -> None:
     from pagedserve.entrypoints.data_parallel import add_data_parallel_arg
+    from pagedserve.entrypoints.openai.api_server import add_serve_parser
 
     add_data_parallel_arg(add_serve_parser(subparsers))
-    add_proxy_parser(subparsers)
-    add_router_parser(subparsers)
-    add_bench_parser(subparsers)
-    add_replay_parser(subparsers)
-    add_diagnose_parser(subparsers)
+
+
+# Each command's parser builder (a function here, or "module:function" imported when that command runs): a command
+# loads only its own module, so `router`, `proxy`, `diagnose` and `replay` start without torch (about 2 s of CPU each,
+# before they bind their port).
+COMMANDS = {"generate": _add_generate_parser, "serve": _add_serve_parser,
+            "proxy": "pagedserve.entrypoints.disagg_proxy:add_proxy_parser",
+            "router": "pagedserve.entrypoints.router:add_router_parser",
+            "bench": "pagedserve.benchmarks.cli:add_bench_parser",
+            "replay": "pagedserve.entrypoints.dashboard.replay:add_replay_parser",
+            "diagnose": "pagedserve.entrypoints.diagnose:add_diagnose_parser"}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser: with every command's parser, or with `command`'s alone (its module alone imported)."""
+    import importlib
+
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name, add in COMMANDS.items():
+        if command in (None, name):
+            if isinstance(add, str):
+                module, function = add.split(":")
+                add = getattr(importlib.import_module(module), function)
+            add(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     envs.set_openmp_defaults()  # before any command imports torch
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None).parse_args(argv)
     try:
         if getattr(args, "data_parallel_size", 1) != 1:  # serve -dp N: N replicas of this command behind a router
             from pagedserve.entrypoints.data_parallel import run_data_parallel
 
-            return run_data_parallel(args, sys.argv[1:] if argv is None else argv)
+            return run_data_parallel(args, argv)
         return args.func(args) or 0
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -20,10 +21,12 @@ from pagedserve.metrics.diagnose import diagnose, format_report
 from pagedserve.metrics.server_metrics import ServerMetrics, metrics_window
 
 
-def read_stream(url: str, api_key: str | None, duration: float,
-                on_connect: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+def read_stream(url: str, api_key: str | None, duration: float, on_connect: Callable[[], None] | None = None,
+                stop: threading.Event | None = None) -> list[dict[str, Any]]:
     """The events a server sends in `duration` seconds (its backlog first); `on_connect` runs once the server
-    records for this reader (its hello came), which is when traffic starts to count."""
+    records for this reader (its hello came), which is when traffic starts to count. A caller that knows when its
+    traffic ended sets `stop`: reading then ends at the server's next keep-alive (sent after a second without
+    events), so every event of that traffic is in."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -41,14 +44,17 @@ def read_stream(url: str, api_key: str | None, duration: float,
                     events.append(event)
                 elif on_connect is not None:
                     on_connect()
+            elif line.startswith(":") and stop is not None and stop.is_set():
+                break
             if time.monotonic() >= deadline:
                 break
     return events
 
 
-def read_server(url: str, api_key: str | None, duration: float,
-                on_connect: Callable[[], None] | None = None) -> tuple[list[dict[str, Any]], ServerMetrics]:
-    """The event stream of `duration` seconds, and what /metrics says over the same window."""
+def read_server(url: str, api_key: str | None, duration: float, on_connect: Callable[[], None] | None = None,
+                stop: threading.Event | None = None) -> tuple[list[dict[str, Any]], ServerMetrics]:
+    """The event stream of `duration` seconds (or until `stop`: read_stream), and what /metrics says over the same
+    window."""
     import httpx
 
     def scrape() -> str:
@@ -57,7 +63,7 @@ def read_server(url: str, api_key: str | None, duration: float,
         return resp.text
 
     before = scrape()
-    events = read_stream(url, api_key, duration, on_connect)
+    events = read_stream(url, api_key, duration, on_connect, stop)
     return events, metrics_window(before, scrape())
 
 

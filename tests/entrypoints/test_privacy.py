@@ -32,8 +32,11 @@ SECRET_PROMPT = [7 + (i * 37) % 700 for i in range(48)]  # the tiny model has 76
 
 @pytest.fixture(scope="module")
 def trace_path(tmp_path_factory):
-    os.umask(0o022)  # the usual umask: a plain open() would make the trace 0644
-    return tmp_path_factory.mktemp("privacy") / "trace.jsonl"
+    # the usual umask, which the server process inherits: a plain open() would make the trace 0644. pytest's own
+    # umask is given back after the module (every file later tests and pytest write would get this one)
+    umask = os.umask(0o022)
+    yield tmp_path_factory.mktemp("privacy") / "trace.jsonl"
+    os.umask(umask)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from server_helpers import REPO_ROOT, ServerProcess, free_port
+from server_helpers import REPO_ROOT, ServerProcess, auth_headers, free_port, get_server
 
 pytestmark = pytest.mark.server
 
@@ -98,11 +98,8 @@ def test_reset_prefix_cache_in_dev_mode(server, tiny_model_dir):
 
 
 def test_reset_prefix_cache_absent_without_dev_mode(tiny_model_dir):
-    srv = ServerProcess(tiny_model_dir("llama"), ("--num-kv-blocks", "32", "--max-model-len", "128"))
-    try:
-        assert httpx.post(srv.url + "/reset_prefix_cache").status_code == 404
-    finally:
-        assert srv.stop() == 0
+    srv = get_server(tiny_model_dir("llama"))  # the session's main server: no dev mode (shared, not started here)
+    assert httpx.post(srv.url + "/reset_prefix_cache", headers=auth_headers()).status_code == 404
 
 
 @pytest.mark.slow

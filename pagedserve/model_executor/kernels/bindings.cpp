@@ -1,10 +1,10 @@
 // The Python module of one instruction-set build: every kernel file's entry points (ops.h). The only file that
-// includes torch/extension.h (pybind11 and torch's Python bindings): the kernel files include the lighter
-// torch/types.h, which halves their compile time.
+// includes pybind11 and torch's type casters for it (torch/csrc/utils/pybind.h: a quarter of torch/extension.h's
+// compile time, which also brings the whole C++ frontend); the kernel files include only torch_slice.h.
 #include "ops.h"
 #include "vec.h"
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)",

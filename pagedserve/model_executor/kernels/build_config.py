@@ -11,7 +11,7 @@ from pathlib import Path
 KERNEL_DIR = Path(__file__).resolve().parent
 SOURCES = ("decode_attention.cpp", "prefill_attention.cpp", "kv_write.cpp", "layer_ops.cpp", "small_gemm.cpp",
            "decode_layers.cpp", "bindings.cpp")
-HEADERS = ("vec.h", "paged_cache.h", "attention_math.h", "ops.h")
+HEADERS = ("vec.h", "paged_cache.h", "attention_math.h", "ops.h", "torch_slice.h")
 
 # Instruction-set levels, best first: (name, /proc/cpuinfo flags it needs, compiler flags). Explicit -m flags, never
 # -march=native: a build runs on every CPU that has its level's flags, whichever machine compiled it.

@@ -1,7 +1,7 @@
 // The entry points of the kernel files, as bindings.cpp exposes them to Python (and decode_layers.cpp calls them).
 #pragma once
 
-#include <torch/types.h>
+#include "torch_slice.h"
 
 #include <cstdint>
 #include <tuple>

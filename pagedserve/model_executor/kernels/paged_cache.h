@@ -2,7 +2,7 @@
 // the layouts of the cache tensors they accept.
 #pragma once
 
-#include <torch/types.h>
+#include "torch_slice.h"
 
 #include <cstdint>
 

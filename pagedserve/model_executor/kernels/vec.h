@@ -6,7 +6,7 @@
 // under `#pragma omp simd` that the compiler vectorizes for the level it was given.
 #pragma once
 
-#include <torch/types.h>
+#include "torch_slice.h"
 
 #include <cstdint>
 #include <cstring>
