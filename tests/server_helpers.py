@@ -106,19 +106,26 @@ atexit.register(stop_all)
 
 
 def start_cli_process(*args: str) -> tuple[subprocess.Popen, str]:
-    """`pagedserve ARGS --port P` (a proxy or a router) in a subprocess; returns it and its URL once /health is 200."""
+    """`pagedserve ARGS --port P` (a proxy or a router) in a subprocess; returns it and its URL once /health is 200,
+    or after 60 s if it answers but stays unhealthy (a test may give it no healthy upstream). One that never answers
+    (it exited, or did not bind) fails the test here, not later with a confusing connection error."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", *args, "--port", str(port)],
                             cwd=str(REPO_ROOT))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
+    answered = False
     while time.monotonic() < deadline and proc.poll() is None:
         try:
+            answered = True
             if httpx.get(url + "/health").status_code == 200:
                 break
         except httpx.HTTPError:
-            pass
+            answered = False
         time.sleep(0.1)
+    if not answered:
+        proc.kill()
+        raise RuntimeError(f"pagedserve {' '.join(args)} did not answer on {url} (exit code {proc.wait()})")
     return proc, url
 
 
