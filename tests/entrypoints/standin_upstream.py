@@ -3,6 +3,8 @@ badly on purpose. Not a test module (no tests here); run as `python standin_upst
 
 * slow: /health 200; a completion answers after DELAY seconds (streamed as 3 SSE events if asked); GET /stats
   says how many generation requests came, the peak number at once, and the size of the last body.
+* hold: as slow, but a completion waits until POST /release instead of DELAY seconds (a test reads what is in
+  flight with no timing window).
 * die: /health 200; a streamed completion sends 2 SSE events, then the process exits (os._exit); a non-streamed
   one exits before answering.
 * reject: /health 200; every completion gets an OpenAI-style 400.
@@ -38,6 +40,7 @@ def build_app(mode: str, delay: float):
     from starlette.routing import Route
 
     stats = {"requests": 0, "in_flight": 0, "peak_in_flight": 0, "last_body_bytes": 0}
+    released = asyncio.Event()  # hold mode: completions wait for POST /release
 
     async def generate(request: Request) -> Response:
         body = await request.body()
@@ -52,7 +55,7 @@ def build_app(mode: str, delay: float):
         stats["in_flight"] += 1
         stats["peak_in_flight"] = max(stats["peak_in_flight"], stats["in_flight"])
         try:
-            await asyncio.sleep(delay)
+            await (released.wait() if mode == "hold" else asyncio.sleep(delay))
         finally:
             stats["in_flight"] -= 1
         if not payload.get("stream"):
@@ -74,9 +77,14 @@ def build_app(mode: str, delay: float):
     async def get_stats(request: Request) -> Response:
         return JSONResponse(stats)
 
+    async def release(request: Request) -> Response:
+        released.set()
+        return Response(status_code=200)
+
     return Starlette(routes=[Route("/v1/completions", generate, methods=["POST"]),
                              Route("/v1/chat/completions", generate, methods=["POST"]),
-                             Route("/health", health), Route("/stats", get_stats)])
+                             Route("/health", health), Route("/stats", get_stats),
+                             Route("/release", release, methods=["POST"])])
 
 
 async def serve_hung(port: int) -> None:

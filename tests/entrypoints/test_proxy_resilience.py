@@ -156,18 +156,26 @@ def test_in_flight_is_counted_at_dispatch_so_concurrent_requests_spread():
 @pytest.mark.parametrize("kind", RELAYS)
 def test_requests_in_flight_are_not_capped_by_a_default_pool(kind):
     """150 concurrent requests to one upstream all reach it at once (its pool is sized by the flag, not httpx's
-    default 100), and the relay's /workers shows them in flight while they are."""
-    with standins("slow", delay=3.0) as (upstream,), \
+    default 100), and the relay's /workers shows them in flight while they are: the upstream holds every request
+    until the test has read /workers (no timing window on a loaded machine)."""
+    with standins("hold") as (upstream,), \
             relay_process(kind, [upstream.url], "--api-key", KEY, "--max-connections-per-upstream", "200") \
             as (_, url):
         seen_in_flight = []
 
         async def run() -> list[httpx.Response]:
-            async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=200),
+            async with httpx.AsyncClient(timeout=90, limits=httpx.Limits(max_connections=200),
                                          headers=auth_headers(KEY)) as client:
                 async def watch() -> None:
-                    await asyncio.sleep(2.0)
-                    seen_in_flight.append(max(w["in_flight"] for w in (await client.get(url + "/workers")).json()))
+                    try:
+                        deadline = time.monotonic() + 60
+                        while (await client.get(upstream.url + "/stats")).json()["in_flight"] < 150 \
+                                and time.monotonic() < deadline:
+                            await asyncio.sleep(0.05)
+                        seen_in_flight.append(max(w["in_flight"]
+                                                  for w in (await client.get(url + "/workers")).json()))
+                    finally:
+                        await client.post(upstream.url + "/release")
 
                 *answers, _ = await asyncio.gather(*(client.post(url + "/v1/completions", json={
                     "model": "m", "prompt": f"p{i}", "max_tokens": 2}) for i in range(150)), watch())
