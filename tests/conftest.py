@@ -140,8 +140,16 @@ def model_dir(tiny_model_dir):
 @pytest.fixture(scope="session")
 def server(tiny_model_dir):
     """One `pagedserve serve` process on the tiny llama, shared by the server test modules."""
-    from server_helpers import get_server, stop_all
+    from server_helpers import get_server
 
-    srv = get_server(tiny_model_dir("llama"))
-    yield srv
-    stop_all()
+    return get_server(tiny_model_dir("llama"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_servers_exit_cleanly():
+    """The servers the session's tests share (server_helpers.get_server) stop at its end, each with exit code 0."""
+    yield
+    helpers = sys.modules.get("server_helpers")
+    if helpers is not None:
+        codes = helpers.stop_all()
+        assert all(code == 0 for code in codes.values()), codes

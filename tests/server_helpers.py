@@ -24,6 +24,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # The main server: shared by test_server_openai / test_server_errors / test_server_load.
 MAIN_ARGS = ("--num-kv-blocks", "256", "--max-model-len", "512", "--max-num-seqs", "64",
              "--max-num-batched-tokens", "1024", "--api-key", API_KEY)
+# float32 (compared with HF transformers) and prompts prefilled in chunks of 8 tokens, no API key: shared by
+# test_server_prompt_logprobs and test_lm_eval (lm_eval's local-* models send no key).
+FP32_CHUNKED_ARGS = ("--dtype", "float32", "--num-kv-blocks", "128", "--max-model-len", "512",
+                     "--max-num-batched-tokens", "8")
 
 
 def free_port() -> int:
@@ -96,10 +100,11 @@ def get_server(model_dir: str | Path, args: tuple[str, ...] = MAIN_ARGS) -> Serv
     return server
 
 
-def stop_all() -> None:
-    for server in list(_SERVERS.values()):
-        server.stop()
+def stop_all() -> dict[str, int]:
+    """Stops the session's servers; returns each one's exit code by its URL."""
+    codes = {server.url: server.stop() for server in _SERVERS.values()}
     _SERVERS.clear()
+    return codes
 
 
 atexit.register(stop_all)

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 from hf_reference import hf_greedy, load_hf_model
-from server_helpers import ServerProcess
+from server_helpers import FP32_CHUNKED_ARGS, get_server
 
 pytestmark = pytest.mark.slow
 
@@ -39,10 +39,7 @@ metric_list:
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    server = ServerProcess(model_dir, ("--dtype", "float32", "--num-kv-blocks", "128", "--max-model-len", "512",
-                                       "--max-num-batched-tokens", "16"))
-    yield server
-    assert server.stop() == 0
+    return get_server(model_dir, FP32_CHUNKED_ARGS)  # chunked prefill; shared with test_server_prompt_logprobs
 
 
 def hf_loglikelihood(model_dir: str, tokenizer, context: str, continuation: str) -> float:
@@ -59,34 +56,59 @@ def hf_loglikelihood(model_dir: str, tokenizer, context: str, continuation: str)
     return float(sum(logprobs[i - 1, whole[i]] for i in range(num_ctx, len(whole))))
 
 
-def run_lm_eval(tmp_path, task_yaml: str, task: str, model: str, model_args: str, *extra: str) -> list[dict]:
-    """`lm_eval --model MODEL` on DOCS as the task `task_yaml` describes (local files, offline) -> its logged
-    samples, one per doc."""
-    data = tmp_path / "docs.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    (tasks / f"{task}.yaml").write_text(task_yaml.format(data=data))
-    out_dir = tmp_path / "out"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args, *extra,
-                           "--tasks", task, "--include_path", str(tasks), "--output_path", str(out_dir),
-                           "--log_samples"], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    samples_files = list(out_dir.rglob(f"samples_{task}_*.jsonl"))
-    assert samples_files, list(out_dir.rglob("*"))
-    samples = [json.loads(line) for line in samples_files[0].read_text().splitlines()]
-    assert len(samples) == len(DOCS)
-    return samples
+class LmEvalRun:
+    """`lm_eval --model MODEL` on DOCS as the task `task_yaml` describes (local files, offline), started in a
+    subprocess at once; samples() waits for it and returns its logged samples, one per doc."""
+
+    def __init__(self, work_dir, task_yaml: str, task: str, model: str, model_args: str, *extra: str) -> None:
+        self.task = task
+        data = work_dir / "docs.jsonl"
+        data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+        tasks = work_dir / "tasks"
+        tasks.mkdir()
+        (tasks / f"{task}.yaml").write_text(task_yaml.format(data=data))
+        self.out_dir = work_dir / "out"
+        self.stderr_path = work_dir / "stderr.txt"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        with open(self.stderr_path, "wb") as stderr:  # a file, not a pipe: nobody reads it while the run goes on
+            self.proc = subprocess.Popen([sys.executable, "-m", "lm_eval", "--model", model, "--model_args",
+                                          model_args, *extra, "--tasks", task, "--include_path", str(tasks),
+                                          "--output_path", str(self.out_dir), "--log_samples"],
+                                         env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+
+    def samples(self) -> list[dict]:
+        returncode = self.proc.wait(timeout=600)
+        assert returncode == 0, self.stderr_path.read_text(errors="replace")[-4000:]
+        samples_files = list(self.out_dir.rglob(f"samples_{self.task}_*.jsonl"))
+        assert samples_files, list(self.out_dir.rglob("*"))
+        samples = [json.loads(line) for line in samples_files[0].read_text().splitlines()]
+        assert len(samples) == len(DOCS)
+        return samples
 
 
-def test_lm_eval_local_completions_loglikelihoods(server, model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def lm_eval_runs(server, model_dir, tmp_path_factory):
+    """Both runs, started together: each is mostly lm_eval's own start (its imports, one core's work), so two
+    cores overlap them; each test waits for its own run and checks it."""
     pytest.importorskip("lm_eval", reason="lm-eval is not installed (pagedserve[test] installs it)")
+    completions = (f"model={model_dir},base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"
+                   f"tokenizer={model_dir},num_concurrent=1,max_retries=1,tokenized_requests=True")
+    chat = f"model={model_dir},base_url={server.url}/v1/chat/completions,num_concurrent=1,max_retries=1"
+    runs = {"completions": LmEvalRun(tmp_path_factory.mktemp("lm_eval_mc"), TASK_YAML, "pagedserve_tiny_mc",
+                                     "local-completions", completions),
+            "chat": LmEvalRun(tmp_path_factory.mktemp("lm_eval_gen"), GEN_TASK_YAML, "pagedserve_tiny_gen",
+                              "local-chat-completions", chat, "--apply_chat_template")}
+    yield runs
+    for run in runs.values():
+        if run.proc.poll() is None:  # a test that failed before waiting for its run
+            run.proc.kill()
+            run.proc.wait()
+
+
+def test_lm_eval_local_completions_loglikelihoods(lm_eval_runs, model_dir):
     from transformers import AutoTokenizer
 
-    model_args = (f"model={model_dir},base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"
-                  f"tokenizer={model_dir},num_concurrent=1,max_retries=1,tokenized_requests=True")
-    samples = run_lm_eval(tmp_path, TASK_YAML, "pagedserve_tiny_mc", "local-completions", model_args)
+    samples = lm_eval_runs["completions"].samples()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     checked = 0
     for sample in samples:
@@ -128,16 +150,13 @@ def hf_chat_greedy(model_dir: str, tokenizer, messages: list[dict], max_new_toke
     return tokenizer.decode(tokens, skip_special_tokens=True).split(stop)[0]
 
 
-def test_lm_eval_local_chat_completions_generate_until(server, model_dir, tmp_path):
+def test_lm_eval_local_chat_completions_generate_until(lm_eval_runs, model_dir):
     """`local-chat-completions --apply_chat_template` with a generate_until task: lm_eval sends chat requests
     (temperature 0, max_tokens, stop, seed); each answer it records equals HF's greedy answer to the same
     messages, cut at the stop string."""
-    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pagedserve[test] installs it)")
     from transformers import AutoTokenizer
 
-    model_args = f"model={model_dir},base_url={server.url}/v1/chat/completions,num_concurrent=1,max_retries=1"
-    samples = run_lm_eval(tmp_path, GEN_TASK_YAML, "pagedserve_tiny_gen", "local-chat-completions", model_args,
-                          "--apply_chat_template")
+    samples = lm_eval_runs["chat"].samples()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     for sample in samples:
         question = sample["doc"]["question"]

@@ -8,18 +8,15 @@ import pytest
 import torch
 from hf_reference import load_hf_model
 from openai import OpenAI
-from server_helpers import API_KEY, ServerProcess, auth_headers
+from server_helpers import API_KEY, FP32_CHUNKED_ARGS, auth_headers, get_server
 
 PROMPT = [0, 201, 54, 422, 85, 268, 339, 69, 86, 321, 17, 250, 33, 411, 96, 120, 57, 300, 12, 77, 5]
 
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    # chunks of 8 tokens: the prompt's logprobs come from three prefill chunks
-    server = ServerProcess(model_dir, ("--dtype", "float32", "--num-kv-blocks", "128", "--max-model-len", "512",
-                                       "--max-num-batched-tokens", "8", "--api-key", API_KEY))
-    yield server
-    assert server.stop() == 0
+    # chunks of 8 tokens: the prompt's logprobs come from three prefill chunks (a server shared with test_lm_eval)
+    return get_server(model_dir, FP32_CHUNKED_ARGS)
 
 
 @pytest.fixture(scope="module")
