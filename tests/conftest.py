@@ -56,7 +56,7 @@ def pytest_collection_finish(session):
             load_cpu_kernels(isa)
 
 
-SERVER_STARTERS = ("ServerProcess", "get_server", "start_cli_process")  # server_helpers' ways to start one
+SERVER_STARTERS = ("ServerProcess", "get_server", "start_servers", "start_cli_process")  # server_helpers' ways to start one
 
 
 def pytest_collection_modifyitems(config, items):

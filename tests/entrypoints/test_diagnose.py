@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from server_helpers import API_KEY, REPO_ROOT, ServerProcess
+from server_helpers import API_KEY, REPO_ROOT, start_servers
 
 from test_engine_boundary import prompt  # seeded random token ids
 
@@ -205,16 +205,13 @@ def scenario_servers(tiny_model_dir):
     """The three runs' servers, started together (a start is mostly one core's imports and loading: two cores
     start three in about the time of two); idle, a server waits on a condition, so the others cost the running
     scenario nothing. Each test stops its own when done."""
-    models = {name: tiny_model_dir("llama", **scenario.model) for name, scenario in SCENARIOS.items()}
-    with ThreadPoolExecutor(len(SCENARIOS)) as pool:
-        starts = {name: pool.submit(ServerProcess, models[name], scenario.serve_args())
-                  for name, scenario in SCENARIOS.items()}
+    servers = dict(zip(SCENARIOS, start_servers(*((tiny_model_dir("llama", **scenario.model), scenario.serve_args())
+                                                  for scenario in SCENARIOS.values()))))
     try:
-        yield {name: start.result() for name, start in starts.items()}
+        yield servers
     finally:
-        for start in starts.values():
-            if start.exception() is None:
-                start.result().stop()
+        for server in servers.values():
+            server.stop()
 
 
 @pytest.mark.parametrize("name", SCENARIOS)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from server_helpers import ServerProcess
+from server_helpers import start_servers
 from tiny_pooling_models import build_tiny_classifier, make_tiny_embedding_checkpoint
 
 ARGS = ("--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256", "--max-num-batched-tokens", "32")
@@ -20,22 +20,28 @@ TEXTS = ["the cat reads a long letter before noon", "a small dog", "the schedule
 
 
 @pytest.fixture(scope="module")
-def embedder(tmp_path_factory, tiny_tokenizer):
-    path = make_tiny_embedding_checkpoint("qwen3", tmp_path_factory.mktemp("embed"), tokenizer=tiny_tokenizer)
-    srv = ServerProcess(path, ("--runner", "pooling", "--served-model-name", "tiny-embed", *ARGS))
-    yield srv, path
-    assert srv.stop() == 0, srv.log()[-3000:]
+def pooling_servers(tmp_path_factory, tiny_tokenizer):
+    """The embedding model's server and the cross-encoder's, started together; both must exit cleanly."""
+    embed_path = make_tiny_embedding_checkpoint("qwen3", tmp_path_factory.mktemp("embed"), tokenizer=tiny_tokenizer)
+    hf = build_tiny_classifier("qwen3", tokenizer=tiny_tokenizer, num_labels=1)
+    rerank_path = tmp_path_factory.mktemp("rerank")
+    hf.save_pretrained(rerank_path, safe_serialization=True)
+    tiny_tokenizer.save_pretrained(rerank_path)
+    servers = start_servers((embed_path, ("--runner", "pooling", "--served-model-name", "tiny-embed", *ARGS)),
+                            (rerank_path, ("--served-model-name", "tiny-rerank", *ARGS)))
+    yield {"embed": (servers[0], embed_path), "rerank": (servers[1], rerank_path, hf)}
+    for srv in servers:
+        assert srv.stop() == 0, srv.log()[-3000:]
 
 
 @pytest.fixture(scope="module")
-def reranker(tmp_path_factory, tiny_tokenizer):
-    hf = build_tiny_classifier("qwen3", tokenizer=tiny_tokenizer, num_labels=1)
-    path = tmp_path_factory.mktemp("rerank")
-    hf.save_pretrained(path, safe_serialization=True)
-    tiny_tokenizer.save_pretrained(path)
-    srv = ServerProcess(path, ("--served-model-name", "tiny-rerank", *ARGS))
-    yield srv, path, hf
-    assert srv.stop() == 0, srv.log()[-3000:]
+def embedder(pooling_servers):
+    return pooling_servers["embed"]
+
+
+@pytest.fixture(scope="module")
+def reranker(pooling_servers):
+    return pooling_servers["rerank"]
 
 
 def test_embeddings_with_the_openai_client(embedder):
