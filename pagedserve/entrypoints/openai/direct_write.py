@@ -1,9 +1,10 @@
 """Streamed response bodies written straight to uvicorn's connection, past the ASGI send chain (issue 50).
 
 Each SSE chunk handed to `await send({"type": "http.response.body", ...})` passes starlette's exception-handling
-wrappers, the server-error middleware, every user middleware's wrapper, uvicorn's send (its flow-control check and
-h11's Data framing, ~9 us alone) and then the socket write: ~40 us of the event loop per chunk, two thirds of what a
-streamed token cost the loop in a fake-engine harness, paid once per stream per engine step. For uvicorn's h11
+wrappers, the server-error middleware, every user middleware's wrapper and uvicorn's send (its flow-control check and
+h11's Data framing, ~9 us alone) before the socket write, once per stream per engine step; skipping them took the
+event loop's cost per streamed chunk from ~43 to ~32 us in a fake-engine harness (benchmarks/sse_chunk_cost.py). For
+uvicorn's h11
 protocol (the server's default) the body chunks between the response start and its end are plain HTTP/1.1 chunks, so
 `BodyWriter` frames them itself (`<hex length>\\r\\n<data>\\r\\n`) and writes them to the transport. The response
 start and the end of the body still go through ASGI send, so every middleware sees them and h11's state machine
@@ -18,7 +19,11 @@ from typing import Any
 
 import h11
 from fastapi import FastAPI
-from h11._writers import ChunkedWriter
+
+try:  # h11's own chunked writer: which framing h11 chose for this response (a private name: guarded)
+    from h11._writers import ChunkedWriter
+except ImportError:  # pragma: no cover - another h11: frame every chunk with h11 itself
+    ChunkedWriter = None
 
 # scope key: the send callable the ASGI server gave the app (before any middleware wrapped it)
 SERVER_SEND = "pagedserve.server_send"
@@ -43,7 +48,7 @@ class BodyWriter:
         self._transport = cycle.transport
         self._flow = cycle.flow
         self._conn: h11.Connection = cycle.conn
-        self._chunked = isinstance(getattr(self._conn, "_writer", None), ChunkedWriter)
+        self._chunked = ChunkedWriter is not None and isinstance(getattr(self._conn, "_writer", None), ChunkedWriter)
 
     async def write(self, data: bytes) -> None:
         cycle = self._cycle
