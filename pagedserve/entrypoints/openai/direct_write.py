@@ -4,14 +4,14 @@ Each SSE chunk handed to `await send({"type": "http.response.body", ...})` passe
 wrappers, the server-error middleware, every user middleware's wrapper and uvicorn's send (its flow-control check and
 h11's Data framing, ~9 us alone) before the socket write, once per stream per engine step; skipping them took the
 event loop's cost per streamed chunk from ~43 to ~32 us in a fake-engine harness (benchmarks/sse_chunk_cost.py). For
-uvicorn's h11
-protocol (the server's default) the body chunks between the response start and its end are plain HTTP/1.1 chunks, so
-`BodyWriter` frames them itself (`<hex length>\\r\\n<data>\\r\\n`) and writes them to the transport. The response
-start and the end of the body still go through ASGI send, so every middleware sees them and h11's state machine
-stays consistent (a chunked body's chunks leave no state in h11); backpressure is uvicorn's own: a write waits for
-the transport to drain while its buffer is over the high-water mark (the engine side merges the outputs meanwhile),
-and nothing is written once the client is gone. Any other server or protocol (httptools, test transports, HTTP/1.0
-framing) gets `None` from `body_writer` and the response uses ASGI send as before.
+uvicorn's h11 protocol (the server's default) the body chunks between the response start and its end are plain
+HTTP/1.1 chunks, so `BodyWriter` frames them itself (`<hex length>\\r\\n<data>\\r\\n`; an HTTP/1.0 client's body is
+framed by h11) and writes them to the transport. The response start and the end of the body still go through ASGI
+send, so every middleware sees them and h11's state machine stays consistent (a chunked body's chunks leave no state
+in h11); backpressure is uvicorn's own: a write waits for the transport to drain while its buffer is over the
+high-water mark (the engine side merges the outputs meanwhile), and nothing is written once the client is gone. Any
+other server or protocol (httptools, test transports) gets `None` from `body_writer` and the response uses ASGI send
+as before.
 """
 from __future__ import annotations
 
