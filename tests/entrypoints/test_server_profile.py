@@ -49,6 +49,8 @@ def test_streamed_request_moves_every_part_of_the_profile_on_metrics():
     assert set(after) == {*SECONDS, *COUNTS}
     assert after["steps"] - before["steps"] >= 10  # 5 tokens each, one step per token
     assert after["deliveries"] > before["deliveries"]
-    assert after["chunks"] - before["chunks"] >= 10  # one chunk per token (plus the chat's role chunk)
+    # up to one chunk per token (plus the chat's role chunk): a consumer that lags behind the 2 ms steps of a loaded
+    # machine gets several tokens merged into one chunk
+    assert after["chunks"] - before["chunks"] >= 2
     for part in ("step", "encode", "send", "deliver", "engine_thread_cpu", "loop_thread_cpu", "process_cpu"):
         assert after[part] > before[part], part

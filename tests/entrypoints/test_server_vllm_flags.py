@@ -127,6 +127,12 @@ def test_https_with_ssl_keyfile_and_certfile(tiny_model_dir, tmp_path):
             time.sleep(0.25)
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://127.0.0.1:{port}/health")
+        # a streamed body over TLS: its chunks are written straight to the (TLS) transport (direct_write.py)
+        with httpx.stream("POST", f"https://127.0.0.1:{port}/v1/completions", timeout=120,
+                          json={"prompt": "hi", "max_tokens": 4, "stream": True, "ignore_eos": True},
+                          verify=ssl.create_default_context(cafile=str(cert))) as r:
+            text = "".join(r.iter_text())
+        assert r.status_code == 200 and text.count('"finish_reason":"length"') == 1 and text.endswith("data: [DONE]\n\n")
     finally:
         proc.terminate()
         proc.wait(30)

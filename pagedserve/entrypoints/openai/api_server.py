@@ -32,6 +32,7 @@ from pagedserve.engine.async_llm import DEFAULT_STEP_TIMEOUT_S, AsyncLLM
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.engine.startup import process_age_s
 from pagedserve.entrypoints.dashboard.routes import HostCheck, add_live_event_routes
+from pagedserve.entrypoints.openai.direct_write import DirectWriteApp
 from pagedserve.entrypoints.openai.errors import (OpenAIError, error_response, exception_to_openai,
                                                   install_error_handlers)
 from pagedserve.errors import EngineRequestError, EngineShuttingDown
@@ -278,7 +279,7 @@ def build_app(engine_client: EngineClient, args: Any = None, *, shutdown_engine_
         if shutdown_engine_on_exit:
             await asyncio.to_thread(engine_client.shutdown)
 
-    app = FastAPI(title="pagedserve OpenAI-compatible API", lifespan=lifespan)
+    app = DirectWriteApp(title="pagedserve OpenAI-compatible API", lifespan=lifespan)
     app.state.engine_client = engine_client
     app.state.registry = registry
     app.state.served_model_name = served

@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from pagedserve.engine.request_stream import RequestStream
 from pagedserve.engine.input_processor import render_chat
 from pagedserve.engine.protocol import EngineClient
+from pagedserve.entrypoints.openai.direct_write import body_writer
 from pagedserve.entrypoints.openai.errors import OpenAIError
 from pagedserve.entrypoints.openai.tool_calls import template_message
 from pagedserve.entrypoints.openai.protocol import (ChatLogProb, ChatLogProbsContent, CompletionLogProbs,
@@ -42,6 +43,8 @@ class SSEResponse(StreamingResponse):
 
     The generator's own `finally` covers cancellation mid-stream; this also covers a client that
     disconnects before the generator was first iterated (an unstarted generator has no finally to run).
+    Under uvicorn's h11 protocol the body's chunks go straight to the connection (direct_write.py); the start and
+    the end of the response go through ASGI send.
     """
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], profile: ServerProfile) -> None:
@@ -49,19 +52,28 @@ class SSEResponse(StreamingResponse):
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._on_close = on_close
         self._profile = profile
+        self._scope: dict = {}
 
     async def __call__(self, scope, receive, send) -> None:
-        profile = self._profile
-
-        async def timed_send(message: dict) -> None:  # each chunk's HTTP framing and socket write
-            t = time.perf_counter()
-            await send(message)
-            profile.record_send(time.perf_counter() - t)
-
+        self._scope = scope
         try:
-            await super().__call__(scope, receive, timed_send)
+            await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+    async def stream_response(self, send) -> None:
+        profile = self._profile
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        writer = body_writer(self._scope)
+        async for chunk in self.body_iterator:
+            data = chunk.encode() if isinstance(chunk, str) else chunk
+            t = time.perf_counter()  # each chunk's HTTP framing and socket write
+            if writer is not None:
+                await writer.write(data)
+            else:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            profile.record_send(time.perf_counter() - t)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class ClientDisconnected(Exception):
