@@ -139,7 +139,7 @@ class DecoderForCausalLM(nn.Module):
                 module.process_weights_after_loading()
         if self.supports_fused_decode:
             self.fused_decode = FusedDecodeStack.build(self.layers, self.attn_backend, self.parallel,
-                                                       self.cfg.rms_norm_eps)
+                                                       self.cfg.rms_norm_eps, [g for g, _ in self.layer_kv_slots])
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, model_dir: Path) -> None:
