@@ -363,10 +363,14 @@ class KVCacheConfig:
     num_blocks: int
     block_size: int
     bytes_per_block: int  # one block in every layer's K and V, summed over the ranks that share a memory
+    # a hybrid model's KV cache groups (core/kv_cache_groups.py): a block holds one group's layers, and a token of
+    # full-attention context takes a block slot in every group
+    num_kv_cache_groups: int = 1
 
     @property
     def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """Tokens of context the cache holds with every group keeping all of it (a sliding group keeps less)."""
+        return self.num_blocks // self.num_kv_cache_groups * self.block_size
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ class ScheduledRequest:
     num_new_tokens: int  # includes the draft tokens below
     block_ids: list[int]
     spec_token_ids: list[int] = field(default_factory=list)  # drafts verified in this step (after the known tokens)
+    group_block_ids: list[list[int]] = field(default_factory=list)  # a hybrid model's other KV cache groups' tables
 
     @property
     def samples(self) -> bool:
@@ -240,7 +241,8 @@ class Scheduler:
                 # drafts are scheduled after the known tokens; the budget may cut them short
                 num_spec = request.num_computed_tokens + num_new - request.num_tokens
                 out.scheduled.append(ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id),
-                                                      request.spec_token_ids[:max(num_spec, 0)]))
+                                                      request.spec_token_ids[:max(num_spec, 0)],
+                                                      self.kv.group_block_ids(request.request_id)))
                 budget -= num_new
                 index += 1
 
@@ -284,7 +286,8 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.time()
             self._insert_running(request)
-            out.scheduled.append(ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id)))
+            out.scheduled.append(ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id),
+                                                  group_block_ids=self.kv.group_block_ids(request.request_id)))
             budget -= num_new
             if request.lora_request is not None:
                 active_loras.add(request.lora_request.lora_int_id)
@@ -381,7 +384,7 @@ class Scheduler:
             if (head.priority, head.arrival_time) >= (lowest.priority, lowest.arrival_time):
                 return
             first_chunk = self._chunk_size(head.num_tokens, self.config.max_num_batched_tokens)
-            needed = -(-first_chunk // self.kv.block_size)
+            needed = -(-first_chunk // self.kv.block_size) * self.kv.num_groups
             if needed <= self.kv.num_free_blocks and len(self.running) < self.config.max_num_seqs:
                 return
             self._preempt(lowest, out)

@@ -101,7 +101,7 @@ class InputProcessor:
                 f"Please reduce the length of the prompt or completion (max_tokens <= {limit - num_prompt}).",
                 param="max_tokens", code="context_length_exceeded")
         cache = self.kv_cache
-        need = cdiv(num_prompt + max_tokens, cache.block_size)
+        need = cdiv(num_prompt + max_tokens, cache.block_size) * cache.num_kv_cache_groups
         if need > cache.num_blocks:
             raise InvalidRequestError(
                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks but the whole "
@@ -294,7 +294,7 @@ class InputProcessor:
                 f"This model's maximum context length is {limit} tokens. However, you requested {len(token_ids)} "
                 f"tokens in the input. Please reduce the length of the input.", param=prompt_param,
                 code="context_length_exceeded")
-        need = cdiv(len(token_ids), self.kv_cache.block_size)
+        need = cdiv(len(token_ids), self.kv_cache.block_size) * self.kv_cache.num_kv_cache_groups
         if need > self.kv_cache.num_blocks:
             raise InvalidRequestError(f"{prompt_param} ({len(token_ids)} tokens) needs {need} KV blocks but the whole "
                                       f"KV cache has {self.kv_cache.num_blocks}; the request could never run.",

@@ -59,7 +59,8 @@ class LLMEngine:
             self.executor.allocate_kv_cache(self.kv_cache_config.num_blocks)
         self.kv_cache_manager = KVCacheManager(self.kv_cache_config.num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching,
-                                               config.cache.prefix_caching_hash_algo)
+                                               config.cache.prefix_caching_hash_algo,
+                                               [g.sliding_window for g in self.runner.model.kv_cache_groups])
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.structured_output = StructuredOutputManager(self.tokenizer, config.model.vocab_size,
                                                          overlap_masks=leaves_a_core_free(self.runner.device))
@@ -101,20 +102,23 @@ class LLMEngine:
 
     def _size_kv_cache(self) -> KVCacheConfig:
         """How many blocks: as asked, or as many as the byte budget holds, or a share of the memory left after
-        loading the model (never more than max_num_seqs full-length requests can use)."""
+        loading the model (never more than max_num_seqs full-length requests can use). A hybrid model's block holds
+        one KV cache group's layers (core/kv_cache_groups.py): num_kv_blocks counts blocks of every layer, each
+        worth one block per group."""
         cache, max_len = self.config.cache, self.config.model.max_model_len
         per_block = self.executor.kv_bytes_per_block
+        num_groups = len(self.runner.model.kv_cache_groups)
         if cache.num_kv_blocks is not None:
-            num_blocks = cache.num_kv_blocks
+            num_blocks = cache.num_kv_blocks * num_groups
         elif cache.kv_cache_memory_bytes is not None:
             num_blocks = cache.kv_cache_memory_bytes // per_block
         else:
-            useful = cdiv(self.config.scheduler.max_num_seqs * max_len, cache.block_size)
+            useful = cdiv(self.config.scheduler.max_num_seqs * max_len, cache.block_size) * num_groups
             budget = int(self.executor.available_memory() * cache.kv_cache_memory_fraction)
             num_blocks = min(budget // per_block, useful)
         if num_blocks < 1:
             raise ValueError(f"The KV cache budget holds no block of {per_block} bytes.")
-        kv = KVCacheConfig(num_blocks, cache.block_size, per_block)
+        kv = KVCacheConfig(num_blocks, cache.block_size, per_block, num_groups)
         logger.info("KV cache size: %d tokens (%d blocks of %d, %.2f GiB); maximum concurrency for %d tokens "
                     "per request: %.2fx", kv.num_tokens, num_blocks, cache.block_size, num_blocks * per_block / 2**30,
                     max_len, kv.num_tokens / max_len)
@@ -123,6 +127,9 @@ class LLMEngine:
     def _connect_kv_store(self) -> KVConnector:
         """After warm-up, so that no warm-up block reaches the store."""
         c, cache, kv_transfer = self.model_config, self.config.cache, self.config.kv_transfer
+        if self.kv_cache_manager.num_groups > 1:  # the connector moves one block table's blocks
+            raise ValueError("kv_transfer_config: the KV connector does not support a model with sliding-window and "
+                             "full-attention layers (several KV cache groups).")
         # what besides the weights makes a block's values and layout
         compute = [f"kv:{cache.kv_cache_dtype}", f"dtype:{c.dtype}", f"quantization:{self.config.load.quantization}",
                    f"block:{cache.block_size}", f"layout:{c.num_layers},{c.num_kv_heads},{c.head_dim}"]

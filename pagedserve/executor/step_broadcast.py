@@ -8,11 +8,14 @@ world group: a fixed header [command, payload length] and the payload.
 
 Payload of a STEP: [num_tokens, num_decodes, table_width, num_prefills, num_logits, block_size], then
 input_ids, positions, slot_mapping (num_tokens each), the decode block table (num_decodes x table_width) and
-context lengths, per prefill [start, num_tokens, context_len, num_blocks] + its block ids, the logits indices.
+context lengths, per prefill [start, num_tokens, context_len, num_blocks] + its block ids, the logits indices; then
+for a hybrid model's KV cache groups 1.. (core/kv_cache_groups.py), [number of groups] and per group its table
+width, slot mapping, decode block table and per prefill [num_blocks] + its block ids.
 """
 from __future__ import annotations
 
 import enum
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -43,6 +46,14 @@ def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionM
         parts += [torch.tensor([span.start, span.num_tokens, span.context_len, span.block_ids.numel()]),
                   span.block_ids]
     parts.append(logits_indices)
+    if meta.group_metadata:
+        parts.append(torch.tensor([len(meta.group_metadata)]))
+    for group in meta.group_metadata:
+        parts += [torch.tensor([group.decode_block_tables.shape[1] if d else 0]), group.slot_mapping]
+        if d:
+            parts.append(group.decode_block_tables.flatten())
+        for span in group.prefills:
+            parts += [torch.tensor([span.block_ids.numel()]), span.block_ids]
     return torch.cat([p.to("cpu", torch.long) for p in parts])
 
 
@@ -67,6 +78,14 @@ def unpack_step(buf: torch.Tensor, device: torch.device) -> StepInputs:
                                     chunk_causal_mask(context_len - n, context_len, device)))
     logits_indices = take(num_logits)
     meta = AttentionMetadata(slot_mapping, d, tables, lens, block_size, prefills)
+    num_groups = int(take(1)) if at < buf.numel() else 0
+    for _ in range(num_groups):
+        width = int(take(1))
+        slots = take(num_tokens)
+        group_tables = take(d * width).view(d, width) if d else None
+        spans = [replace(span, block_ids=take(int(take(1)))) for span in prefills]
+        meta.group_metadata.append(replace(meta, slot_mapping=slots, decode_block_tables=group_tables,
+                                           prefills=spans, group_metadata=[]))
     return input_ids, positions, meta, logits_indices
 
 

@@ -3,7 +3,7 @@ and which rows produce logits. Shared by the model runner and the draft model (w
 through the same block tables)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ class TokenSpan:
     start_pos: int  # tokens before it are in the KV cache already
     block_ids: list[int]  # the request's block table
     num_logits: int  # logits rows for the span's last num_logits positions (0: none)
+    group_block_ids: list[list[int]] = field(default_factory=list)  # a hybrid model's other groups' tables
 
 
 @dataclass
@@ -46,8 +47,8 @@ def prepare_batch(spans: list[TokenSpan], block_size: int, device: torch.device)
     """Spans that run as decode rows (runs_as_decode) must come first: attention batches them together."""
     bs = block_size
     tokens: list[int] = []
-    positions, slots = [], []
-    decode_tables, decode_lens = [], []
+    positions = []
+    decode_lens = []
     prefills: list[PrefillSpan] = []
     logits_indices: list[int] = []
     start = 0
@@ -56,36 +57,51 @@ def prepare_batch(spans: list[TokenSpan], block_size: int, device: torch.device)
         first = span.start_pos
         context_len = first + n
         tokens.extend(span.token_ids)
-        pos = np.arange(first, context_len)
-        table = np.asarray(span.block_ids, dtype=np.int64)
-        positions.append(pos)
-        slots.append(table[pos // bs] * bs + pos % bs)
-        used_blocks = span.block_ids[:-(-context_len // bs)]
+        positions.append(np.arange(first, context_len))
         if runs_as_decode(n):
-            decode_tables.extend([used_blocks] * n)
             decode_lens.extend(range(first + 1, context_len + 1))
         else:
-            prefills.append(PrefillSpan(start, n, context_len,
-                                        torch.tensor(used_blocks, dtype=torch.long, device=device),
-                                        chunk_causal_mask(first, context_len, device)))
+            prefills.append(PrefillSpan(start, n, context_len, None, chunk_causal_mask(first, context_len, device)))
         start += n
         logits_indices.extend(range(start - span.num_logits, start))
-    decode_bt = decode_lens_t = None
+    meta = AttentionMetadata(
+        slot_mapping=None,
+        num_decodes=len(decode_lens),
+        decode_block_tables=None,
+        decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=device) if decode_lens else None,
+        block_size=bs,
+        prefills=prefills,
+    )
+    meta = _with_block_tables(meta, spans, [span.block_ids for span in spans], positions, device)
+    num_groups = len(spans[0].group_block_ids) if spans else 0
+    meta.group_metadata = [_with_block_tables(meta, spans, [span.group_block_ids[g] for span in spans], positions,
+                                              device) for g in range(num_groups)]
+    return InputBatch(torch.tensor(tokens, dtype=torch.long, device=device),
+                      torch.from_numpy(np.concatenate(positions)).to(device), meta,
+                      torch.tensor(logits_indices, dtype=torch.long, device=device))
+
+
+def _with_block_tables(meta: AttentionMetadata, spans: list[TokenSpan], tables: list[list[int]],
+                       positions: list[np.ndarray], device: torch.device) -> AttentionMetadata:
+    """`meta` with the slots, decode block tables and chunks' blocks of one KV cache group's tables (one per span)."""
+    bs = meta.block_size
+    slots, decode_tables, chunk_blocks = [], [], []
+    for span, block_ids, pos in zip(spans, tables, positions):
+        n = len(span.token_ids)
+        table = np.asarray(block_ids, dtype=np.int64)
+        slots.append(table[pos // bs] * bs + pos % bs)
+        used_blocks = block_ids[:-(-(span.start_pos + n) // bs)]
+        if runs_as_decode(n):
+            decode_tables.extend([used_blocks] * n)
+        else:
+            chunk_blocks.append(torch.tensor(used_blocks, dtype=torch.long, device=device))
+    decode_bt = None
     if decode_tables:
         width = max(len(t) for t in decode_tables)
         table = np.zeros((len(decode_tables), width), dtype=np.int64)
         for i, t in enumerate(decode_tables):
             table[i, :len(t)] = t
         decode_bt = torch.from_numpy(table).to(device)
-        decode_lens_t = torch.tensor(decode_lens, dtype=torch.long, device=device)
-    meta = AttentionMetadata(
-        slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
-        num_decodes=len(decode_tables),
-        decode_block_tables=decode_bt,
-        decode_context_lens=decode_lens_t,
-        block_size=bs,
-        prefills=prefills,
-    )
-    return InputBatch(torch.tensor(tokens, dtype=torch.long, device=device),
-                      torch.from_numpy(np.concatenate(positions)).to(device), meta,
-                      torch.tensor(logits_indices, dtype=torch.long, device=device))
+    return replace(meta, slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
+                   decode_block_tables=decode_bt,
+                   prefills=[replace(p, block_ids=b) for p, b in zip(meta.prefills, chunk_blocks)])

@@ -35,14 +35,25 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
     return model
 
 
+def _kv_tensors(model: nn.Module) -> list[int]:
+    """The KV tensors this process's layers use (their positions in their KV cache groups): as many as its layers
+    for a model with one group, a hybrid model's group size (core/kv_cache_groups.py: the groups share them)."""
+    return sorted({tensor for _, tensor in model.layer_kv_slots})
+
+
 def kv_bytes_per_block(model: nn.Module, block_size: int, kv_dtype: torch.dtype) -> int:
-    """One block in every K and V this process holds: its layers, its KV heads."""
-    return 2 * len(model.layers) * block_size * model.num_local_kv_heads * model.cfg.head_dim * kv_dtype.itemsize
+    """One block in every K and V tensor this process holds: its layers' (shared by a hybrid model's groups), its KV
+    heads."""
+    return 2 * len(_kv_tensors(model)) * block_size * model.num_local_kv_heads * model.cfg.head_dim \
+        * kv_dtype.itemsize
 
 
 def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (K cache, V cache), each indexed [num_blocks, block_size, KV heads, head_dim], in the layout of the
-    model's attention backend (attention/cpu.py, attention/triton.py, ...)."""
-    return model.attn_backend.allocate_kv_cache(len(model.layers), num_blocks, block_size, model.num_local_kv_heads,
-                                                model.cfg.head_dim, kv_dtype, device)
+    model's attention backend (attention/cpu.py, attention/triton.py, ...); layers at one position of their KV
+    cache groups share one tensor."""
+    tensors = _kv_tensors(model)
+    caches = dict(zip(tensors, model.attn_backend.allocate_kv_cache(
+        len(tensors), num_blocks, block_size, model.num_local_kv_heads, model.cfg.head_dim, kv_dtype, device)))
+    return [caches[tensor] for _, tensor in model.layer_kv_slots]

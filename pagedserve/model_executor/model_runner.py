@@ -117,7 +117,7 @@ class ModelRunner:
         # CUDA graphs for decode-only steps (cuda_graphs.py)
         self.use_cuda_graphs = wants_cuda_graphs(self.attn_backend, device, config.enforce_eager,
                                                  parallel.layout.world_size) and config.lora is None \
-            and self.pooler is None
+            and self.pooler is None and len(self.model.kv_cache_groups) == 1  # graphs record one group's tables
         # multi-LoRA: the projections wrapped in LoRA layers, adapters in slots (lora/model_manager.py)
         self.lora_manager = LoRAModelManager(self.model, config.lora, device, self.dtype, get_quantization_config(
             None, config.load.linear_backend, device)) if config.lora is not None else None
@@ -134,6 +134,8 @@ class ModelRunner:
         return available_memory(self.device)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        # a sliding-window group's tables point at the null block (id num_blocks, past the pool) behind the window
+        num_blocks += any(g.sliding_window for g in self.model.kv_cache_groups)
         self.kv_caches = allocate_kv_cache(self.model, num_blocks, self.block_size, self.kv_dtype, self.device)
         if self.use_cuda_graphs:
             self.decode_graphs = DecodeGraphs(self.run_model, self.block_size, self.device, self.attn_backend)
@@ -218,7 +220,7 @@ class ModelRunner:
             # a chunk asking prompt logprobs has logits at every position (its rows come first, the sample row last)
             spans.append(TokenSpan(tokens, first, item.block_ids,
                                    len(tokens) if chunk is not None else
-                                   len(item.spec_token_ids) + 1 if item.samples else 0))
+                                   len(item.spec_token_ids) + 1 if item.samples else 0, item.group_block_ids))
         return spans
 
     def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest], result: ModelRunnerOutput,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.config import SpeculativeConfig, dtype_name
+from pagedserve.core.kv_cache_groups import KVCacheGroup
 from pagedserve.core.scheduler import ScheduledRequest
 from pagedserve.model_executor.input_batch import TokenSpan, prepare_batch, runs_as_decode
 from pagedserve.model_executor.model_config import ModelConfig, resolve_model_dir
@@ -52,6 +53,8 @@ class DraftModelDrafter(Drafter):
         self.block_size = context.block_size
         self.model = load_model(cfg, context.device, context.dtype, _draft_quant_config(cfg, context),
                                 context.attn_backend)
+        # one block table (the target's group 0) for every layer: one KV tensor per layer
+        self.model.set_kv_cache_groups([KVCacheGroup(tuple(range(cfg.num_layers)), None)])
         self.generator = torch.Generator(device=context.device).manual_seed(context.seed)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_valid: dict[str, int] = {}  # request id -> leading positions whose draft K/V is valid

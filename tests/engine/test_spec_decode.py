@@ -273,11 +273,15 @@ def _draft(model_dir, k: int = 3) -> dict:
     return {"model": str(model_dir), "num_speculative_tokens": k, "disable_by_batch_size": 64}
 
 
-@pytest.mark.parametrize("config", ["default", "budget-16-chunked", "pool-fits-longest-only"])
-def test_draft_model_identical_to_the_target_accepts_every_draft(config, tiny_model_dir, tiny_tokenizer):
+# mistral-sw: every layer windowed, the one block table drops blocks behind the window; gemma3: the target's KV cache
+# groups, the draft's every layer through group 0's (full-attention) table
+@pytest.mark.parametrize("arch, config", [("qwen3", "default"), ("qwen3", "budget-16-chunked"),
+                                          ("qwen3", "pool-fits-longest-only"), ("mistral-sw", "budget-16-chunked"),
+                                          ("gemma3", "budget-16-chunked")])
+def test_draft_model_identical_to_the_target_accepts_every_draft(arch, config, tiny_model_dir, tiny_tokenizer):
     """Draft = target: greedy drafts are exactly the target's tokens, so every one is accepted, whatever the
     batch, chunking or preemption did to the draft's own KV cache."""
-    model_dir = tiny_model_dir("qwen3")
+    model_dir = tiny_model_dir(arch)
     prompts = mixed_prompts(tiny_tokenizer, n=6, lengths=(6, 120))
     kwargs = {"default": dict(num_kv_blocks=512), **_configs(prompts)}[config]
     llm, ours = generate(model_dir, prompts, speculative_config=_draft(model_dir), **kwargs)

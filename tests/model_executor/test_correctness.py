@@ -141,7 +141,10 @@ def test_greedy_same_in_every_config(arch, config, tiny_model_dir, tiny_tokenize
     if alternative is not None:
         assert alternative["argmax_rows"] > 0 and alternative.total() > alternative["argmax_rows"], dict(alternative)
     stats = llm.llm_engine.get_stats().scheduler
-    if config == "pool-fits-longest-only":
+    # (windowed layers free their blocks behind the window: there the pool holds more than the longest request, and
+    # test_sliding_window_kv.py forces the preemption)
+    windowed = any(g.sliding_window for g in llm.llm_engine.runner.model.kv_cache_groups)
+    if config == "pool-fits-longest-only" and not windowed:
         assert stats.num_preemptions > 0, "the small pool should have forced preemption"
     check_engine_drained(llm)
 

@@ -11,7 +11,8 @@ from pagedserve.model_executor.layers.fused_decode import FusedDecodeStack
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain; q/k/v biases; q/k norms
+# plain; q/k/v biases; q/k norms; every layer windowed (one KV cache group); full and windowed layers (two groups)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral-sw", "qwen2-sw"])
 @pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", None), ("float32", "int8"),
                                                ("bfloat16", "int8")])
 def test_native_decode_loop_matches_python_layers(arch, dtype, quantization, tiny_model_dir, monkeypatch):

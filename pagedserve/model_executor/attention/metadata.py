@@ -10,7 +10,7 @@ causally to its whole context, offset by what came before it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,9 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [num_decodes] long
     block_size: int
     prefills: list[PrefillSpan]
+    # a hybrid model's KV cache groups 1.. (core/kv_cache_groups.py): the same rows through each group's block tables
+    # (its slots, decode tables and chunks' blocks); a layer of group g reads group_metadata[g - 1]
+    group_metadata: list[AttentionMetadata] = field(default_factory=list)
 
 
 def chunk_causal_mask(first: int, context_len: int, device: torch.device) -> torch.Tensor | None:

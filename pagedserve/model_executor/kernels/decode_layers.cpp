@@ -29,21 +29,28 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor* w, int64_t n)
 // none before the first layer. weights, per layer: input norm, QKV product, q norm, k norm, o product,
 // post-attention norm, gate/up product, down product, where a product is 4 tensors: packed weight, bias, column
 // scales, column shifts (empty tensors: no bias, no q-k norms, no scales and shifts but for int8); widths, per
-// layer: the QKV, o and gate/up output widths. caches: per layer K then V. cos, sin: [T, 1, D/2]. Returns (the last
-// layer's MLP output, the residual stream before it), as the Python layers do.
+// layer: the QKV, o and gate/up output widths. caches: per layer K then V. cos, sin: [T, 1, D/2]. slot_mappings and
+// block_tables: one per KV cache group (core/kv_cache_groups.py), layer i reading its group layer_groups[i]'s and
+// attending to the last windows[i] positions (0: all). Returns (the last layer's MLP output, the residual stream
+// before it), as the Python layers do.
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor x, c10::optional<torch::Tensor> residual_opt,
                                                        std::vector<torch::Tensor> weights,
                                                        std::vector<int64_t> widths,
                                                        std::vector<torch::Tensor> caches, torch::Tensor cos,
-                                                       torch::Tensor sin, torch::Tensor slot_mapping,
-                                                       torch::Tensor block_tables, torch::Tensor context_lens,
-                                                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                                       torch::Tensor sin, std::vector<torch::Tensor> slot_mappings,
+                                                       std::vector<torch::Tensor> block_tables,
+                                                       torch::Tensor context_lens, std::vector<int64_t> layer_groups,
+                                                       std::vector<int64_t> windows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                                        double eps, double scale) {
   const int64_t layers = static_cast<int64_t>(caches.size()) / 2;
   TORCH_CHECK(layers * 2 == static_cast<int64_t>(caches.size()) &&
                   static_cast<int64_t>(weights.size()) == layers * kPerLayer &&
-                  static_cast<int64_t>(widths.size()) == layers * 3,
-              "decode_layers: ", kPerLayer, " weight tensors, 3 widths and 2 caches per layer");
+                  static_cast<int64_t>(widths.size()) == layers * 3 &&
+                  static_cast<int64_t>(layer_groups.size()) == layers &&
+                  static_cast<int64_t>(windows.size()) == layers && slot_mappings.size() == block_tables.size(),
+              "decode_layers: ", kPerLayer, " weight tensors, 3 widths, 2 caches, a group and a window per layer");
+  for (int64_t g : layer_groups)
+    TORCH_CHECK(g >= 0 && g < static_cast<int64_t>(block_tables.size()), "decode_layers: no block table for group ", g);
   const int64_t t = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   torch::Tensor residual = residual_opt.has_value() ? *residual_opt : torch::Tensor();
   for (int64_t i = 0; i < layers; ++i) {
@@ -65,9 +72,10 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor x, c10::opt
       rms_norm(k, c10::nullopt, w[6], eps, k);
     }
     rotary_inplace(qk, cos, sin);
-    write_kv(k, v, caches[2 * i], caches[2 * i + 1], slot_mapping);
-    const torch::Tensor o = paged_decode_attention(q, caches[2 * i], caches[2 * i + 1], block_tables, context_lens,
-                                                   scale, c10::nullopt, 0);
+    const int64_t g = layer_groups[i];
+    write_kv(k, v, caches[2 * i], caches[2 * i + 1], slot_mappings[g]);
+    const torch::Tensor o = paged_decode_attention(q, caches[2 * i], caches[2 * i + 1], block_tables[g], context_lens,
+                                                   scale, c10::nullopt, windows[i]);
     h = product(o.view({t, q_size}), w + 7, width[1]);
     h = rms_norm(h, residual, w[11], eps, c10::nullopt);
     x = product(silu_and_mul(product(h, w + 12, width[2])), w + 16, x.size(1));

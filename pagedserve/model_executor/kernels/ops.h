@@ -40,7 +40,9 @@ torch::Tensor small_gemm_int8(torch::Tensor x, torch::Tensor packed, torch::Tens
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor x, c10::optional<torch::Tensor> residual,
                                                        std::vector<torch::Tensor> weights, std::vector<int64_t> widths,
                                                        std::vector<torch::Tensor> caches, torch::Tensor cos,
-                                                       torch::Tensor sin, torch::Tensor slot_mapping,
-                                                       torch::Tensor block_tables, torch::Tensor context_lens,
-                                                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                                       double eps, double scale);
+                                                       torch::Tensor sin, std::vector<torch::Tensor> slot_mappings,
+                                                       std::vector<torch::Tensor> block_tables,
+                                                       torch::Tensor context_lens, std::vector<int64_t> layer_groups,
+                                                       std::vector<int64_t> windows, int64_t num_heads,
+                                                       int64_t num_kv_heads, int64_t head_dim, double eps,
+                                                       double scale);

@@ -7,7 +7,8 @@ A model opts in by building a FusedDecodeStack over its DecoderLayers once their
 built), the model runs on one tensor-parallel rank, and every linear's method hands over native tensors
 (quantization/base.py: the native small GEMM's packed weights, float or int8). Each step it runs only when every
 row is a decode row within the linears' row limit; otherwise, and for layers with forward hooks (the engine's
-fault injection, a user's, which must run), the Python layers do.
+fault injection, a user's, which must run), the Python layers do. A sliding-window layer's attention takes its window,
+and a hybrid model's layer its KV cache group's block table and slots (core/kv_cache_groups.py), as in Python.
 """
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ from pagedserve.model_executor.quantization.base import NativeLinearTensors
 
 class FusedDecodeStack:
     def __init__(self, layers: nn.ModuleList, kernels: ModuleType, tensors: list[torch.Tensor], widths: list[int],
-                 max_rows: int, rms_norm_eps: float) -> None:
+                 max_rows: int, rms_norm_eps: float, layer_groups: list[int]) -> None:
         self.layers = layers
+        self.layer_groups = layer_groups  # per layer: its KV cache group (its block table and slots)
+        self.windows = [layer.self_attn.sliding_window or 0 for layer in layers]
         self.kernels = kernels
         self.tensors = tensors  # per layer, in decode_layers' order
         self.widths = widths  # per layer: the QKV, o_proj and gate_up output widths
@@ -38,11 +41,11 @@ class FusedDecodeStack:
 
     @classmethod
     def build(cls, layers: nn.ModuleList, attn_backend: AttentionBackend, parallel: ParallelState,
-              rms_norm_eps: float) -> FusedDecodeStack | None:
-        """The stack over `layers` (DecoderLayers, weights processed), or None where it cannot run."""
+              rms_norm_eps: float, layer_groups: list[int]) -> FusedDecodeStack | None:
+        """The stack over `layers` (DecoderLayers, weights processed; layer i of KV cache group layer_groups[i]), or
+        None where it cannot run."""
         kernels = cpu_kernels() if attn_backend.supports_fused_decode_stack and parallel.tp_size == 1 else None
-        # the native stack's attention reads the whole context: a sliding-window layer runs layer by layer
-        if kernels is None or len(layers) == 0 or any(layer.self_attn.sliding_window for layer in layers):
+        if kernels is None or len(layers) == 0:
             return None
         none = torch.empty(0)
 
@@ -67,7 +70,8 @@ class FusedDecodeStack:
                         *product(attn.o_proj), layer.post_attention_layernorm.weight,
                         *product(mlp.gate_up_proj), *product(mlp.down_proj)]
             widths += [attn.qkv_proj.out_features, attn.o_proj.out_features, mlp.gate_up_proj.out_features]
-        return cls(layers, kernels, tensors, widths, min(t.max_rows for t in native.values()), rms_norm_eps)
+        return cls(layers, kernels, tensors, widths, min(t.max_rows for t in native.values()), rms_norm_eps,
+                   layer_groups)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: tuple[torch.Tensor, torch.Tensor],
                  kv_caches: list[KVCache], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -77,6 +81,8 @@ class FusedDecodeStack:
                 or self.weight_dtype not in (x.dtype, torch.int8) \
                 or any(layer._forward_pre_hooks or layer._forward_hooks for layer in self.layers):
             return None
+        groups = [meta, *meta.group_metadata]
         return self.kernels.decode_layers(x, residual, self.tensors, self.widths, [t for kv in kv_caches for t in kv],
-                                          *cos_sin, meta.slot_mapping, meta.decode_block_tables,
-                                          meta.decode_context_lens, *self.shape)
+                                          *cos_sin, [m.slot_mapping for m in groups],
+                                          [m.decode_block_tables for m in groups], meta.decode_context_lens,
+                                          self.layer_groups, self.windows, *self.shape)

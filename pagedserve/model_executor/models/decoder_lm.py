@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pagedserve.core.kv_cache_groups import KVCacheGroup, layer_cache_slots, make_kv_cache_groups
 from pagedserve.model_executor.attention.backend import AttentionBackend, KVCache
 from pagedserve.model_executor.attention.metadata import AttentionMetadata
 from pagedserve.model_executor.layers.decoder import DecoderLayer, DecoderOptions
@@ -47,6 +48,7 @@ class DecoderForCausalLM(nn.Module):
         self.num_local_kv_heads = layout.local_kv_heads(cfg.num_kv_heads)
         self.layer_range = layout.layer_range(cfg.num_layers, parallel.pp_rank)
         vocab_rows = layout.vocab_rows(cfg.vocab_size)
+        self.set_kv_cache_groups(make_kv_cache_groups([cfg.layer_sliding_window(i) for i in range(cfg.num_layers)]))
         self.rotary = self.make_rotary(cfg)
         self.embed_tokens = VocabParallelEmbedding(vocab_rows, cfg.hidden_size, parallel) \
             if parallel.is_first_stage else None
@@ -62,6 +64,13 @@ class DecoderForCausalLM(nn.Module):
             if cfg.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
         self.fused_decode: FusedDecodeStack | None = None  # built once the weights are processed
+
+    def set_kv_cache_groups(self, groups: list[KVCacheGroup]) -> None:
+        """Which block table and KV tensor each layer uses (core/kv_cache_groups.py; a draft model takes one group:
+        it writes every layer through the target's group 0 table)."""
+        self.kv_cache_groups = groups
+        slots = layer_cache_slots(groups)
+        self.layer_kv_slots = [slots[i] for i in self.layer_range]  # per local layer: (group, KV tensor)
 
     def decoder_options(self, cfg: ModelConfig) -> DecoderOptions:
         """What this family sets on the shared decoder layer (a subclass overrides it)."""
@@ -113,8 +122,9 @@ class DecoderForCausalLM(nn.Module):
         if fused is not None:
             x, residual = fused
         else:
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                x, residual = layer(cos_sin, x, residual, kv_cache, meta)
+            metas = [meta, *map(self.attn_backend.build_metadata, meta.group_metadata)]
+            for layer, kv_cache, (group, _) in zip(self.layers, kv_caches, self.layer_kv_slots):
+                x, residual = layer(cos_sin, x, residual, kv_cache, metas[group])
         if self.norm is None:
             ps.send_hidden(x, residual)
             return None
@@ -129,7 +139,7 @@ class DecoderForCausalLM(nn.Module):
                 module.process_weights_after_loading()
         if self.supports_fused_decode:
             self.fused_decode = FusedDecodeStack.build(self.layers, self.attn_backend, self.parallel,
-                                                       self.cfg.rms_norm_eps)
+                                                       self.cfg.rms_norm_eps, [g for g, _ in self.layer_kv_slots])
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, model_dir: Path) -> None:
