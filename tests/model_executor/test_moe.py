@@ -6,10 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hf_reference import assert_greedy_match, hf_greedy, mixed_prompts
-from test_correctness import GREEDY, LOGPROB_ATOL, MAX_TOKENS, check_engine_drained, run
+from test_correctness import GREEDY, LOGPROB_ATOL, MAX_TOKENS, _configs, check_engine_drained, run
 from tiny_models import MOE_ARCHS
 
-from pagedserve.model_executor.layers.fused_moe import fused_experts, select_experts
+from pagedserve.model_executor.kernels import cpu_kernels
+from pagedserve.model_executor.layers.fused_moe import FusedMoE, fused_experts, select_experts
+from pagedserve.model_executor.quantization.int8 import Int8Config, quantize_per_channel
+from pagedserve.model_executor.quantization.unquantized import UnquantizedConfig
 
 
 @pytest.mark.parametrize("renormalize", [False, True])
@@ -32,13 +35,84 @@ def test_fused_experts_matches_naive(renormalize):
     torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids), ref, atol=1e-5, rtol=1e-5)
 
 
+def _experts(quant_config, dtype, bias, gen, e=8, h=64, inter=48):
+    layer = FusedMoE(e, h, inter, quant_config, "layers.0.mlp.experts", bias=bias)
+    layer.w13_weight.data = torch.randn(e, 2 * inter, h, generator=gen) / h ** 0.5
+    layer.w2_weight.data = torch.randn(e, h, inter, generator=gen) / inter ** 0.5
+    if bias:
+        layer.w13_bias.data = torch.randn(e, 2 * inter, generator=gen) * 0.3
+        layer.w2_bias.data = torch.randn(e, h, generator=gen) * 0.3
+    ref = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    layer.to(dtype)
+    layer.process_weights_after_loading()
+    return layer, ref
+
+
+def _reference(x, ref, weights, ids, dequantize=False):
+    """Every token's experts one by one in float32 (on the int8-rounded weights where the layer quantizes)."""
+    w13, w2 = ref["w13_weight"], ref["w2_weight"]
+    if dequantize:
+        w13, w2 = ([(lambda qs: qs[0].double() * qs[1][:, None])(quantize_per_channel(w[j])).float()
+                    for j in range(w.shape[0])] for w in (w13, w2))
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, j in zip(weights[t], ids[t].tolist()):
+            g, u = (x[t] @ w13[j].T + (ref["w13_bias"][j] if "w13_bias" in ref else 0)).chunk(2)
+            out[t] += w * ((F.silu(g) * u) @ w2[j].T + (ref["w2_bias"][j] if "w2_bias" in ref else 0))
+    return out
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "torch"])
+def test_native_experts_match_reference(kind, rows):
+    """The experts on the native small GEMM (packed float32 / bfloat16, int8 under --quantization int8) and on
+    F.linear (--linear-backend torch) against a per-token loop, with expert biases (gpt-oss) and without."""
+    ops = cpu_kernels()
+    wdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}.get(kind)
+    if wdtype is not None and (ops is None or not ops.native_small_gemm(wdtype, 0)):
+        pytest.skip(f"the native small GEMM does not run {kind} on this CPU")
+    gen = torch.Generator().manual_seed(rows)
+    dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
+    config = Int8Config() if kind == "int8" else UnquantizedConfig("torch" if kind == "torch" else "native")
+    for bias in (False, True):
+        layer, ref = _experts(config, dtype, bias, gen)
+        assert (layer.native13 is not None) == (kind != "torch")
+        if layer.native13 is not None:
+            assert layer.w13_weight.numel() == 0  # only the packed copy is kept
+        x = torch.randn(rows, 64, generator=gen)
+        weights, ids = select_experts(torch.randn(rows, 8, generator=gen), 3, True)
+        got = layer(x.to(dtype), weights, ids).float()
+        want = _reference(x, ref, weights, ids, dequantize=kind == "int8")
+        # bfloat16: the weights' and activations' rounding; int8: the activations' per-row quantization
+        tol = {"bfloat16": 5e-2, "int8": 3e-2}.get(kind, 1e-5)
+        torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=tol)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", MOE_ARCHS)
-@pytest.mark.parametrize("config", [dict(num_kv_blocks=512), dict(num_kv_blocks=512, max_num_batched_tokens=32)],
-                         ids=["default", "budget-32-chunked"])
+@pytest.mark.parametrize("config", ["default", "budget-32-chunked", "pool-fits-longest-only", "linear-torch"])
 def test_moe_greedy_matches_transformers(arch, config, tiny_model_dir, tiny_tokenizer):
     model_dir = tiny_model_dir(arch)
     prompts = mixed_prompts(tiny_tokenizer, n=6)
-    llm, ours = run(model_dir, prompts, GREEDY, **config)
+    # pool-fits-longest-only: preemption and prefix-cache hits on resume; linear-torch: the experts on F.linear
+    # instead of the native small GEMM
+    configs = dict(_configs(prompts), default=dict(num_kv_blocks=512),
+                   **{"linear-torch": dict(num_kv_blocks=512, linear_backend="torch")})
+    llm, ours = run(model_dir, prompts, GREEDY, **configs[config])
     assert_greedy_match(ours, hf_greedy(model_dir, prompts, MAX_TOKENS), logprob_atol=LOGPROB_ATOL)
     check_engine_drained(llm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_tensor_parallel_matches_transformers(arch, tiny_model_dir, tiny_tokenizer, monkeypatch):
+    """2 ranks, each with half of every expert's (and the shared expert's) intermediate channels."""
+    monkeypatch.setenv("PAGEDSERVE_DIST_TIMEOUT_S", "60")  # a rank stuck on its peer fails instead of hanging
+    model_dir = tiny_model_dir(arch)
+    prompts = mixed_prompts(tiny_tokenizer, n=6)
+    llm, ours = run(model_dir, prompts, GREEDY, num_kv_blocks=512, tensor_parallel_size=2)
+    try:
+        assert_greedy_match(ours, hf_greedy(model_dir, prompts, MAX_TOKENS), logprob_atol=LOGPROB_ATOL)
+        check_engine_drained(llm)
+    finally:
+        llm.llm_engine.shutdown()
