@@ -8,11 +8,13 @@ dtype, each expert's two matrices are packed for it (float32, bfloat16) or, unde
 per output channel and packed as int8, exactly as the dense layers' linear methods do; the float copies are then
 dropped. Each expert's product goes to the native kernel at every row count: only one copy of the experts is kept
 (they are most of an MoE model's bytes), and an expert's rows are few (a 512-token prefill chunk routes ~32 rows to
-each of Qwen3-30B-A3B's 128 experts). Elsewhere (CUDA, `--linear-backend torch`, CPUs without the native kernel)
-F.linear per expert on the float weights (int8: the dequantized ones, so the numbers are the quantized model's).
+each of Qwen3-30B-A3B's 128 experts). On CUDA (with Triton) the Triton fused-MoE kernel (triton_moe.py). Elsewhere
+(`--linear-backend torch`, CPUs without the native kernel) F.linear per expert on the float weights (int8: the
+dequantized ones, so the numbers are the quantized model's).
 """
 from __future__ import annotations
 
+import importlib.util
 from typing import Callable
 
 import torch
@@ -125,4 +127,9 @@ class FusedMoE(nn.Module):
         return F.linear(self.activation(F.linear(rows, self.w13_weight[e], b13)), self.w2_weight[e], b2)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and importlib.util.find_spec("triton") is not None:
+            # imported here: Triton is an optional dependency of CPU installs
+            from pagedserve.model_executor.layers.fused_moe.triton_moe import triton_fused_experts
+            return triton_fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation,
+                                        self.w13_bias, self.w2_bias)
         return grouped_experts(x, topk_weights, topk_ids, self.num_experts, self._expert)
