@@ -156,3 +156,9 @@ def test_moe_bf16_and_int8_experts_follow_transformers(arch, dtype, quantization
     print(f"{arch} {dtype} {quantization}: {matched}/{len(prompts) * MAX_TOKENS} tokens before the first divergence")
     assert matched >= MOE_MATCHED_FLOOR[arch] * len(prompts) * MAX_TOKENS
     check_engine_drained(llm)
+
+
+def test_experts_refuse_a_quantization_they_do_not_run():
+    from pagedserve.model_executor.quantization.int4 import Int4Config
+    with pytest.raises(ValueError, match="quantization 'int4' is not built for them"):
+        FusedMoE(4, 64, 32, Int4Config(), "layers.0.mlp.experts")

@@ -91,6 +91,9 @@ class FusedMoE(nn.Module):
         self.num_experts = num_experts
         self.activation = activation
         self.method = quant_config.get_linear_method(self, prefix)
+        if not isinstance(self.method, (Int8LinearMethod, UnquantizedLinearMethod)):
+            raise ValueError(f"MoE experts run float or int8 (--quantization int8) weights; quantization "
+                             f"{quant_config.name!r} is not built for them.")
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
         self.w13_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate), requires_grad=False) if bias else None
@@ -100,9 +103,6 @@ class FusedMoE(nn.Module):
     def process_weights_after_loading(self) -> None:
         w13, w2 = self.w13_weight.detach(), self.w2_weight.detach()
         int8 = isinstance(self.method, Int8LinearMethod)
-        if not isinstance(self.method, (Int8LinearMethod, UnquantizedLinearMethod)):
-            raise ValueError(f"MoE experts run float or int8 weights; {type(self.method).__name__} is not built "
-                             "for them.")
         allow = self.method.allow_native if int8 else self.method.backend == "native"
         ops = cpu_kernels() if allow and w13.device.type == "cpu" and w13.dtype in (torch.float32, torch.bfloat16) \
             else None
