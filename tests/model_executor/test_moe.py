@@ -162,3 +162,38 @@ def test_experts_refuse_a_quantization_they_do_not_run():
     from pagedserve.model_executor.quantization.int4 import Int4Config
     with pytest.raises(ValueError, match="quantization 'int4' is not built for them"):
         FusedMoE(4, 64, 32, Int4Config(), "layers.0.mlp.experts")
+
+
+@pytest.mark.slow
+def test_gpt_oss_mxfp4_checkpoint_matches_transformers(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """The hub's MXFP4 layout (expert *_blocks / *_scales, quant_method mxfp4) dequantized on load: greedy equal to HF
+    on the same weights dequantized by transformers' own MXFP4 conversion."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    gen = torch.Generator().manual_seed(0)
+    src = tiny_model_dir("gpt-oss")
+    reference, packed = tmp_path / "reference", tmp_path / "mxfp4"
+    shutil.copytree(src, reference)
+    shutil.copytree(src, packed)
+    tensors = load_file(src / "model.safetensors")
+    ref_tensors, mx_tensors = dict(tensors), dict(tensors)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, k, n = tensors[name].shape  # transformers' [E, in, out]; MXFP4 stores [E, out, in / 32, 16]
+        blocks = torch.randint(0, 256, (e, n, k // 32, 16), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(120, 124, (e, n, k // 32), generator=gen, dtype=torch.uint8)  # values ~ 0.05-0.4
+        ref_tensors[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).contiguous()
+        del mx_tensors[name]
+        mx_tensors[name + "_blocks"], mx_tensors[name + "_scales"] = blocks, scales
+    save_file(ref_tensors, reference / "model.safetensors")
+    save_file(mx_tensors, packed / "model.safetensors")
+    config = json.loads((packed / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["self_attn", "router"]}
+    (packed / "config.json").write_text(json.dumps(config))
+    prompts = mixed_prompts(tiny_tokenizer, n=4)
+    llm, ours = run(packed, prompts, GREEDY, num_kv_blocks=512)
+    assert_greedy_match(ours, hf_greedy(reference, prompts, MAX_TOKENS), logprob_atol=LOGPROB_ATOL)
+    check_engine_drained(llm)

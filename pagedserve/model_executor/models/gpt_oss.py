@@ -8,7 +8,9 @@ the cache the model's backend wrote: neither the native CPU kernels nor the Trit
 
 Checkpoint: transformers' layout, experts stacked as gate_up_proj [E, H, 2I] with gate and up interleaved along 2I,
 down_proj [E, I, H], and their biases; they are de-interleaved and transposed into FusedMoE's [E, 2I, H] (gate | up)
-and [E, H, I] as they load. MXFP4 checkpoints (the hub's `*_blocks` / `*_scales` expert tensors) are not read yet.
+and [E, H, I] as they load. The hub's MXFP4 checkpoints (`*_blocks` / `*_scales` expert tensors, quant_method
+"mxfp4") are dequantized on load into that layout (quantization/mxfp4.py): the experts run in the model dtype, or
+int8 with --quantization int8.
 
 Tensor parallel: heads (and their sinks) and every expert's intermediate channels split over the ranks; the
 row-parallel o_proj and experts' down biases are added by rank 0 only, since the ranks' outputs are summed.
@@ -31,6 +33,7 @@ from pagedserve.model_executor.model_config import ModelConfig
 from pagedserve.model_executor.models.decoder_lm import DecoderForCausalLM
 from pagedserve.model_executor.parallel_state import ParallelState
 from pagedserve.model_executor.quantization.base import QuantizationConfig
+from pagedserve.model_executor.quantization.mxfp4 import dequantize_mxfp4
 
 
 class SwigluOAI:
@@ -102,6 +105,19 @@ class GptOssForCausalLM(DecoderForCausalLM):
         for module in self.modules():
             if isinstance(module, FusedMoE):
                 module.process_weights_after_loading()
+
+    def checkpoint_tensors(self, model_dir):
+        """MXFP4 experts (`X_blocks` [E, out, G, 16] with `X_scales`) as transformers' float `X` [E, in, out]."""
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in super().checkpoint_tensors(model_dir):
+            if not name.endswith(("_blocks", "_scales")):
+                yield name, tensor
+                continue
+            base, part = name.rsplit("_", 1)
+            pending.setdefault(base, {})[part] = tensor
+            if len(pending[base]) == 2:
+                parts = pending.pop(base)
+                yield base, dequantize_mxfp4(parts["blocks"], parts["scales"]).transpose(1, 2)
 
     def load_extra_weight(self, name: str, tensor: torch.Tensor, params: dict) -> str | None:
         tp, rank = self.parallel.tp_size, self.parallel.tp_rank
