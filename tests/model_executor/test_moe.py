@@ -90,15 +90,21 @@ def test_native_experts_match_reference(kind, rows):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", MOE_ARCHS)
-@pytest.mark.parametrize("config", ["default", "budget-32-chunked", "pool-fits-longest-only", "linear-torch"])
+@pytest.mark.parametrize("config", ["default", "budget-32-chunked", "pool-fits-longest-only", "linear-torch",
+                                    "ngram-speculation"])
 def test_moe_greedy_matches_transformers(arch, config, tiny_model_dir, tiny_tokenizer):
     model_dir = tiny_model_dir(arch)
     prompts = mixed_prompts(tiny_tokenizer, n=6)
     # pool-fits-longest-only: preemption and prefix-cache hits on resume; linear-torch: the experts on F.linear
-    # instead of the native small GEMM
+    # instead of the native small GEMM; ngram-speculation: drafts verified as several rows per request
     configs = dict(_configs(prompts), default=dict(num_kv_blocks=512),
-                   **{"linear-torch": dict(num_kv_blocks=512, linear_backend="torch")})
+                   **{"linear-torch": dict(num_kv_blocks=512, linear_backend="torch"),
+                      "ngram-speculation": dict(num_kv_blocks=512, speculative_config={
+                          "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                          "prompt_lookup_max": 3})})
     llm, ours = run(model_dir, prompts, GREEDY, **configs[config])
+    if config == "ngram-speculation":
+        assert llm.llm_engine.scheduler.spec_stats.num_drafts > 0
     assert_greedy_match(ours, hf_greedy(model_dir, prompts, MAX_TOKENS), logprob_atol=LOGPROB_ATOL)
     check_engine_drained(llm)
 
