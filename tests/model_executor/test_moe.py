@@ -203,3 +203,25 @@ def test_gpt_oss_mxfp4_checkpoint_matches_transformers(tiny_model_dir, tiny_toke
     llm, ours = run(packed, prompts, GREEDY, num_kv_blocks=512)
     assert_greedy_match(ours, hf_greedy(reference, prompts, MAX_TOKENS), logprob_atol=LOGPROB_ATOL)
     check_engine_drained(llm)
+
+
+@pytest.mark.parametrize("rows", [1, 40])  # 1: each product on all threads; 40: the experts spread over the threads
+def test_native_experts_with_gpt_oss_activation_match_torch(rows):
+    """kernels/moe_experts.cpp's clamped SwiGLU (activation 1) against the same experts on F.linear + SwigluOAI."""
+    ops = cpu_kernels()
+    if ops is None or not ops.native_small_gemm(torch.float32, 0):
+        pytest.skip("the native small GEMM does not run float32 on this CPU")
+    from pagedserve.model_executor.layers.activation import SwigluOAI
+    gen = torch.Generator().manual_seed(rows)
+    layers = []
+    for backend in ("native", "torch"):
+        layer = FusedMoE(8, 64, 48, UnquantizedConfig(backend), "layers.0.mlp.experts", bias=True,
+                         activation=SwigluOAI(1.702, 0.5))  # a low limit: the clamps bind
+        for p in layer.parameters():
+            p.data = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
+        layer.process_weights_after_loading()
+        layers.append(layer)
+    assert layers[0].native13 is not None and layers[1].native13 is None
+    x = torch.randn(rows, 64, generator=gen)
+    weights, ids = select_experts(torch.randn(rows, 8, generator=gen), 3, False)
+    torch.testing.assert_close(layers[0](x, weights, ids), layers[1](x, weights, ids), atol=1e-4, rtol=1e-4)

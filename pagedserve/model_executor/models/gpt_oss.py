@@ -25,6 +25,7 @@ from torch import nn
 from pagedserve.model_executor.attention.backend import KVCache
 from pagedserve.model_executor.attention.metadata import AttentionMetadata
 from pagedserve.model_executor.attention.torch_sdpa import TorchSDPABackend
+from pagedserve.model_executor.layers.activation import SwigluOAI
 from pagedserve.model_executor.layers.decoder import Attention, DecoderLayer, DecoderOptions
 from pagedserve.model_executor.layers.fused_moe import FusedMoE
 from pagedserve.model_executor.layers.fused_moe.layer import local_intermediate
@@ -34,19 +35,6 @@ from pagedserve.model_executor.models.decoder_lm import DecoderForCausalLM
 from pagedserve.model_executor.parallel_state import ParallelState
 from pagedserve.model_executor.quantization.base import QuantizationConfig
 from pagedserve.model_executor.quantization.mxfp4 import dequantize_mxfp4
-
-
-class SwigluOAI:
-    """gpt-oss's clamped SwiGLU on a [rows, 2I] gate | up product (vLLM's "swigluoai")."""
-
-    def __init__(self, alpha: float, limit: float) -> None:
-        self.alpha, self.limit = alpha, limit
-
-    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        gate = gate.clamp(max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 class GptOssAttention(Attention):

@@ -6,7 +6,7 @@ Weights: w13 [E, 2I, H] (gate | up, each expert's rows as one fused projection),
 [E, 2I] / [E, H] (gpt-oss). Once loaded, on a CPU whose native small GEMM (kernels/small_gemm.cpp) runs the model
 dtype, each expert's two matrices are packed for it (float32, bfloat16) or, under `--quantization int8`, quantized
 per output channel and packed as int8, exactly as the dense layers' linear methods do; the float copies are then
-dropped. Each expert's product goes to the native kernel at every row count: only one copy of the experts is kept
+dropped, and one native call (kernels/moe_experts.cpp) runs every expert over its rows. Each expert's product goes to the native kernel at every row count: only one copy of the experts is kept
 (they are most of an MoE model's bytes), and an expert's rows are few (a 512-token prefill chunk routes ~32 rows to
 each of Qwen3-30B-A3B's 128 experts). On CUDA (with Triton) the Triton fused-MoE kernel (triton_moe.py). Elsewhere
 (`--linear-backend torch`, CPUs without the native kernel) F.linear per expert on the float weights (int8: the
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.model_executor.kernels import cpu_kernels
-from pagedserve.model_executor.layers.activation import silu_and_mul
+from pagedserve.model_executor.layers.activation import SwigluOAI, silu_and_mul
 from pagedserve.model_executor.quantization.base import QuantizationConfig
 from pagedserve.model_executor.quantization.int8 import Int8LinearMethod, quantize_per_channel
 from pagedserve.model_executor.quantization.unquantized import UnquantizedLinearMethod
@@ -33,20 +33,25 @@ def silu_activation(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
-                    expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """sum_k weight[t, k] * expert(id[t, k], x[t]) for every token; `expert(e, rows)` runs expert e's MLP on rows."""
+                    expert: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+                    all_experts: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None) -> torch.Tensor:
+    """sum_k weight[t, k] * expert(id[t, k], x[t]) for every token; `expert(e, rows)` runs expert e's MLP on rows,
+    or `all_experts(rows, counts)` every expert's over the rows grouped by expert (counts[e] rows each)."""
     k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     token_of = order // k
     counts = torch.bincount(flat, minlength=num_experts).tolist()  # one host sync per layer
     rows = x[token_of]
-    out = torch.empty_like(rows)
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            out[start:start + n] = expert(e, rows[start:start + n])
-            start += n
+    if all_experts is not None:
+        out = all_experts(rows, counts)
+    else:
+        out = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                out[start:start + n] = expert(e, rows[start:start + n])
+                start += n
     out = out * topk_weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, out)
 
@@ -74,10 +79,6 @@ class _PackedStack:
             self.packed = torch.stack([ops.pack_small_gemm_weight(w[e]) for e in range(w.shape[0])])
             self.scale = self.shift = None
 
-    def __call__(self, e: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.scale is None:
-            return cpu_kernels().small_gemm(x, self.packed[e], self.n, bias)
-        return cpu_kernels().small_gemm_int8(x, self.packed[e], self.scale[e], self.shift[e], self.n, bias)
 
 
 class FusedMoE(nn.Module):
@@ -119,11 +120,17 @@ class FusedMoE(nn.Module):
                                    for q, s in (quantize_per_channel(w[e]) for e in range(w.shape[0]))])
                 setattr(self, name, nn.Parameter(deq, requires_grad=False))
 
+    def _native_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every expert over its rows in one native call (kernels/moe_experts.cpp)."""
+        a, b = self.native13, self.native2
+        act = self.activation
+        code, alpha, limit = (1, act.alpha, act.limit) if isinstance(act, SwigluOAI) else (0, 0.0, 0.0)
+        return cpu_kernels().fused_moe_experts(rows, counts, a.packed, b.packed, a.n, b.n, a.scale, a.shift, b.scale,
+                                               b.shift, self.w13_bias, self.w2_bias, code, alpha, limit)
+
     def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         b13 = None if self.w13_bias is None else self.w13_bias[e]
         b2 = None if self.w2_bias is None else self.w2_bias[e]
-        if self.native13 is not None:
-            return self.native2(e, self.activation(self.native13(e, rows, b13)), b2)
         return F.linear(self.activation(F.linear(rows, self.w13_weight[e], b13)), self.w2_weight[e], b2)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -132,4 +139,6 @@ class FusedMoE(nn.Module):
             from pagedserve.model_executor.layers.fused_moe.triton_moe import triton_fused_experts
             return triton_fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation,
                                         self.w13_bias, self.w2_bias)
+        if self.native13 is not None:
+            return grouped_experts(x, topk_weights, topk_ids, self.num_experts, all_experts=self._native_experts)
         return grouped_experts(x, topk_weights, topk_ids, self.num_experts, self._expert)
