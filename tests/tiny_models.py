@@ -62,7 +62,9 @@ ARCHS = _FIRST_ARCHS + ("gemma2", "gemma3", "phi3")
 
 # mixture-of-experts families (not in ARCHS: the engine-feature matrices over ARCHS are dense-only for now);
 # every 2nd Qwen3-MoE layer sparse with layer 0 dense (mlp_only_layers), so both MLP kinds run
-MOE_ARCHS = ("mixtral", "qwen2-moe", "qwen3-moe")
+_FIRST_MOE_ARCHS = ("mixtral", "qwen2-moe", "qwen3-moe")
+# gpt-oss: sinks, sliding (32-token window) and full layers alternating, biased router and experts, clamped SwiGLU
+MOE_ARCHS = _FIRST_MOE_ARCHS + ("gpt-oss",)
 _MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32, num_hidden_layers=3, output_router_logits=False)
 
 TINY_VOCAB_SIZE = 768
@@ -223,7 +225,8 @@ _BASE = dict(
 OUT_GAIN_TIED = 5.0
 QK_NORM_RANGE = (1.5, 3.0)
 # seeds in the order the archs were added (the MoE ones before the later dense ones): no arch's weights change
-_ARCH_SEEDS = {a: i for i, a in enumerate(_FIRST_ARCHS + MOE_ARCHS + ARCHS[len(_FIRST_ARCHS):])}
+_ARCH_SEEDS = {a: i for i, a in enumerate(_FIRST_ARCHS + _FIRST_MOE_ARCHS + ARCHS[len(_FIRST_ARCHS):]
+                                           + MOE_ARCHS[len(_FIRST_MOE_ARCHS):])}
 
 
 def _arch_spec(arch: str) -> tuple[str, dict[str, Any]]:
@@ -288,6 +291,13 @@ def _arch_spec(arch: str) -> tuple[str, dict[str, Any]]:
         return "Qwen3MoeForCausalLM", dict(_BASE, **_MOE, num_experts=6, norm_topk_prob=True, head_dim=32,
                                            mlp_only_layers=[0], decoder_sparse_step=1, use_sliding_window=False,
                                            sliding_window=None, attention_bias=False)
+    if arch == "gpt-oss":
+        return "GptOssForCausalLM", dict(
+            _BASE, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, head_dim=32, sliding_window=32,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"], num_hidden_layers=3,
+            attention_bias=True, output_router_logits=False,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": 256, "rope_theta": 150000.0})
     raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS + MOE_ARCHS}")
 
 
@@ -356,6 +366,10 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
             normal(p, 1.5 / math.sqrt(p.shape[1]))  # peaked attention: positions/masks matter
         elif leaf in ("o_proj", "down_proj"):
             normal(p, out_gain / math.sqrt(p.shape[1]))
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # gpt-oss's stacked [E, in, out]
+            normal(p, 1.0 / math.sqrt(p.shape[1]))
+        elif name.endswith(("_proj_bias", "self_attn.sinks")):  # gpt-oss's expert biases, per-head sink logits
+            normal(p, 0.3 if "proj" in name else 1.0)
         elif p.dim() == 3:  # stacked experts [E, out, in] (transformers' MoE layout in memory)
             normal(p, 1.0 / math.sqrt(p.shape[2]))
         elif name.endswith(".weight") and p.dim() == 2:

@@ -13,7 +13,8 @@ from pagedserve.model_executor.quantization.unquantized import UnquantizedConfig
 
 
 CAUSAL = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
-          "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
+          "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
+          "GptOssForCausalLM")
 POOLING = ("LlamaForSequenceClassification", "MistralForSequenceClassification", "Qwen2ForSequenceClassification",
            "Qwen3ForSequenceClassification", "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
 

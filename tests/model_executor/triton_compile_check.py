@@ -1,4 +1,4 @@
-"""Compiles every Triton kernel (attention, and the layers' small ops) ahead of time for an NVIDIA target (default sm_90, the H100/H200) without a
+"""Compiles every Triton kernel (attention, the layers' small ops, fused MoE) ahead of time for an NVIDIA target (default sm_90, the H100/H200) without a
 GPU: Triton's front end, its MLIR passes and the bundled ptxas all run on the CPU. This catches what the interpreter
 lets through (typing of loop bounds, tl.dot shape and dtype rules, shared-memory overflow).
 
@@ -18,10 +18,12 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from pagedserve.model_executor.attention import triton as ta  # noqa: E402
 from pagedserve.model_executor import triton_layer_ops as tlo  # noqa: E402
+from pagedserve.model_executor.layers.fused_moe import triton_moe as tmoe  # noqa: E402
 
 HEAD_DIM, BLOCK_SIZE = 128, 16
-INDEX_ARGS = ("slot_ptr", "block_table_ptr", "context_lens_ptr", "block_ids_ptr")  # int64 tensors
-PARTIAL_ARGS = ("part_out_ptr", "part_max_ptr", "part_sum_ptr")  # float32 workspace
+INDEX_ARGS = ("slot_ptr", "block_table_ptr", "context_lens_ptr", "block_ids_ptr", "sorted_ids_ptr",
+              "block_expert_ptr")  # int64 tensors
+PARTIAL_ARGS = ("part_out_ptr", "part_max_ptr", "part_sum_ptr", "topk_weight_ptr")  # float32 workspace / weights
 
 
 def compile_kernel(kernel, dtype: str, target: GPUTarget, **constexprs) -> int:
@@ -66,6 +68,10 @@ def main(dtypes: list[str], arch: int = 90) -> None:
             "prefill_window_cap": (ta._prefill_kernel, dict(
                 BLOCK_SIZE=BLOCK_SIZE, BLOCK_M=ta.PREFILL_BLOCK_M, BLOCK_N=ta.PREFILL_BLOCK_N, BLOCK_D=HEAD_DIM,
                 FP32_DOT=fp32, WINDOW=True, SOFT_CAP=True)),
+            # the experts' down projection with biases and routing weights (gpt-oss)
+            "fused_moe": (tmoe._grouped_gemm_kernel, dict(
+                GATHER_TOKENS=False, HAS_BIAS=True, MUL_WEIGHT=True, IEEE=fp32, BLOCK_M=tmoe.BLOCK_M,
+                BLOCK_N=tmoe.BLOCK_N, BLOCK_K=tmoe.BLOCK_K)),
         }
         for name, (kernel, constexprs) in kernels.items():
             shared = compile_kernel(kernel, dtype, target, **constexprs)

@@ -12,7 +12,9 @@ included, as Hugging Face's sliding masks do) gathers only the blocks its window
 ceil(window / block_size) + 1, a chunk's from its first query's window on) and adds the window's lower bound to the
 masks: a long context's windowed layer reads about a window of K/V, not the whole context.
 A soft-capped layer (Gemma 2's `attn_logit_softcapping`: scores -> cap * tanh(scores / cap)) cannot go through
-SDPA, which has no hook between the scores and the softmax: it runs the same masks through explicit matmuls.
+SDPA, which has no hook between the scores and the softmax: it runs the same masks through explicit matmuls, and
+so does a layer with attention sinks (gpt-oss: `sinks`, one learned logit per head that joins each softmax's
+denominator and adds no value).
 
 The tests compare the other backends with this one, and the engine's greedy outputs on it with Hugging Face's.
 The CPU backend (cpu.py) runs these same paths wherever its kernels do not apply.
@@ -85,20 +87,22 @@ class TorchSDPABackend(AttentionBackend):
     @classmethod
     def attend(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+               sliding_window: int | None = None, logits_soft_cap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention over a cache the step's K/V are already written to (any backend's layout, any backend's
-        metadata: another backend's is viewed as this one's)."""
+        metadata: another backend's is viewed as this one's); sinks: [H] per-head sink logits."""
         meta = TorchSDPAMetadata.from_common(meta)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
-            cls.decode(q, k_cache, v_cache, meta, scale, out, sliding_window, logits_soft_cap)
+            cls.decode(q, k_cache, v_cache, meta, scale, out, sliding_window, logits_soft_cap, sinks)
         for span in meta.prefills:
-            cls.prefill(q, k, v, k_cache, v_cache, span, scale, out, sliding_window, logits_soft_cap)
+            cls.prefill(q, k, v, k_cache, v_cache, span, scale, out, sliding_window, logits_soft_cap, sinks)
         return out
 
     @staticmethod
     def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TorchSDPAMetadata, scale: float,
-               out: torch.Tensor, sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+               out: torch.Tensor, sliding_window: int | None = None, logits_soft_cap: float | None = None,
+               sinks: torch.Tensor | None = None) -> None:
         """The decode rows (the first meta.num_decodes of q) into out."""
         d = meta.num_decodes
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -108,13 +112,13 @@ class TorchSDPABackend(AttentionBackend):
             bt, mask = meta.sliding_decode_view(sliding_window)
         keys = k_cache[bt].reshape(d, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
         values = v_cache[bt].reshape(d, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-        o = _sdpa(q[:d].unsqueeze(2), keys, values, mask, scale, logits_soft_cap)
+        o = _sdpa(q[:d].unsqueeze(2), keys, values, mask, scale, logits_soft_cap, sinks=sinks)
         out[:d] = o.squeeze(2)
 
     @staticmethod
     def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 span: PrefillSpan, scale: float, out: torch.Tensor, sliding_window: int | None = None,
-                logits_soft_cap: float | None = None) -> None:
+                logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> None:
         """One prefill chunk's rows into out."""
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
         sl = slice(span.start, span.start + span.num_tokens)
@@ -136,23 +140,29 @@ class TorchSDPABackend(AttentionBackend):
             keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:end].to(q.dtype)
             values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:end].to(q.dtype)
         o = _sdpa(qs, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), mask, scale,
-                  logits_soft_cap, span.causal)
+                  logits_soft_cap, span.causal, sinks)
         out[sl] = o.squeeze(0).transpose(0, 1)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-          logits_soft_cap: float | None, causal: bool = True) -> torch.Tensor:
+          logits_soft_cap: float | None, causal: bool = True, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, Lq, D], k/v [B, KVH, Lk, D]; mask: bool, True = attend (None: causal, Lq == Lk, or with causal False
-    every key). PyTorch's SDPA, or with a soft cap the same attention as explicit matmuls (Hugging Face's eager order:
-    scale, cap, mask, float32 softmax)."""
-    if logits_soft_cap is None:
+    every key). PyTorch's SDPA, or with a soft cap or sinks the same attention as explicit matmuls (Hugging Face's
+    eager order: scale, cap, mask, the sink column, float32 softmax, the sink's probability dropped)."""
+    if logits_soft_cap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and causal,
                                               scale=scale, enable_gqa=True)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / logits_soft_cap) * logits_soft_cap
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if logits_soft_cap is not None:
+        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
     if mask is None:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
         mask = mask.tril() if causal else mask
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+    return probs.to(q.dtype) @ v

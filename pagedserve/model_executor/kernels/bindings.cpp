@@ -18,6 +18,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row ([rows, n] or [T, heads, n]); with residual: residual += x in "
         "place, then its RMSNorm; with out (may be x): written there (float32 or bfloat16)", py::arg("x"),
         py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("out") = py::none());
+  m.def("fused_moe_experts", &fused_moe_experts, "an MoE layer's experts over their rows (grouped by expert, counts "
+        "per expert) on packed stacks: act(rows W13^T + b13) W2^T + b2; int8 with scales and shifts; activation 0 silu, "
+        "1 gpt-oss's clamped SwiGLU");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] projection (float32 or bfloat16)");
   m.def("rotary_inplace", &rotary_inplace, "Neox-style rotary embedding in place (float32 or bfloat16)");
   m.def("argmax_rows", &argmax_rows,

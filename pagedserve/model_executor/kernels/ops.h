@@ -46,3 +46,9 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor x, c10::opt
                                                        std::vector<int64_t> windows, int64_t num_heads,
                                                        int64_t num_kv_heads, int64_t head_dim, double eps,
                                                        double scale);
+// moe_experts.cpp
+torch::Tensor fused_moe_experts(torch::Tensor rows, std::vector<int64_t> counts, torch::Tensor w13, torch::Tensor w2,
+                                int64_t n13, int64_t n2, c10::optional<torch::Tensor> scale13,
+                                c10::optional<torch::Tensor> shift13, c10::optional<torch::Tensor> scale2,
+                                c10::optional<torch::Tensor> shift2, c10::optional<torch::Tensor> b13,
+                                c10::optional<torch::Tensor> b2, int64_t activation, double alpha, double limit);

@@ -19,3 +19,17 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gelu(gate, tanh approximation) * up: GeGLU (Gemma's `gelu_pytorch_tanh`)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+class SwigluOAI:
+    """gpt-oss's clamped SwiGLU on a [rows, 2I] gate | up product (vLLM's "swigluoai"): (up + 1) * gate *
+    sigmoid(alpha * gate), gate clamped to <= limit and up to [-limit, limit]."""
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        self.alpha, self.limit = alpha, limit
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))

@@ -67,9 +67,14 @@ class Attention(nn.Module):
                 qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         qk = apply_rotary(qk, cos_sin, self.attn_backend.fused_ops(qk))  # q and k heads together: half the ops
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        o = self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
-                                      self.logits_soft_cap)
+        o = self.attend(q, k, v, kv_cache, meta)
         return self.parallel.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """The step's K/V into the cache and attention over it (a family with another attention overrides it)."""
+        return self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
+                                         self.logits_soft_cap)
 
 
 class MLP(nn.Module):

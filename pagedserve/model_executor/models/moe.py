@@ -3,8 +3,10 @@ Qwen3-MoE (norm_topk_prob, mlp_only_layers, decoder_sparse_step). Attention is t
 MLP is layers/fused_moe's SparseMoeBlock. Checkpoint names (hub layout: one tensor per expert and projection) are
 stacked into the block's [E, 2I, H] / [E, H, I] parameters as they are read.
 
-Tensor and pipeline parallel: tensor parallelism over experts is not built (ValueError at load); pipeline stages work
-as for the dense families. The native whole-stack decode is dense-only, so these models run the Python layers.
+Tensor parallel: each expert's intermediate channels are split over the ranks like the dense MLP's (the loader's
+gate/up row and down column slices apply to every expert's tensors); pipeline stages work as for the dense families.
+The native whole-stack decode is dense-only, so these models run the Python layers (the experts' GEMMs are native:
+layers/fused_moe/experts.py).
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import re
 import torch
 
 from pagedserve.model_executor.layers.decoder import DecoderOptions
-from pagedserve.model_executor.layers.fused_moe import SparseMoeBlock
+from pagedserve.model_executor.layers.fused_moe import FusedMoE, SparseMoeBlock
+from pagedserve.model_executor.layers.fused_moe.layer import local_intermediate
 from pagedserve.model_executor.model_config import ModelConfig
 from pagedserve.model_executor.models.decoder_lm import DecoderForCausalLM
 
@@ -28,16 +31,21 @@ class _MoeForCausalLM(DecoderForCausalLM):
 
     def __init__(self, cfg: ModelConfig, parallel, attn_backend, quant_config) -> None:
         super().__init__(cfg, parallel, attn_backend, quant_config)
-        if parallel.tp_size > 1:
-            raise ValueError(f"{cfg.architecture}: tensor parallelism over experts is not supported yet; use "
-                             "--tensor-parallel-size 1 (pipeline parallelism works).")
         hf = json.loads((cfg.model_dir / "config.json").read_text())
-        self.moe_intermediate = self.moe_intermediate_size(hf)
+        # this rank's expert width: the checkpoint's expert tensors arrive sliced by the loader's TP rules
+        self.moe_intermediate = local_intermediate(self.moe_intermediate_size(hf), parallel, "moe_intermediate_size")
         for local, i in enumerate(self.layer_range):
             if self.is_sparse_layer(hf, i):
                 self.layers[local].mlp = SparseMoeBlock(
-                    cfg.hidden_size, self.num_experts(hf), hf["num_experts_per_tok"], self.moe_intermediate,
-                    self.renormalize(hf), hf.get("shared_expert_intermediate_size") or 0)
+                    cfg.hidden_size, self.num_experts(hf), hf["num_experts_per_tok"], self.moe_intermediate_size(hf),
+                    self.renormalize(hf), hf.get("shared_expert_intermediate_size") or 0, parallel, quant_config,
+                    f"layers.{i}.mlp")
+
+    def process_weights_after_loading(self) -> None:
+        super().process_weights_after_loading()
+        for module in self.modules():
+            if isinstance(module, FusedMoE):
+                module.process_weights_after_loading()
 
     # what each family reads from its config.json
     def num_experts(self, hf: dict) -> int:
@@ -97,12 +105,9 @@ class MixtralForCausalLM(_MoeForCausalLM):
     def is_sparse_layer(self, hf: dict, i: int) -> bool:
         return True
 
-    def load_extra_weight(self, name: str, tensor: torch.Tensor, params: dict) -> str | None:
-        name = name.replace(".block_sparse_moe.", ".mlp.")
-        m = re.match(r"^(.*\.experts\.\d+)\.(w[123])\.weight$", name)
-        if m is not None:
-            name = f"{m[1]}.{_MIXTRAL_NAMES[m[2]]}.weight"
-        if name.endswith(".mlp.gate.weight"):
-            params[name].data.copy_(tensor)
-            return name
-        return super().load_extra_weight(name, tensor, params)
+    def checkpoint_tensors(self, model_dir):
+        """Qwen's names (mlp.experts.j.gate_proj/up_proj/down_proj) before the loader's TP slicing reads them."""
+        for name, tensor in super().checkpoint_tensors(model_dir):
+            name = name.replace(".block_sparse_moe.", ".mlp.")
+            m = re.match(r"^(.*\.experts\.\d+)\.(w[123])\.weight$", name)
+            yield (name if m is None else f"{m[1]}.{_MIXTRAL_NAMES[m[2]]}.weight"), tensor

@@ -21,6 +21,7 @@ _MODELS: dict[str, tuple[str, str]] = {  # architecture -> (module in models/, c
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
 }
 _POOLING_MODELS: dict[str, tuple[str, str]] = {  # architecture -> (the causal architecture, adapter)
     "LlamaForSequenceClassification": ("LlamaForCausalLM", "as_seq_cls_model"),

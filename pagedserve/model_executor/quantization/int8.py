@@ -29,6 +29,12 @@ if TYPE_CHECKING:
 NATIVE_INT8_MAX_ROWS = sys.maxsize  # the native kernel takes every int8 product where it runs them at all
 
 
+def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8, scales float64 [N]) with w ~ q * scales[:, None]: symmetric, one scale per output channel (row)."""
+    scales = w.abs().amax(dim=1).clamp(min=1e-8).double() / 127.0
+    return (w.double() / scales[:, None]).round().clamp(-128, 127).to(torch.int8), scales
+
+
 class Int8LinearMethod(LinearMethodBase):
     def __init__(self, allow_native: bool = True) -> None:
         self.allow_native = allow_native  # False: fbgemm only, for comparisons and tests
@@ -39,8 +45,7 @@ class Int8LinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         w = layer.weight.detach()
-        scales = w.abs().amax(dim=1).clamp(min=1e-8).double() / 127.0
-        q = (w.double() / scales[:, None]).round().clamp(-128, 127).to(torch.int8)
+        q, scales = quantize_per_channel(w)
         self.set_int8_weight(layer, q, scales, w.dtype)
         # every product reads an int8 copy now: the float weight would only add to the model's memory (a tied LM
         # head lets go of its reference only; the embedding keeps the tensor)

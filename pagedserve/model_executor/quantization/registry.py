@@ -22,6 +22,9 @@ QUANTIZATION_METHODS: dict[str, str] = {
 }
 # weights quantized in the checkpoint, as its quantization_config describes
 CHECKPOINT_FORMATS = ("gptq", "awq", "compressed-tensors", "fp8")
+# checkpoint formats the model's loader dequantizes as it reads them (gpt-oss's MXFP4 experts): the model then runs
+# as a float checkpoint, or with --quantization int8
+DEQUANTIZED_ON_LOAD = ("mxfp4",)
 
 
 def validate_quantization(name: str | None) -> None:
@@ -39,6 +42,8 @@ def resolve_quantization(name: str | None, checkpoint_config: dict | None) -> st
         if name in CHECKPOINT_FORMATS:
             raise ValueError(f"quantization={name!r} reads a pre-quantized checkpoint, and this one's config.json has "
                              "no quantization_config.")
+        return name
+    if method in DEQUANTIZED_ON_LOAD and name not in CHECKPOINT_FORMATS:
         return name
     if method not in CHECKPOINT_FORMATS:
         raise ValueError(f"The checkpoint's quantization_config has quant_method {method!r}; supported: "

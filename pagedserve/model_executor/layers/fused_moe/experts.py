@@ -1,0 +1,144 @@
+"""The stacked experts of an MoE layer and their grouped computation: the (token, slot) pairs are sorted by expert id
+once, each expert with tokens runs its GEMM pair over its contiguous run of rows, and the weighted rows are
+scattered back with one index_add. The Python loop is over experts that received tokens, never over tokens.
+
+Weights: w13 [E, 2I, H] (gate | up, each expert's rows as one fused projection), w2 [E, H, I], optional biases
+[E, 2I] / [E, H] (gpt-oss). Once loaded, on a CPU whose native small GEMM (kernels/small_gemm.cpp) runs the model
+dtype, each expert's two matrices are packed for it (float32, bfloat16) or, under `--quantization int8`, quantized
+per output channel and packed as int8, exactly as the dense layers' linear methods do; the float copies are then
+dropped, and one native call (kernels/moe_experts.cpp) runs every expert over its rows. Each expert's product goes to the native kernel at every row count: only one copy of the experts is kept
+(they are most of an MoE model's bytes), and an expert's rows are few (a 512-token prefill chunk routes ~32 rows to
+each of Qwen3-30B-A3B's 128 experts). On CUDA (with Triton) the Triton fused-MoE kernel (triton_moe.py). Elsewhere
+(`--linear-backend torch`, CPUs without the native kernel) F.linear per expert on the float weights (int8: the
+dequantized ones, so the numbers are the quantized model's).
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.model_executor.kernels import cpu_kernels
+from pagedserve.model_executor.layers.activation import SwigluOAI, silu_and_mul
+from pagedserve.model_executor.quantization.base import QuantizationConfig
+from pagedserve.model_executor.quantization.int8 import Int8LinearMethod, quantize_per_channel
+from pagedserve.model_executor.quantization.unquantized import UnquantizedLinearMethod
+
+
+def silu_activation(gate_up: torch.Tensor) -> torch.Tensor:
+    return silu_and_mul(gate_up, None)
+
+
+def grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                    expert: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+                    all_experts: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None) -> torch.Tensor:
+    """sum_k weight[t, k] * expert(id[t, k], x[t]) for every token; `expert(e, rows)` runs expert e's MLP on rows,
+    or `all_experts(rows, counts)` every expert's over the rows grouped by expert (counts[e] rows each)."""
+    k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+    token_of = order // k
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # one host sync per layer
+    rows = x[token_of]
+    if all_experts is not None:
+        out = all_experts(rows, counts)
+    else:
+        out = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                out[start:start + n] = expert(e, rows[start:start + n])
+                start += n
+    out = out * topk_weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
+    return torch.zeros_like(x).index_add_(0, token_of, out)
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """The gated-SiLU experts on float weights by F.linear; x [T, H], w13 [E, 2I, H], w2 [E, H, I]."""
+    return grouped_experts(x, topk_weights, topk_ids, w13.shape[0],
+                           lambda e, rows: F.linear(silu_activation(F.linear(rows, w13[e])), w2[e]))
+
+
+class _PackedStack:
+    """One projection of every expert as the native small GEMM reads it: packed [E, ...] (float, bfloat16 or int8)
+    and for int8 the per-column scales and shifts [E, N]."""
+
+    def __init__(self, w: torch.Tensor, int8: bool) -> None:
+        ops = cpu_kernels()
+        self.n = w.shape[1]
+        if int8:
+            qs = [quantize_per_channel(w[e]) for e in range(w.shape[0])]  # per expert: bounded float64 temporaries
+            self.packed = torch.stack([ops.pack_small_gemm_weight(q) for q, _ in qs])
+            self.scale = torch.stack([s.float() for _, s in qs])
+            self.shift = torch.stack([128 * q.sum(dim=1, dtype=torch.int32) for q, _ in qs])  # the kernel's +128 on x
+        else:
+            self.packed = torch.stack([ops.pack_small_gemm_weight(w[e]) for e in range(w.shape[0])])
+            self.scale = self.shift = None
+
+
+
+class FusedMoE(nn.Module):
+    """The experts of one layer: parameters w13_weight, w2_weight (and w13_bias, w2_bias with `bias`) for the
+    checkpoint loader; `activation` maps the [rows, 2I] gate|up product to [rows, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, quant_config: QuantizationConfig,
+                 prefix: str, bias: bool = False,
+                 activation: Callable[[torch.Tensor], torch.Tensor] = silu_activation) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.activation = activation
+        self.method = quant_config.get_linear_method(self, prefix)
+        if not isinstance(self.method, (Int8LinearMethod, UnquantizedLinearMethod)):
+            raise ValueError(f"MoE experts run float or int8 (--quantization int8) weights; quantization "
+                             f"{quant_config.name!r} is not built for them.")
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+        self.w13_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate), requires_grad=False) if bias else None
+        self.w2_bias = nn.Parameter(torch.zeros(num_experts, hidden), requires_grad=False) if bias else None
+        self.native13 = self.native2 = None  # the packed stacks, once loaded where the native kernel runs
+
+    def process_weights_after_loading(self) -> None:
+        w13, w2 = self.w13_weight.detach(), self.w2_weight.detach()
+        int8 = isinstance(self.method, Int8LinearMethod)
+        allow = self.method.allow_native if int8 else self.method.backend == "native"
+        ops = cpu_kernels() if allow and w13.device.type == "cpu" and w13.dtype in (torch.float32, torch.bfloat16) \
+            else None
+        wdtype = torch.int8 if int8 else w13.dtype
+        if ops is not None and ops.native_small_gemm(wdtype, w13.shape[2]) and ops.native_small_gemm(wdtype,
+                                                                                                     w2.shape[2]):
+            self.native13, self.native2 = _PackedStack(w13, int8), _PackedStack(w2, int8)
+            empty = torch.empty(0, dtype=w13.dtype)
+            self.w13_weight = nn.Parameter(empty, requires_grad=False)  # every product reads the packed copies
+            self.w2_weight = nn.Parameter(empty.clone(), requires_grad=False)
+        elif int8:  # no native int8 here: F.linear on the dequantized weights (the quantized model's numbers)
+            for name, w in (("w13_weight", w13), ("w2_weight", w2)):
+                deq = torch.stack([(q.double() * s[:, None]).to(w.dtype)
+                                   for q, s in (quantize_per_channel(w[e]) for e in range(w.shape[0]))])
+                setattr(self, name, nn.Parameter(deq, requires_grad=False))
+
+    def _native_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every expert over its rows in one native call (kernels/moe_experts.cpp)."""
+        a, b = self.native13, self.native2
+        act = self.activation
+        code, alpha, limit = (1, act.alpha, act.limit) if isinstance(act, SwigluOAI) else (0, 0.0, 0.0)
+        return cpu_kernels().fused_moe_experts(rows, counts, a.packed, b.packed, a.n, b.n, a.scale, a.shift, b.scale,
+                                               b.shift, self.w13_bias, self.w2_bias, code, alpha, limit)
+
+    def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        b13 = None if self.w13_bias is None else self.w13_bias[e]
+        b2 = None if self.w2_bias is None else self.w2_bias[e]
+        return F.linear(self.activation(F.linear(rows, self.w13_weight[e], b13)), self.w2_weight[e], b2)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and importlib.util.find_spec("triton") is not None:
+            # imported here: Triton is an optional dependency of CPU installs
+            from pagedserve.model_executor.layers.fused_moe.triton_moe import triton_fused_experts
+            return triton_fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation,
+                                        self.w13_bias, self.w2_bias)
+        if self.native13 is not None:
+            return grouped_experts(x, topk_weights, topk_ids, self.num_experts, all_experts=self._native_experts)
+        return grouped_experts(x, topk_weights, topk_ids, self.num_experts, self._expert)
