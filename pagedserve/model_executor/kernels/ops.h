@@ -43,4 +43,8 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor x, c10::opt
                                                        torch::Tensor sin, torch::Tensor slot_mapping,
                                                        torch::Tensor block_tables, torch::Tensor context_lens,
                                                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                                       double eps, double scale);
+                                                       double eps, double scale, std::vector<torch::Tensor> lora,
+                                                       c10::optional<torch::Tensor> lora_rows);
+// lora.cpp
+void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor row_slots,
+              std::vector<int64_t> slices);

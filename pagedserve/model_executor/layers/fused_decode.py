@@ -7,7 +7,8 @@ A model opts in by building a FusedDecodeStack over its DecoderLayers once their
 built), the model runs on one tensor-parallel rank, and every linear's method hands over native tensors
 (quantization/base.py: the native small GEMM's packed weights, float or int8). Each step it runs only when every
 row is a decode row within the linears' row limit; otherwise, and for layers with forward hooks (the engine's
-fault injection, a user's, which must run), the Python layers do.
+fault injection, a user's, which must run), the Python layers do. With multi-LoRA, the LoRA model manager hands it
+each step's adapter tensors and row slots (`set_lora`): the kernel adds each projection's batched delta after it.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ class FusedDecodeStack:
         self.weight_dtype = tensors[1].dtype  # the first QKV packed weight: the model dtype, or int8
         attn = layers[0].self_attn
         self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim, rms_norm_eps, attn.scale)
+        self.lora: list[torch.Tensor] = []  # the step's LoRA tensors (lora/layers.py), empty: no adapter row
+        self.lora_rows: torch.Tensor | None = None
 
     @classmethod
     def build(cls, layers: nn.ModuleList, attn_backend: AttentionBackend, parallel: ParallelState,
@@ -69,6 +72,11 @@ class FusedDecodeStack:
             widths += [attn.qkv_proj.out_features, attn.o_proj.out_features, mlp.gate_up_proj.out_features]
         return cls(layers, kernels, tensors, widths, min(t.max_rows for t in native.values()), rms_norm_eps)
 
+    def set_lora(self, tensors: list[torch.Tensor], row_slots: torch.Tensor | None) -> None:
+        """The next steps' LoRA: per layer lora_a and lora_b of QKV, o, gate/up and down, and each row's slot (-1:
+        none); ([], None): no adapter row."""
+        self.lora, self.lora_rows = tensors, row_slots
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: tuple[torch.Tensor, torch.Tensor],
                  kv_caches: list[KVCache], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(hidden, residual) after every layer, or None when this step is not one the stack runs."""
@@ -79,4 +87,4 @@ class FusedDecodeStack:
             return None
         return self.kernels.decode_layers(x, residual, self.tensors, self.widths, [t for kv in kv_caches for t in kv],
                                           *cos_sin, meta.slot_mapping, meta.decode_block_tables,
-                                          meta.decode_context_lens, *self.shape)
+                                          meta.decode_context_lens, *self.shape, self.lora, self.lora_rows)

@@ -1,0 +1,185 @@
+// Multi-LoRA's batched delta on CPU, by row index (Punica's BGMV, S-LoRA's idea): every row of a step adds its own
+// adapter's B (A x) to a projection's output, y[r] += B[slot[r]] (A[slot[r]] x[r]), rows without an adapter
+// (slot -1) left alone. Only the row's own slot is multiplied (the all-slot shrink with a one-hot mask it replaces
+// did max_loras times the shrink's arithmetic), and the step's rows need not be sorted: the kernel groups them by
+// slot itself, so a prefill's rows (one adapter per sequence, contiguous) and a decode step's (adapters interleaved)
+// both run in tiles of up to kTileRows rows that share one read of their adapter's weights.
+//
+// Weights, in the model dtype (float32 or bfloat16), stacked in slots and laid out for this kernel (lora/layers.py
+// writes them):
+//   a [slots, in, S x R]: per slot the transposed A of every output slice s (S of them: 3 for a fused QKV, 2 for
+//     gate/up, else 1) side by side, the rank padded with zero columns to R;
+//   b [slots, R, out]: per slot B transposed (scaling folded in), slice s's output columns taking slice s's R ranks.
+// Both are "x times a row-major [k, n] matrix": the shrink h = x a[slot] (k = in, n = S x R), then per slice
+// y[:, slice] += h[:, s R : (s + 1) R] b[slot][:, slice] (k = R). h stays in float32 registers and buffers; y is
+// rounded once, when the delta is added (y = round(y + delta)).
+#include "vec.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTileRows = 4;  // rows sharing one pass over their slot's weights
+constexpr int64_t kLanes = 16;    // output columns per accumulator vector
+constexpr int64_t kGroup = 4;     // accumulator vectors per row and pass: kTileRows x kGroup = 16 registers
+
+// Columns [c0, c0 + NB x 16) (clipped to n) of x [MT, k] (row stride xs, float32) times w [k, n] (row stride ld),
+// each row's result handed to out(m, col, float values, count) - 16 at a time.
+#if defined(__AVX512F__)
+inline __m512 load_cols(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+inline __m512 load_cols(const ps::bf16* p, __mmask16 mask) { return ps::load16_tail(p, mask); }
+
+template <int MT, int NB, typename TW, typename Out>
+void columns(const float* x, int64_t xs, int64_t k, const TW* w, int64_t ld, int64_t c0, int64_t n, const Out& out) {
+  __mmask16 mask[NB];
+  for (int j = 0; j < NB; ++j) {
+    const int64_t valid = std::clamp<int64_t>(n - c0 - j * kLanes, 0, kLanes);
+    mask[j] = static_cast<__mmask16>((1u << valid) - 1);
+  }
+  __m512 acc[MT][NB];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < k; ++kk) {
+    __m512 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = load_cols(w + kk * ld + c0 + j * kLanes, mask[j]);
+    for (int m = 0; m < MT; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m * xs + kk]);
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+  alignas(64) float lanes[kLanes];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NB; ++j) {
+      const int64_t col = c0 + j * kLanes;
+      if (col >= n) break;
+      _mm512_store_ps(lanes, acc[m][j]);
+      out(m, col, lanes, std::min(kLanes, n - col));
+    }
+}
+#else
+template <int MT, int NB, typename TW, typename Out>
+void columns(const float* x, int64_t xs, int64_t k, const TW* w, int64_t ld, int64_t c0, int64_t n, const Out& out) {
+  float acc[MT][NB * kLanes] = {};
+  const int64_t width = std::min<int64_t>(NB * kLanes, n - c0);
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const TW* wr = w + kk * ld + c0;
+    for (int m = 0; m < MT; ++m) {
+      const float xv = x[m * xs + kk];
+#pragma omp simd
+      for (int64_t c = 0; c < width; ++c) acc[m][c] += xv * ps::to_float(wr[c]);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int64_t c = 0; c < width; c += kLanes) out(m, c0 + c, acc[m] + c, std::min(kLanes, width - c));
+}
+#endif
+
+// All n columns of x [MT, k] times w [k, n], in passes of kGroup vectors.
+template <int MT, typename TW, typename Out>
+void product(const float* x, int64_t xs, int64_t k, const TW* w, int64_t ld, int64_t n, const Out& out) {
+  for (int64_t c0 = 0; c0 < n; c0 += kGroup * kLanes) {
+    const int64_t left = (n - c0 + kLanes - 1) / kLanes;
+    if (left >= 4) columns<MT, 4>(x, xs, k, w, ld, c0, n, out);
+    else if (left == 3) columns<MT, 3>(x, xs, k, w, ld, c0, n, out);
+    else if (left == 2) columns<MT, 2>(x, xs, k, w, ld, c0, n, out);
+    else columns<MT, 1>(x, xs, k, w, ld, c0, n, out);
+  }
+}
+
+template <typename TW, typename Out>
+void product_rows(int64_t rows, const float* x, int64_t xs, int64_t k, const TW* w, int64_t ld, int64_t n,
+                  const Out& out) {
+  switch (rows) {
+    case 4: product<4>(x, xs, k, w, ld, n, out); break;
+    case 3: product<3>(x, xs, k, w, ld, n, out); break;
+    case 2: product<2>(x, xs, k, w, ld, n, out); break;
+    default: product<1>(x, xs, k, w, ld, n, out); break;
+  }
+}
+
+template <typename T>
+void lora_kernel(T* y, int64_t y_stride, const T* x, int64_t x_stride, const T* a, const T* b,
+                 const std::vector<int64_t>& tile_rows, const std::vector<int64_t>& tile_start,
+                 const std::vector<int64_t>& tile_slot, int64_t in, int64_t out_features,
+                 const std::vector<int64_t>& slices, int64_t rank) {
+  const int64_t num_slices = static_cast<int64_t>(slices.size()), shrunk = num_slices * rank;
+  const int64_t tiles = static_cast<int64_t>(tile_slot.size());
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> xf(kTileRows * in), h(kTileRows * shrunk);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t* rows = tile_rows.data() + tile_start[t];
+      const int64_t m = tile_start[t + 1] - tile_start[t], slot = tile_slot[t];
+      for (int64_t i = 0; i < m; ++i) {
+        const T* xr = x + rows[i] * x_stride;
+        float* xo = xf.data() + i * in;
+#pragma omp simd
+        for (int64_t c = 0; c < in; ++c) xo[c] = ps::to_float(xr[c]);
+      }
+      const auto keep = [&](int64_t i, int64_t col, const float* v, int64_t count) {
+        std::copy(v, v + count, h.data() + i * shrunk + col);
+      };
+      product_rows(m, xf.data(), in, in, a + slot * in * shrunk, shrunk, shrunk, keep);
+      int64_t offset = 0;
+      for (int64_t s = 0; s < num_slices; ++s) {
+        const auto add = [&](int64_t i, int64_t col, const float* v, int64_t count) {
+          T* yr = y + rows[i] * y_stride + offset + col;
+          for (int64_t c = 0; c < count; ++c) yr[c] = ps::from_float<T>(ps::to_float(yr[c]) + v[c]);
+        };
+        product_rows(m, h.data() + s * rank, shrunk, rank, b + slot * rank * out_features + offset, out_features,
+                     slices[s], add);
+        offset += slices[s];
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// y [T, out] += each row's adapter delta, in place (see above). x [T, in]; a [slots, in, S x R]; b [slots, R, out];
+// row_slots int64 [T], a slot or -1; slices: the S output slice widths (summing to out). y, x, a, b of one dtype.
+void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor row_slots,
+              std::vector<int64_t> slices) {
+  TORCH_CHECK(ps::is_act_dtype(y.scalar_type()) && x.scalar_type() == y.scalar_type() &&
+                  a.scalar_type() == y.scalar_type() && b.scalar_type() == y.scalar_type(),
+              "lora_add: y, x, a and b of one dtype, float32 or bfloat16");
+  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.stride(1) == 1 && x.stride(1) == 1 && x.size(0) == y.size(0),
+              "lora_add: y [T, out] and x [T, in] with contiguous rows");
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.is_contiguous() && b.is_contiguous() && a.size(0) == b.size(0) &&
+                  a.size(1) == x.size(1) && b.size(2) == y.size(1) &&
+                  a.size(2) == static_cast<int64_t>(slices.size()) * b.size(1),
+              "lora_add: a [slots, in, S x R] and b [slots, R, out] contiguous, matching x, y and the S slices");
+  int64_t total = 0;
+  for (int64_t s : slices) total += s;
+  TORCH_CHECK(total == y.size(1), "lora_add: the slices must sum to y's width");
+  auto slots = row_slots.contiguous();
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.numel() == y.size(0),
+              "lora_add: row_slots int64 [T]");
+  const int64_t rows = y.size(0), num_slots = a.size(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  // Rows grouped by slot (a counting sort, rows in order within a slot), then cut into tiles of kTileRows.
+  std::vector<int64_t> count(num_slots + 1, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(sp[r] >= -1 && sp[r] < num_slots, "lora_add: row slot ", sp[r], " outside [-1, ", num_slots, ")");
+    if (sp[r] >= 0) ++count[sp[r] + 1];
+  }
+  for (int64_t s = 0; s < num_slots; ++s) count[s + 1] += count[s];
+  std::vector<int64_t> order(count[num_slots]), next(count.begin(), count.end() - 1);
+  for (int64_t r = 0; r < rows; ++r)
+    if (sp[r] >= 0) order[next[sp[r]]++] = r;
+  std::vector<int64_t> tile_start{0}, tile_slot;
+  for (int64_t s = 0; s < num_slots; ++s)
+    for (int64_t i = count[s]; i < count[s + 1]; i += kTileRows) {
+      tile_slot.push_back(s);
+      tile_start.push_back(std::min(i + kTileRows, count[s + 1]));
+    }
+  if (tile_slot.empty()) return;
+  ps::with_act_type(y.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    lora_kernel<T>(ps::ptr<T>(y), y.stride(0), ps::ptr<T>(x), x.stride(0), ps::ptr<T>(a), ps::ptr<T>(b), order,
+                   tile_start, tile_slot, x.size(1), y.size(1), slices, b.size(1));
+  });
+}
