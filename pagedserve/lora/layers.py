@@ -4,7 +4,8 @@ Adapters sit in `max_loras` slots of stacked weights, laid out for the native ke
 folded into B and the rank padded with zeros to R (max_lora_rank rounded up to 16, a vector of float32 lanes):
 
     lora_a [slots, in, S x R]   per slot the transposed A of each of the S output slices, side by side
-    lora_b [slots, R, out]      per slot B transposed, slice s's output columns taking slice s's R ranks
+    lora_b [slots, R, out']     per slot B transposed, slice s's output columns taking slice s's R ranks, each
+                                slice's columns zero-padded to a multiple of 16 (the kernel loads whole vectors)
 
 Fused projections (QKV, gate/up) get one A per slice (q, k, v each have their own) and expand into their output
 columns. One step, without a per-adapter loop (Punica's BGMV / S-LoRA's idea):
@@ -27,8 +28,9 @@ from pagedserve.model_executor.layers.linear import Linear
 RANK_ALIGN = 16  # the slots' rank is padded to a multiple of this: one vector of float32 lanes in the kernel
 
 
-def padded_rank(max_rank: int) -> int:
-    return -(-max_rank // RANK_ALIGN) * RANK_ALIGN
+def padded(n: int) -> int:
+    """n rounded up to a multiple of RANK_ALIGN (the slots' rank; lora_b's slice widths)."""
+    return -(-n // RANK_ALIGN) * RANK_ALIGN
 
 
 class LoRAMapping:
@@ -39,7 +41,7 @@ class LoRAMapping:
     def __init__(self, max_loras: int, max_rank: int) -> None:
         self.max_loras = max_loras
         self.max_rank = max_rank
-        self.rank = padded_rank(max_rank)
+        self.rank = padded(max_rank)
         self.row_slots: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
 
@@ -65,21 +67,21 @@ class LoRALinear(nn.Module):
         native = kernels is not None and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
         self.kernels = kernels if native else None
         s, r = mapping.max_loras, mapping.rank
+        # each slice's first column in lora_b (padded widths), and the end
+        self.b_offsets = [sum(padded(size) for size in slice_sizes[:j]) for j in range(len(slice_sizes) + 1)]
         self.lora_a = torch.zeros(s, base.in_features, len(slice_sizes) * r, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(s, r, base.out_features, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(s, r, self.b_offsets[-1], dtype=dtype, device=device)
 
     def set_slot(self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Per output slice the adapter's (A [rank, in], B [out, rank] scaled), or None for a slice it leaves alone."""
         r = self.mapping.rank
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
-        offset = 0
         for j, (ab, size) in enumerate(zip(weights, self.slice_sizes)):
             if ab is not None:
                 a, b = ab
                 self.lora_a[slot, :, j * r:j * r + a.shape[0]].copy_(a.t())
-                self.lora_b[slot, :b.shape[1], offset:offset + size].copy_(b.t())
-            offset += size
+                self.lora_b[slot, :b.shape[1], self.b_offsets[j]:self.b_offsets[j] + size].copy_(b.t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -94,8 +96,8 @@ class LoRALinear(nn.Module):
         h = torch.einsum("ti,sin->tsn", x, self.lora_a).mul_(self.mapping.mask)
         r, offset = self.mapping.rank, 0
         for j, size in enumerate(self.slice_sizes):  # per output slice of the fused projection (at most 3)
-            y[:, offset:offset + size].add_(torch.einsum("tsr,sro->to", h[:, :, j * r:(j + 1) * r],
-                                                         self.lora_b[:, :, offset:offset + size]))
+            b = self.lora_b[:, :, self.b_offsets[j]:self.b_offsets[j] + size]
+            y[:, offset:offset + size].add_(torch.einsum("tsr,sro->to", h[:, :, j * r:(j + 1) * r], b))
             offset += size
         return y
 

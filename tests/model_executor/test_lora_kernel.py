@@ -20,24 +20,30 @@ def kernels():
     return k
 
 
+def padded(n):
+    return -(-n // 16) * 16
+
+
 def reference(y, x, a, b, row_slots, slices):
-    """y + per row: slice s gets x a[slot][:, s R:(s+1) R] b[slot][:, slice s], in float64."""
+    """y + per row: slice s gets x a[slot][:, s R:(s+1) R] b[slot][:, slice s's padded columns], in float64."""
     out = y.double().clone()
     rank = b.shape[1]
     for i, slot in enumerate(row_slots.tolist()):
         if slot < 0:
             continue
         h = x[i].double() @ a[slot].double()
-        offset = 0
+        offset = padded_offset = 0
         for s, size in enumerate(slices):
-            out[i, offset:offset + size] += h[s * rank:(s + 1) * rank] @ b[slot, :, offset:offset + size].double()
+            out[i, offset:offset + size] += h[s * rank:(s + 1) * rank] @ \
+                b[slot, :, padded_offset:padded_offset + size].double()
             offset += size
+            padded_offset += padded(size)
     return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("order", ["interleaved", "runs"])
-@pytest.mark.parametrize("slices,rank", [([48, 24, 24], 16), ([40], 32), ([72, 72], 16)])
+@pytest.mark.parametrize("slices,rank", [([48, 24, 24], 16), ([40], 32), ([72, 72], 16)])  # 24, 40, 72: padded
 def test_lora_add_matches_reference(kernels, dtype, order, slices, rank):
     torch.manual_seed(0)
     slots, in_features, rows = 3, 80, 23
@@ -45,7 +51,7 @@ def test_lora_add_matches_reference(kernels, dtype, order, slices, rank):
     x = torch.randn(rows, in_features).to(dtype)
     y = torch.randn(rows, out).to(dtype)
     a = (torch.randn(slots, in_features, len(slices) * rank) * 0.2).to(dtype)
-    b = (torch.randn(slots, rank, out) * 0.2).to(dtype)
+    b = (torch.randn(slots, rank, sum(padded(size) for size in slices)) * 0.2).to(dtype)
     if order == "interleaved":  # a decode step: adapters and the base model mixed row by row
         row_slots = torch.tensor([(-1, 2, 0, 1)[i % 4] for i in range(rows)])
     else:  # a prefill step: each sequence's rows contiguous, slot 0 longer than a tile
@@ -82,5 +88,7 @@ def test_lora_add_rejects_bad_arguments(kernels):
         kernels.lora_add(y, x, a, b, torch.tensor([0, 2]), [32])
     with pytest.raises(RuntimeError, match="slices"):
         kernels.lora_add(y, x, a, b, torch.tensor([0, 1]), [16, 8])
+    with pytest.raises(RuntimeError, match="padded"):  # slices 20 + 12: b needs 32 + 16 columns
+        kernels.lora_add(y, x, torch.randn(2, 64, 32), b, torch.tensor([0, 1]), [20, 12])
     with pytest.raises(RuntimeError, match="one dtype"):
         kernels.lora_add(y, x, a.bfloat16(), b, torch.tensor([0, 1]), [32])

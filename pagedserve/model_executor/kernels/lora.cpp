@@ -9,10 +9,12 @@
 // writes them):
 //   a [slots, in, S x R]: per slot the transposed A of every output slice s (S of them: 3 for a fused QKV, 2 for
 //     gate/up, else 1) side by side, the rank padded with zero columns to R;
-//   b [slots, R, out]: per slot B transposed (scaling folded in), slice s's output columns taking slice s's R ranks.
+//   b [slots, R, out']: per slot B transposed (scaling folded in), slice s's output columns taking slice s's R ranks,
+//     each slice's columns padded with zeros to a multiple of 16 (out' = the padded widths' sum).
 // Both are "x times a row-major [k, n] matrix": the shrink h = x a[slot] (k = in, n = S x R), then per slice
 // y[:, slice] += h[:, s R : (s + 1) R] b[slot][:, slice] (k = R). h stays in float32 registers and buffers; y is
-// rounded once, when the delta is added (y = round(y + delta)).
+// rounded once, when the delta is added (y = round(y + delta)). Every weight load is a whole vector (the padding):
+// with masked loads in the loop GCC kept the accumulators on the stack, a store per multiply-add.
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -23,18 +25,64 @@
 
 namespace {
 
-constexpr int64_t kTileRows = 4;  // rows sharing one pass over their slot's weights
+constexpr int64_t kTileRows = 8;  // rows sharing one pass over their slot's weights
 constexpr int64_t kLanes = 16;    // output columns per accumulator vector
-constexpr int64_t kGroup = 4;     // accumulator vectors per row and pass: kTileRows x kGroup = 16 registers
 
-// Columns [c0, c0 + NB x 16) (clipped to n) of x [MT, k] (row stride xs, float32) times w [k, n] (row stride ld),
-// each row's result handed to out(m, col, float values, count) - 16 at a time.
+// Accumulator vectors per row and pass: up to 4 x 4 or 8 x 3 accumulators, with the pass's weight vectors, fit the
+// 32 registers.
+constexpr int group_vectors(int rows) { return rows > 4 ? 3 : 4; }
+
+// Where a pass's results go, 16 columns of row m at a time: `Keep` stores the shrink's h (float32), `Add` adds the
+// delta to y's row (rows[m]), rounding once to y's dtype.
+struct Keep {
+  float* h;
+  int64_t ld;
+#if defined(__AVX512F__)
+  void operator()(int m, int64_t col, __m512 v, __mmask16 mask) const { _mm512_mask_storeu_ps(h + m * ld + col, mask, v); }
+#else
+  void operator()(int m, int64_t col, const float* v, int64_t count) const { std::copy(v, v + count, h + m * ld + col); }
+#endif
+};
+
 #if defined(__AVX512F__)
 inline __m512 load_cols(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
 inline __m512 load_cols(const ps::bf16* p, __mmask16 mask) { return ps::load16_tail(p, mask); }
+inline void store_cols(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
+// Rounded to nearest even, NaN kept, as ps::store16 rounds 16 of them.
+inline void store_cols(ps::bf16* p, __m512 v, __mmask16 mask) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0))));
+}
+#endif
 
+template <typename T>
+struct Add {
+  T* y;
+  int64_t ld;
+  const int64_t* rows;
+#if defined(__AVX512F__)
+  void operator()(int m, int64_t col, __m512 v, __mmask16 mask) const {
+    T* p = y + rows[m] * ld + col;
+    store_cols(p, _mm512_add_ps(load_cols(p, mask), v), mask);
+  }
+#else
+  void operator()(int m, int64_t col, const float* v, int64_t count) const {
+    T* p = y + rows[m] * ld + col;
+    for (int64_t c = 0; c < count; ++c) p[c] = ps::from_float<T>(ps::to_float(p[c]) + v[c]);
+  }
+#endif
+};
+
+// Columns [c0, c0 + NB x 16) of x [MT, k] (row stride xs, float32) times w [k, n'] (row stride ld, n' >= c0 + NB x
+// 16: whole vectors), each row's result handed to out, clipped to n (the last vector may be partial, none empty).
+// Not inlined (as small_gemm.cpp's tiles, for their registers).
+#if defined(__AVX512F__)
 template <int MT, int NB, typename TW, typename Out>
-void columns(const float* x, int64_t xs, int64_t k, const TW* w, int64_t ld, int64_t c0, int64_t n, const Out& out) {
+__attribute__((noinline)) void columns(const float* x, int64_t xs, int64_t k, const TW* w, int64_t ld, int64_t c0, int64_t n, const Out& out) {
   __mmask16 mask[NB];
   for (int j = 0; j < NB; ++j) {
     const int64_t valid = std::clamp<int64_t>(n - c0 - j * kLanes, 0, kLanes);
@@ -45,20 +93,14 @@ void columns(const float* x, int64_t xs, int64_t k, const TW* w, int64_t ld, int
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < k; ++kk) {
     __m512 wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = load_cols(w + kk * ld + c0 + j * kLanes, mask[j]);
+    for (int j = 0; j < NB; ++j) wv[j] = ps::load16(w + kk * ld + c0 + j * kLanes);
     for (int m = 0; m < MT; ++m) {
       const __m512 xv = _mm512_set1_ps(x[m * xs + kk]);
       for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
     }
   }
-  alignas(64) float lanes[kLanes];
-  for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NB; ++j) {
-      const int64_t col = c0 + j * kLanes;
-      if (col >= n) break;
-      _mm512_store_ps(lanes, acc[m][j]);
-      out(m, col, lanes, std::min(kLanes, n - col));
-    }
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < MT; ++m) out(m, c0 + j * kLanes, acc[m][j], mask[j]);
 }
 #else
 template <int MT, int NB, typename TW, typename Out>
@@ -70,7 +112,7 @@ void columns(const float* x, int64_t xs, int64_t k, const TW* w, int64_t ld, int
     for (int m = 0; m < MT; ++m) {
       const float xv = x[m * xs + kk];
 #pragma omp simd
-      for (int64_t c = 0; c < width; ++c) acc[m][c] += xv * ps::to_float(wr[c]);
+      for (int64_t c = 0; c < NB * kLanes; ++c) acc[m][c] += xv * ps::to_float(wr[c]);
     }
   }
   for (int m = 0; m < MT; ++m)
@@ -78,12 +120,15 @@ void columns(const float* x, int64_t xs, int64_t k, const TW* w, int64_t ld, int
 }
 #endif
 
-// All n columns of x [MT, k] times w [k, n], in passes of kGroup vectors.
+inline int64_t padded(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+
+// All n columns of x [MT, k] times w [k, n' >= n padded to 16], in passes of NB vectors (the last pass narrower).
 template <int MT, typename TW, typename Out>
 void product(const float* x, int64_t xs, int64_t k, const TW* w, int64_t ld, int64_t n, const Out& out) {
-  for (int64_t c0 = 0; c0 < n; c0 += kGroup * kLanes) {
+  constexpr int NB = group_vectors(MT);
+  for (int64_t c0 = 0; c0 < n; c0 += NB * kLanes) {
     const int64_t left = (n - c0 + kLanes - 1) / kLanes;
-    if (left >= 4) columns<MT, 4>(x, xs, k, w, ld, c0, n, out);
+    if (left >= NB) columns<MT, NB>(x, xs, k, w, ld, c0, n, out);
     else if (left == 3) columns<MT, 3>(x, xs, k, w, ld, c0, n, out);
     else if (left == 2) columns<MT, 2>(x, xs, k, w, ld, c0, n, out);
     else columns<MT, 1>(x, xs, k, w, ld, c0, n, out);
@@ -94,6 +139,10 @@ template <typename TW, typename Out>
 void product_rows(int64_t rows, const float* x, int64_t xs, int64_t k, const TW* w, int64_t ld, int64_t n,
                   const Out& out) {
   switch (rows) {
+    case 8: product<8>(x, xs, k, w, ld, n, out); break;
+    case 7: product<7>(x, xs, k, w, ld, n, out); break;
+    case 6: product<6>(x, xs, k, w, ld, n, out); break;
+    case 5: product<5>(x, xs, k, w, ld, n, out); break;
     case 4: product<4>(x, xs, k, w, ld, n, out); break;
     case 3: product<3>(x, xs, k, w, ld, n, out); break;
     case 2: product<2>(x, xs, k, w, ld, n, out); break;
@@ -104,7 +153,7 @@ void product_rows(int64_t rows, const float* x, int64_t xs, int64_t k, const TW*
 template <typename T>
 void lora_kernel(T* y, int64_t y_stride, const T* x, int64_t x_stride, const T* a, const T* b,
                  const std::vector<int64_t>& tile_rows, const std::vector<int64_t>& tile_start,
-                 const std::vector<int64_t>& tile_slot, int64_t in, int64_t out_features,
+                 const std::vector<int64_t>& tile_slot, int64_t in, int64_t b_width,
                  const std::vector<int64_t>& slices, int64_t rank) {
   const int64_t num_slices = static_cast<int64_t>(slices.size()), shrunk = num_slices * rank;
   const int64_t tiles = static_cast<int64_t>(tile_slot.size());
@@ -119,19 +168,13 @@ void lora_kernel(T* y, int64_t y_stride, const T* x, int64_t x_stride, const T* 
 #pragma omp simd
         for (int64_t c = 0; c < in; ++c) xo[c] = ps::to_float(xr[c]);
       }
-      const auto keep = [&](int64_t i, int64_t col, const float* v, int64_t count) {
-        std::copy(v, v + count, h.data() + i * shrunk + col);
-      };
-      product_rows(m, xf.data(), in, in, a + slot * in * shrunk, shrunk, shrunk, keep);
-      int64_t offset = 0;
+      product_rows(m, xf.data(), in, in, a + slot * in * shrunk, shrunk, shrunk, Keep{h.data(), shrunk});
+      int64_t offset = 0, padded_offset = 0;
       for (int64_t s = 0; s < num_slices; ++s) {
-        const auto add = [&](int64_t i, int64_t col, const float* v, int64_t count) {
-          T* yr = y + rows[i] * y_stride + offset + col;
-          for (int64_t c = 0; c < count; ++c) yr[c] = ps::from_float<T>(ps::to_float(yr[c]) + v[c]);
-        };
-        product_rows(m, h.data() + s * rank, shrunk, rank, b + slot * rank * out_features + offset, out_features,
-                     slices[s], add);
+        product_rows(m, h.data() + s * rank, shrunk, rank, b + slot * rank * b_width + padded_offset, b_width,
+                     slices[s], Add<T>{y + offset, y_stride, rows});
         offset += slices[s];
+        padded_offset += padded(slices[s]);
       }
     }
   });
@@ -139,8 +182,9 @@ void lora_kernel(T* y, int64_t y_stride, const T* x, int64_t x_stride, const T* 
 
 }  // namespace
 
-// y [T, out] += each row's adapter delta, in place (see above). x [T, in]; a [slots, in, S x R]; b [slots, R, out];
-// row_slots int64 [T], a slot or -1; slices: the S output slice widths (summing to out). y, x, a, b of one dtype.
+// y [T, out] += each row's adapter delta, in place (see above). x [T, in]; a [slots, in, S x R]; b [slots, R, out']
+// (out': the slices' widths padded to 16, summed); row_slots int64 [T], a slot or -1; slices: the S output slice
+// widths (summing to out). y, x, a, b of one dtype; R a multiple of 16.
 void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor row_slots,
               std::vector<int64_t> slices) {
   TORCH_CHECK(ps::is_act_dtype(y.scalar_type()) && x.scalar_type() == y.scalar_type() &&
@@ -148,13 +192,14 @@ void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b
               "lora_add: y, x, a and b of one dtype, float32 or bfloat16");
   TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.stride(1) == 1 && x.stride(1) == 1 && x.size(0) == y.size(0),
               "lora_add: y [T, out] and x [T, in] with contiguous rows");
-  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.is_contiguous() && b.is_contiguous() && a.size(0) == b.size(0) &&
-                  a.size(1) == x.size(1) && b.size(2) == y.size(1) &&
-                  a.size(2) == static_cast<int64_t>(slices.size()) * b.size(1),
-              "lora_add: a [slots, in, S x R] and b [slots, R, out] contiguous, matching x, y and the S slices");
-  int64_t total = 0;
-  for (int64_t s : slices) total += s;
+  int64_t total = 0, padded_total = 0;
+  for (int64_t s : slices) total += s, padded_total += padded(s);
   TORCH_CHECK(total == y.size(1), "lora_add: the slices must sum to y's width");
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.is_contiguous() && b.is_contiguous() && a.size(0) == b.size(0) &&
+                  a.size(1) == x.size(1) && b.size(2) == padded_total && b.size(1) % kLanes == 0 &&
+                  a.size(2) == static_cast<int64_t>(slices.size()) * b.size(1),
+              "lora_add: a [slots, in, S x R] and b [slots, R, out'] contiguous (R a multiple of 16, out' the "
+              "slices' widths padded to 16), matching x, y and the S slices");
   auto slots = row_slots.contiguous();
   TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.numel() == y.size(0),
               "lora_add: row_slots int64 [T]");
@@ -180,6 +225,6 @@ void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b
   ps::with_act_type(y.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     lora_kernel<T>(ps::ptr<T>(y), y.stride(0), ps::ptr<T>(x), x.stride(0), ps::ptr<T>(a), ps::ptr<T>(b), order,
-                   tile_start, tile_slot, x.size(1), y.size(1), slices, b.size(1));
+                   tile_start, tile_slot, x.size(1), b.size(2), slices, b.size(1));
   });
 }
