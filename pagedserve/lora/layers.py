@@ -7,6 +7,9 @@ folded into B and the rank padded with zeros to R (max_lora_rank rounded up to 1
     lora_b [slots, R, out']     per slot B transposed, slice s's output columns taking slice s's R ranks, each
                                 slice's columns zero-padded to a multiple of 16 (the kernel loads whole vectors)
 
+Where the kernel takes bfloat16 weights in pairs of k (builds with AVX512-BF16: `lora_bf16_pairs`), a bfloat16
+model's stacks are stored that way, [slots, in/2, S x R, 2] and [slots, R/2, out', 2].
+
 Fused projections (QKV, gate/up) get one A per slice (q, k, v each have their own) and expand into their output
 columns. One step, without a per-adapter loop (Punica's BGMV / S-LoRA's idea):
   * on a CPU with the native kernels (float32, bfloat16): one `lora_add` call per projection, by row index: each row
@@ -69,19 +72,26 @@ class LoRALinear(nn.Module):
         s, r = mapping.max_loras, mapping.rank
         # each slice's first column in lora_b (padded widths), and the end
         self.b_offsets = [sum(padded(size) for size in slice_sizes[:j]) for j in range(len(slice_sizes) + 1)]
-        self.lora_a = torch.zeros(s, base.in_features, len(slice_sizes) * r, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(s, r, self.b_offsets[-1], dtype=dtype, device=device)
+        self.pairs = native and dtype == torch.bfloat16 and kernels.lora_bf16_pairs() and base.in_features % 2 == 0
+        k, pair = (2, (2,)) if self.pairs else (1, ())
+        a_shape, b_shape = (base.in_features // k, len(slice_sizes) * r), (r // k, self.b_offsets[-1])
+        self.lora_a = torch.zeros(s, *a_shape, *pair, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(s, *b_shape, *pair, dtype=dtype, device=device)
 
     def set_slot(self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Per output slice the adapter's (A [rank, in], B [out, rank] scaled), or None for a slice it leaves alone."""
         r = self.mapping.rank
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
+        a_t = torch.zeros(self.in_features, len(self.slice_sizes) * r)
+        b_t = torch.zeros(r, self.b_offsets[-1])
         for j, (ab, size) in enumerate(zip(weights, self.slice_sizes)):
             if ab is not None:
                 a, b = ab
-                self.lora_a[slot, :, j * r:j * r + a.shape[0]].copy_(a.t())
-                self.lora_b[slot, :b.shape[1], self.b_offsets[j]:self.b_offsets[j] + size].copy_(b.t())
+                a_t[:, j * r:j * r + a.shape[0]] = a.t()
+                b_t[:b.shape[1], self.b_offsets[j]:self.b_offsets[j] + size] = b.t()
+        for stack, matrix in ((self.lora_a, a_t), (self.lora_b, b_t)):
+            if self.pairs:  # [k, n] -> [k/2, n, 2]: rows 2i and 2i + 1 side by side
+                matrix = matrix.view(matrix.shape[0] // 2, 2, matrix.shape[1]).transpose(1, 2)
+            stack[slot].copy_(matrix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)

@@ -1,7 +1,8 @@
 """The native multi-LoRA kernel (kernels/lora.cpp, `lora_add`) against a float64 reference: each row adds its own
 slot's B (A x) per output slice, rows of slot -1 stay bitwise as they were; rows in any slot order (interleaved as
 in decode, contiguous runs as in prefill, more than a tile per slot), slices whose widths are not multiples of 16,
-float32 and bfloat16, ranks of one and two vectors; bad arguments raise."""
+float32 and bfloat16 (and bfloat16 weights in pairs of k, where the build takes them), ranks of one and two vectors;
+bad arguments raise."""
 from __future__ import annotations
 
 import pytest
@@ -41,10 +42,20 @@ def reference(y, x, a, b, row_slots, slices):
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def in_pairs(w):
+    """[slots, k, n] -> [slots, k/2, n, 2] (rows 2i and 2i + 1 side by side)."""
+    return w.view(w.shape[0], w.shape[1] // 2, 2, w.shape[2]).transpose(2, 3).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "bfloat16-pairs"])
 @pytest.mark.parametrize("order", ["interleaved", "runs"])
 @pytest.mark.parametrize("slices,rank", [([48, 24, 24], 16), ([40], 32), ([72, 72], 16)])  # 24, 40, 72: padded
 def test_lora_add_matches_reference(kernels, dtype, order, slices, rank):
+    pairs = dtype == "bfloat16-pairs"
+    if pairs:
+        if not kernels.lora_bf16_pairs():
+            pytest.skip("this build takes no bfloat16 weights in pairs")
+        dtype = torch.bfloat16
     torch.manual_seed(0)
     slots, in_features, rows = 3, 80, 23
     out = sum(slices)
@@ -58,7 +69,7 @@ def test_lora_add_matches_reference(kernels, dtype, order, slices, rank):
         row_slots = torch.tensor([0] * 9 + [-1] * 5 + [2] * 6 + [1] * 3)
     expect = reference(y, x, a, b, row_slots, slices)
     before = y.clone()
-    kernels.lora_add(y, x, a, b, row_slots, slices)
+    kernels.lora_add(y, x, *((in_pairs(a), in_pairs(b)) if pairs else (a, b)), row_slots, slices)
     base_rows = row_slots < 0
     assert torch.equal(y[base_rows], before[base_rows])
     tol = 1e-5 if dtype == torch.float32 else 1e-2

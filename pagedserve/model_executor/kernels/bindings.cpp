@@ -39,6 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_add", &lora_add, "y += each row's LoRA adapter delta B[slot] (A[slot] x), in place, by the rows' slot "
         "index (-1: none); a [slots, in, S x R], b [slots, R, out] (float32 or bfloat16)", py::arg("y"), py::arg("x"),
         py::arg("a"), py::arg("b"), py::arg("row_slots"), py::arg("slices"));
+  m.def("lora_bf16_pairs", &lora_bf16_pairs, "whether lora_add takes bfloat16 weights in pairs of k (a [slots, "
+        "in/2, S x R, 2], b [slots, R/2, out', 2]) in this build");
   m.def("amx_tiles", &ps::amx_tiles,
         "whether small_gemm calls of 2+ rows (bfloat16, K % 32 == 0; int8 weights, K % 64 == 0, with AMX-INT8) and "
         "bfloat16 prefill and decode attention run on AMX tiles");

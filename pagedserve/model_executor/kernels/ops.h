@@ -48,3 +48,4 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor x, c10::opt
 // lora.cpp
 void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor row_slots,
               std::vector<int64_t> slices);
+bool lora_bf16_pairs();
