@@ -11,16 +11,19 @@ Where the kernel takes bfloat16 weights in pairs of k (builds with AVX512-BF16: 
 model's stacks are stored that way, [slots, in/2, S x R, 2] and [slots, R/2, out', 2].
 
 Fused projections (QKV, gate/up) get one A per slice (q, k, v each have their own) and expand into their output
-columns. One step, without a per-adapter loop (Punica's BGMV / S-LoRA's idea):
+columns. One step, without a per-adapter loop (Punica's BGMV / S-LoRA's idea; `delta_op` picks the path):
   * on a CPU with the native kernels (float32, bfloat16): one `lora_add` call per projection, by row index: each row
     is multiplied by its own slot's A and B only, rows of a slot grouped into tiles sharing one read of its weights.
     The native whole-stack decode (layers/fused_decode.py) calls the same kernel after its products, so a decode
     step with adapter rows stays in one native call;
+  * on CUDA with Triton: the same operation by row index in two Triton kernels (lora/triton_ops.py);
   * elsewhere: every row against every slot's A, a one-hot row -> slot mask keeping its own, one expand per slice
     (max_loras x the shrink's arithmetic; the masked slots contribute nothing).
 """
 from __future__ import annotations
 
+import importlib.util
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -36,9 +39,24 @@ def padded(n: int) -> int:
     return -(-n // RANK_ALIGN) * RANK_ALIGN
 
 
+# lora_add(y, x, lora_a, lora_b, row_slots, slice_sizes): y += each row's delta, in place
+DeltaOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]], None]
+
+
+def delta_op(device: torch.device, dtype: torch.dtype, kernels: ModuleType | None) -> tuple[DeltaOp | None, bool]:
+    """The op adding the batched delta on this device, and whether it takes bfloat16 weights in pairs of k: the
+    native CPU kernel (float32, bfloat16), Triton's on CUDA, or None (the torch path)."""
+    if device.type == "cpu" and kernels is not None and dtype in (torch.float32, torch.bfloat16):
+        return kernels.lora_add, dtype == torch.bfloat16 and kernels.lora_bf16_pairs()
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        from pagedserve.lora import triton_ops
+        return triton_ops.lora_add, False
+    return None, False
+
+
 class LoRAMapping:
     """The step's row -> slot selection, shared by every LoRA layer of the model: row_slots [T] long (a slot or -1),
-    and for the non-native path its one-hot mask [T, slots, 1] in the model dtype; both None when no row of the step
+    and for the torch path its one-hot mask [T, slots, 1] in the model dtype; both None when no row of the step
     has an adapter (the layers then run the base product alone)."""
 
     def __init__(self, max_loras: int, max_rank: int) -> None:
@@ -50,7 +68,7 @@ class LoRAMapping:
 
     def set_rows(self, row_slots: torch.Tensor | None, dtype: torch.dtype, with_mask: bool = False) -> None:
         """row_slots: [T] long, each row's slot or -1 (no adapter); None: no row has one. with_mask: build the
-        one-hot mask too (some layer runs the non-native path)."""
+        one-hot mask too (the layers run the torch path)."""
         self.row_slots = row_slots
         self.mask = None
         if row_slots is not None and with_mask:
@@ -60,19 +78,18 @@ class LoRAMapping:
 
 class LoRALinear(nn.Module):
     def __init__(self, base: Linear, slice_sizes: list[int], mapping: LoRAMapping, dtype: torch.dtype,
-                 device: torch.device, kernels: ModuleType | None) -> None:
-        """kernels: the native CPU kernels (None: the torch path)."""
+                 device: torch.device, op: DeltaOp | None, pairs: bool = False) -> None:
+        """op, pairs: `delta_op`'s (None: the torch path)."""
         super().__init__()
         self.base = base
         self.in_features, self.out_features = base.in_features, base.out_features
         self.mapping = mapping
         self.slice_sizes = slice_sizes
-        native = kernels is not None and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-        self.kernels = kernels if native else None
+        self.op = op
         s, r = mapping.max_loras, mapping.rank
         # each slice's first column in lora_b (padded widths), and the end
         self.b_offsets = [sum(padded(size) for size in slice_sizes[:j]) for j in range(len(slice_sizes) + 1)]
-        self.pairs = native and dtype == torch.bfloat16 and kernels.lora_bf16_pairs() and base.in_features % 2 == 0
+        self.pairs = pairs and base.in_features % 2 == 0
         k, pair = (2, (2,)) if self.pairs else (1, ())
         a_shape, b_shape = (base.in_features // k, len(slice_sizes) * r), (r // k, self.b_offsets[-1])
         self.lora_a = torch.zeros(s, *a_shape, *pair, dtype=dtype, device=device)
@@ -98,9 +115,9 @@ class LoRALinear(nn.Module):
         row_slots = self.mapping.row_slots
         if row_slots is None:
             return y
-        if self.kernels is not None:
-            self.kernels.lora_add(y, x if x.stride(-1) == 1 else x.contiguous(), self.lora_a, self.lora_b, row_slots,
-                                  self.slice_sizes)
+        if self.op is not None:
+            self.op(y, x if x.stride(-1) == 1 else x.contiguous(), self.lora_a, self.lora_b, row_slots,
+                    self.slice_sizes)
             return y
         # every row against every slot, then its own slot kept: [T, slots, S x R]
         h = torch.einsum("ti,sin->tsn", x, self.lora_a).mul_(self.mapping.mask)

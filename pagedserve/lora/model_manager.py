@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pagedserve.lora.config import LoRAConfig
-from pagedserve.lora.layers import LoRALinear, LoRAMapping
+from pagedserve.lora.layers import LoRALinear, LoRAMapping, delta_op
 from pagedserve.lora.peft_loader import LoRAWeights, load_adapter
 from pagedserve.lora.request import LoRARequest
 from pagedserve.model_executor.kernels import cpu_kernels
@@ -34,7 +34,7 @@ class LoRAModelManager:
         self.dtype = dtype
         self.mapping = LoRAMapping(config.max_loras, config.max_lora_rank)
         self.layers: list[dict[str, LoRALinear]] = []
-        kernels = cpu_kernels() if device.type == "cpu" else None
+        op, pairs = delta_op(device, dtype, cpu_kernels() if device.type == "cpu" else None)
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             half = mlp.gate_up_proj.out_features // 2
@@ -42,12 +42,14 @@ class LoRAModelManager:
                      "gate_up_proj": [half, half], "down_proj": [mlp.down_proj.out_features]}
             wrapped = {}
             for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
-                wrapped[name] = LoRALinear(getattr(owner, name), sizes[name], self.mapping, dtype, device, kernels)
+                wrapped[name] = LoRALinear(getattr(owner, name), sizes[name], self.mapping, dtype, device, op,
+                                           pairs)
                 setattr(owner, name, wrapped[name])
             self.layers.append(wrapped)
-        self.native = all(lin.kernels is not None for layer in self.layers for lin in layer.values())
-        self.fused_decode = model.fused_decode  # the native whole-stack decode (None: the model has none)
-        # its LoRA tensors, in layer order (it runs steps with adapter rows where the layers' delta is native)
+        self.batched = op is not None  # by row index (else the torch path, with the one-hot mask)
+        # the native whole-stack decode (None: the model has none; it exists on CPU with the kernels, whose op the
+        # layers then run) and its LoRA tensors in layer order
+        self.fused_decode = model.fused_decode
         self.decode_tensors = [t for layer in self.layers for name in SLICES for t in
                                (layer[name].lora_a, layer[name].lora_b)]
         self.slot_contents: list[LoRARequest | None] = [None] * config.max_loras
@@ -107,8 +109,8 @@ class LoRAModelManager:
             slots.append(slot)
         counts = torch.tensor([n for _, n in spans])
         row_slots = torch.repeat_interleave(torch.tensor(slots), counts).to(device)
-        self.mapping.set_rows(row_slots, self.dtype, with_mask=not self.native)
-        # without the native delta (a dtype the kernel does not take) the layers run one by one
-        self.model.fused_decode = self.fused_decode if self.native else None
+        self.mapping.set_rows(row_slots, self.dtype, with_mask=not self.batched)
+        # without the kernel's delta (a dtype it does not take) the layers run one by one
+        self.model.fused_decode = self.fused_decode if self.batched else None
         if self.model.fused_decode is not None:
             self.model.fused_decode.set_lora(self.decode_tensors, row_slots)

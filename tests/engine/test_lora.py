@@ -71,7 +71,7 @@ def test_decode_steps_with_adapters_run_the_native_stack(dtype, adapters, model_
     llm = LLM(str(model_dir), dtype=dtype, enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=128,
               num_threads=1, enable_prefix_caching=False)  # the second run must prefill exactly as the first
     manager = llm.llm_engine.runner.lora_manager
-    if manager.fused_decode is None or not manager.native:
+    if manager.fused_decode is None or not manager.batched:
         pytest.skip("no native whole-stack decode or LoRA kernel in this build")
     prompts = mixed_prompts(tiny_tokenizer, n=3, lengths=(5, 40), seed=8)
     loras = [adapters[0][0], None, adapters[2][0]]
