@@ -7,7 +7,9 @@
 The base arm runs in the same --enable-lora engine: a step without adapter rows is exactly the base model's (the
 LoRA layers add nothing and the native whole-stack decode runs), so it is the number without LoRA. Adapters are
 written in PEFT's format (adapter_config.json + adapter_model.safetensors) with random A and B. Reported: output
-tok/s per arm (median of rounds) and the ratio lora / base.
+tok/s per arm (median of rounds) and the ratio lora / base, by the wall clock and by the process's CPU time (output
+tokens per CPU second: on a machine shared with other jobs the wall clock also counts the time the process waited
+for a core; with --num-threads 1 the CPU time is the work done).
 """
 from __future__ import annotations
 
@@ -51,10 +53,12 @@ def write_adapter(model_dir: Path, out: Path, rank: int, seed: int) -> Path:
     return out
 
 
-def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, loras) -> float:
-    t0 = time.perf_counter()
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, loras) -> tuple[float, float]:
+    """(output tok/s, output tokens per CPU second)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
-    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return tokens / (time.perf_counter() - t0), tokens / (time.process_time() - c0)
 
 
 def main() -> None:
@@ -86,15 +90,18 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     mixed = [adapters[i % len(adapters)] for i in range(len(prompts))]
     run(llm, prompts[:4], params, mixed[:4])  # adapters into their slots once
-    results: dict[str, list[float]] = {"base": [], "lora": []}
+    results: dict[str, list[tuple[float, float]]] = {"base": [], "lora": []}
     for r in range(args.rounds):
         for arm in (("base", "lora") if r % 2 == 0 else ("lora", "base")):
             results[arm].append(run(llm, prompts, params, None if arm == "base" else mixed))
-            print(f"round {r} {arm}: {results[arm][-1]:.1f} output tok/s", flush=True)
-    base, lora = statistics.median(results["base"]), statistics.median(results["lora"])
+            print(f"round {r} {arm}: {results[arm][-1][0]:.1f} output tok/s, {results[arm][-1][1]:.1f} per CPU s",
+                  flush=True)
+    (base, base_cpu), (lora, lora_cpu) = ([statistics.median(v[i] for v in results[arm]) for i in (0, 1)]
+                                          for arm in ("base", "lora"))
     print(f"{args.shape} dtype={llm.llm_engine.model_config.dtype} C={args.concurrency} threads={args.num_threads} "
           f"{args.num_adapters} adapters rank {args.rank}: base {base:.1f} tok/s, lora {lora:.1f} tok/s, "
-          f"ratio {lora / base:.3f}")
+          f"ratio {lora / base:.3f}; per CPU second: base {base_cpu:.1f}, lora {lora_cpu:.1f}, "
+          f"ratio {lora_cpu / base_cpu:.3f}")
 
 
 if __name__ == "__main__":

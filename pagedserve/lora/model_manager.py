@@ -3,7 +3,9 @@ adapters kept in host memory (LRU, --max-cpu-loras) and copied into the slot the
 (core/lora_slots.py) when the slot holds another, and each step's row -> slot mapping.
 
 A step without adapter rows runs exactly the base model (the LoRA layers add nothing, and the native whole-stack
-decode runs as without LoRA); a step with some runs the layers one by one with the batched delta (layers.py).
+decode runs as without LoRA); a step with some adds the batched delta after each adapted projection (layers.py): a
+decode step in the native whole-stack decode where the model has one (the same kernel, called after its products),
+others through the layers.
 """
 from __future__ import annotations
 
@@ -13,10 +15,10 @@ import torch
 from torch import nn
 
 from pagedserve.lora.config import LoRAConfig
-from pagedserve.lora.layers import LoRALinear, LoRAMapping
+from pagedserve.lora.layers import LoRALinear, LoRAMapping, delta_op
 from pagedserve.lora.peft_loader import LoRAWeights, load_adapter
 from pagedserve.lora.request import LoRARequest
-from pagedserve.model_executor.quantization.base import QuantizationConfig
+from pagedserve.model_executor.kernels import cpu_kernels
 
 # each LoRA layer's output slices: the checkpoint's projections fused into it, in order
 SLICES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
@@ -24,9 +26,7 @@ SLICES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
 
 
 class LoRAModelManager:
-    def __init__(self, model: nn.Module, config: LoRAConfig, device: torch.device, dtype: torch.dtype,
-                 products: QuantizationConfig) -> None:
-        """products: the unquantized config (the base linears' GEMM backend) that multiplies the adapter stacks."""
+    def __init__(self, model: nn.Module, config: LoRAConfig, device: torch.device, dtype: torch.dtype) -> None:
         if any(not hasattr(layer.mlp, "gate_up_proj") for layer in model.layers):
             raise ValueError("LoRA is supported on the dense decoder models (not on mixture-of-experts layers).")
         self.model = model
@@ -34,6 +34,7 @@ class LoRAModelManager:
         self.dtype = dtype
         self.mapping = LoRAMapping(config.max_loras, config.max_lora_rank)
         self.layers: list[dict[str, LoRALinear]] = []
+        op, pairs = delta_op(device, dtype, cpu_kernels() if device.type == "cpu" else None)
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             half = mlp.gate_up_proj.out_features // 2
@@ -41,10 +42,16 @@ class LoRAModelManager:
                      "gate_up_proj": [half, half], "down_proj": [mlp.down_proj.out_features]}
             wrapped = {}
             for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
-                wrapped[name] = LoRALinear(getattr(owner, name), sizes[name], self.mapping, dtype, device, products)
+                wrapped[name] = LoRALinear(getattr(owner, name), sizes[name], self.mapping, dtype, device, op,
+                                           pairs)
                 setattr(owner, name, wrapped[name])
             self.layers.append(wrapped)
-        self.fused_decode = model.fused_decode  # runs the steps without adapter rows
+        self.batched = op is not None  # by row index (else the torch path, with the one-hot mask)
+        # the native whole-stack decode (None: the model has none; it exists on CPU with the kernels, whose op the
+        # layers then run) and its LoRA tensors in layer order
+        self.fused_decode = model.fused_decode
+        self.decode_tensors = [t for layer in self.layers for name in SLICES for t in
+                               (layer[name].lora_a, layer[name].lora_b)]
         self.slot_contents: list[LoRARequest | None] = [None] * config.max_loras
         self.host_cache: OrderedDict[int, tuple[LoRARequest, LoRAWeights]] = OrderedDict()
 
@@ -88,6 +95,8 @@ class LoRAModelManager:
         if all(lora is None for lora, _ in spans):
             self.mapping.set_rows(None, self.dtype)
             self.model.fused_decode = self.fused_decode
+            if self.fused_decode is not None:
+                self.fused_decode.set_lora([], None)
             return
         slots = []
         for lora, _ in spans:
@@ -100,5 +109,8 @@ class LoRAModelManager:
             slots.append(slot)
         counts = torch.tensor([n for _, n in spans])
         row_slots = torch.repeat_interleave(torch.tensor(slots), counts).to(device)
-        self.mapping.set_rows(row_slots, self.dtype)
-        self.model.fused_decode = None  # the native stack knows no LoRA: the layers run one by one
+        self.mapping.set_rows(row_slots, self.dtype, with_mask=not self.batched)
+        # without the kernel's delta (a dtype it does not take) the layers run one by one
+        self.model.fused_decode = self.fused_decode if self.batched else None
+        if self.model.fused_decode is not None:
+            self.model.fused_decode.set_lora(self.decode_tensors, row_slots)

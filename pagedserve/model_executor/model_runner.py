@@ -119,8 +119,8 @@ class ModelRunner:
                                                  parallel.layout.world_size) and config.lora is None \
             and self.pooler is None and len(self.model.kv_cache_groups) == 1  # graphs record one group's tables
         # multi-LoRA: the projections wrapped in LoRA layers, adapters in slots (lora/model_manager.py)
-        self.lora_manager = LoRAModelManager(self.model, config.lora, device, self.dtype, get_quantization_config(
-            None, config.load.linear_backend, device)) if config.lora is not None else None
+        self.lora_manager = LoRAModelManager(self.model, config.lora, device, self.dtype) \
+            if config.lora is not None else None
         self.decode_graphs: DecodeGraphs | None = None  # built with the KV cache (graphs record its addresses)
 
     # ------------------------------------------------------------------ KV cache

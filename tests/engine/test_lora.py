@@ -17,6 +17,7 @@ from lora_adapters import make_peft_adapter  # noqa: E402
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
 from pagedserve.lora import LoRARequest  # noqa: E402
+from pagedserve.model_executor.layers.fused_decode import FusedDecodeStack  # noqa: E402
 
 MAX_TOKENS = 10
 # (rank, alpha, targets, rslora): ranks below the maximum (zero-padded in the slots), partial targets, rsLoRA
@@ -61,6 +62,40 @@ def test_one_adapter_matches_peft_merged(llm, adapters, model_dir, tiny_tokenize
     assert_greedy_match(outs, hf_greedy(merged, prompts, MAX_TOKENS), min_identical_frac=1.0, logprob_atol=1e-4)
     # the adapter changes the model: the same prompts on the base model answer differently
     assert [o.outputs[0].token_ids for o in outs] != [r.token_ids for r in hf_greedy(model_dir, prompts, MAX_TOKENS)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_steps_with_adapters_run_the_native_stack(dtype, adapters, model_dir, tiny_tokenizer, monkeypatch):
+    """A decode step mixing adapters and the base model runs in the native whole-stack decode (the LoRA kernel after
+    each product), PEFT-exact in float32, and bitwise as the Python layers run the same steps."""
+    llm = LLM(str(model_dir), dtype=dtype, enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=128,
+              num_threads=1, enable_prefix_caching=False)  # the second run must prefill exactly as the first
+    manager = llm.llm_engine.runner.lora_manager
+    if manager.fused_decode is None or not manager.batched:
+        pytest.skip("no native whole-stack decode or LoRA kernel in this build")
+    prompts = mixed_prompts(tiny_tokenizer, n=3, lengths=(5, 40), seed=8)
+    loras = [adapters[0][0], None, adapters[2][0]]
+    native = FusedDecodeStack.__call__
+    took: list[tuple[bool, bool]] = []  # per call: the stack ran, with adapter rows
+
+    def counting(self, *args):
+        out = native(self, *args)
+        took.append((out is not None, bool(self.lora)))
+        return out
+
+    monkeypatch.setattr(FusedDecodeStack, "__call__", counting)
+    fast = run(llm, prompts, loras)
+    assert (True, True) in took  # decode steps with adapter rows took the native stack
+    if dtype == "float32":
+        assert_greedy_match(fast, reference(prompts, loras, adapters, model_dir), min_identical_frac=1.0,
+                            logprob_atol=1e-4)
+    monkeypatch.setattr(manager, "fused_decode", None)  # the Python layers on every step
+    slow = run(llm, prompts, loras)
+    for f, s in zip(fast, slow):
+        f, s = f.outputs[0], s.outputs[0]
+        assert f.token_ids == s.token_ids
+        assert [{t: lp.logprob for t, lp in step.items()} for step in f.logprobs] == \
+            [{t: lp.logprob for t, lp in step.items()} for step in s.logprobs]
 
 
 @pytest.mark.slow

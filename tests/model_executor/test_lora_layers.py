@@ -1,13 +1,16 @@
 """The batched LoRA layer against a per-row reference: every row gets base(x) + its own adapter's B (A x) (scaled),
 rows without an adapter the base output alone, for a fused projection (three slices with their own A and B) and a
-plain one, at decode-sized and prefill-sized row counts (the native small GEMM and oneDNN paths), float32 and
-bfloat16, with adapters of smaller rank than the slots' and an adapter that leaves a slice alone."""
+plain one, at decode-sized and prefill-sized row counts, float32 and bfloat16, with adapters of smaller rank than
+the slots' and an adapter that leaves a slice alone; on every path: the native kernel by row index (bfloat16 weights
+in pairs of k where the build takes them), the Triton kernels (CUDA's; here in Triton's interpreter) and the torch
+all-slot masked products used where neither runs."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagedserve.lora.layers import LoRALinear, LoRAMapping
+from pagedserve.lora.layers import LoRALinear, LoRAMapping, delta_op
+from pagedserve.model_executor.kernels import cpu_kernels
 from pagedserve.model_executor.layers.linear import Linear
 from pagedserve.model_executor.quantization.registry import get_quantization_config
 
@@ -15,21 +18,34 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 CPU = torch.device("cpu")
 
 
-def make_layer(in_features: int, slices: list[int], dtype: torch.dtype, mapping: LoRAMapping) -> LoRALinear:
+def make_layer(in_features: int, slices: list[int], dtype: torch.dtype, mapping: LoRAMapping,
+               path: str) -> LoRALinear:
     config = get_quantization_config(None, "auto", CPU)
     base = Linear(in_features, sum(slices), False, config)
     base.weight = torch.nn.Parameter(torch.randn(sum(slices), in_features).to(dtype) * 0.1, requires_grad=False)
     base.process_weights_after_loading()
-    return LoRALinear(base, slices, mapping, dtype, CPU, config)
+    op, pairs = None, False
+    if path == "native":
+        if cpu_kernels() is None:
+            pytest.skip("native CPU kernels unavailable")
+        op, pairs = delta_op(CPU, dtype, cpu_kernels())
+    elif path == "triton":
+        pytest.importorskip("triton")
+        from pagedserve.lora import triton_ops  # the interpreter on a CPU (conftest sets TRITON_INTERPRET=1)
+        op = triton_ops.lora_add
+    return LoRALinear(base, slices, mapping, dtype, CPU, op, pairs)
 
 
+@pytest.mark.parametrize("path", ["native", "triton", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [7, 200])
 @pytest.mark.parametrize("slices", [[64, 32, 32], [96]])
-def test_batched_delta_matches_per_row(dtype, rows, slices):
+def test_batched_delta_matches_per_row(dtype, rows, slices, path):
     torch.manual_seed(0)
     mapping = LoRAMapping(max_loras=3, max_rank=8)
-    layer = make_layer(64, slices, dtype, mapping)
+    if path == "triton" and rows > 7:
+        pytest.skip("interpreted: decode-sized steps only")
+    layer = make_layer(64, slices, dtype, mapping, path)
     adapters = {}  # slot -> per slice (A, B) or None
     for slot, rank in ((0, 8), (2, 3)):
         weights = [(torch.randn(rank, 64) * 0.2, torch.randn(size, rank) * 0.2) for size in slices]
@@ -40,7 +56,7 @@ def test_batched_delta_matches_per_row(dtype, rows, slices):
     row_slots = torch.tensor([(-1, 0, 2)[i % 3] for i in range(rows)])
     x = torch.randn(rows, 64).to(dtype)
     with torch.inference_mode():
-        mapping.set_rows(row_slots, dtype)
+        mapping.set_rows(row_slots, dtype, with_mask=path == "torch")
         y = layer(x).float()
         mapping.set_rows(None, dtype)
         base = layer(x).float()

@@ -19,11 +19,12 @@ from triton.compiler import ASTSource  # noqa: E402
 from pagedserve.model_executor.attention import triton as ta  # noqa: E402
 from pagedserve.model_executor import triton_layer_ops as tlo  # noqa: E402
 from pagedserve.model_executor.layers.fused_moe import triton_moe as tmoe  # noqa: E402
+from pagedserve.lora import triton_ops as tlora  # noqa: E402
 
 HEAD_DIM, BLOCK_SIZE = 128, 16
 INDEX_ARGS = ("slot_ptr", "block_table_ptr", "context_lens_ptr", "block_ids_ptr", "sorted_ids_ptr",
-              "block_expert_ptr")  # int64 tensors
-PARTIAL_ARGS = ("part_out_ptr", "part_max_ptr", "part_sum_ptr", "topk_weight_ptr")  # float32 workspace / weights
+              "block_expert_ptr", "slots_ptr", "y_offsets_ptr", "b_offsets_ptr", "sizes_ptr")  # int64 tensors
+PARTIAL_ARGS = ("part_out_ptr", "part_max_ptr", "part_sum_ptr", "topk_weight_ptr", "h_ptr")  # float32 workspace etc.
 
 
 def compile_kernel(kernel, dtype: str, target: GPUTarget, **constexprs) -> int:
@@ -62,6 +63,8 @@ def main(dtypes: list[str], arch: int = 90) -> None:
             "rms_norm_heads": (tlo._rms_norm_kernel, dict(HAS_RESIDUAL=False, BLOCK_N=HEAD_DIM)),  # q/k norm
             "silu_and_mul": (tlo._silu_and_mul_kernel, dict(BLOCK=tlo.SILU_BLOCK)),
             "rotary": (tlo._rotary_kernel, dict(BLOCK=HEAD_DIM // 2)),
+            "lora_shrink": (tlora._shrink_kernel, dict(RANK=16, BLOCK=tlora.BLOCK_K)),
+            "lora_expand": (tlora._expand_kernel, dict(RANK=16, BLOCK=tlora.BLOCK_N)),
             "prefill": (ta._prefill_kernel, dict(
                 BLOCK_SIZE=BLOCK_SIZE, BLOCK_M=ta.PREFILL_BLOCK_M, BLOCK_N=ta.PREFILL_BLOCK_N, BLOCK_D=HEAD_DIM,
                 FP32_DOT=fp32, WINDOW=False, SOFT_CAP=False)),

@@ -34,7 +34,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "quantized per row on the fly", py::arg("x"), py::arg("packed"), py::arg("col_scale"), py::arg("col_shift"),
         py::arg("n"), py::arg("bias") = py::none());
   m.def("decode_layers", &decode_layers, "a decode step's decoder layers in one call (the Python layers' ops, in "
-        "their order); returns (hidden, residual)");
+        "their order); returns (hidden, residual)", py::arg("x"), py::arg("residual"), py::arg("weights"),
+        py::arg("widths"), py::arg("caches"), py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"),
+        py::arg("block_tables"), py::arg("context_lens"), py::arg("num_heads"), py::arg("num_kv_heads"),
+        py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("lora") = std::vector<torch::Tensor>(),
+        py::arg("lora_rows") = py::none());
+  m.def("lora_add", &lora_add, "y += each row's LoRA adapter delta B[slot] (A[slot] x), in place, by the rows' slot "
+        "index (-1: none); a [slots, in, S x R], b [slots, R, out] (float32 or bfloat16)", py::arg("y"), py::arg("x"),
+        py::arg("a"), py::arg("b"), py::arg("row_slots"), py::arg("slices"));
+  m.def("lora_bf16_pairs", &lora_bf16_pairs, "whether lora_add takes bfloat16 weights in pairs of k (a [slots, "
+        "in/2, S x R, 2], b [slots, R/2, out', 2]) in this build");
   m.def("amx_tiles", &ps::amx_tiles,
         "whether small_gemm calls of 2+ rows (bfloat16, K % 32 == 0; int8 weights, K % 64 == 0, with AMX-INT8) and "
         "bfloat16 prefill and decode attention run on AMX tiles");

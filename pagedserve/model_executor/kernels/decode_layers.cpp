@@ -2,7 +2,8 @@
 // (models/llama.py), without the Python between them. At batch 1 that Python cost ~35 us per layer, about 1 ms of
 // a 9-15 ms SmolLM2 step. Only for steps whose every row is a decode and whose every product runs on the native
 // small GEMM (float32, bfloat16 or int8 weights, no tensor parallelism); the caller checks that and otherwise runs
-// the Python layers.
+// the Python layers. With multi-LoRA adapters in the step, each product is followed by its LoRA layer's batched
+// delta (lora.cpp), as lora/layers.py runs it after the base product.
 #include "ops.h"
 
 #include <tuple>
@@ -11,6 +12,7 @@
 namespace {
 
 constexpr int64_t kPerLayer = 20;  // tensors per layer in `weights`, in the order below
+constexpr int64_t kLoRAPerLayer = 8;  // tensors per layer in `lora`: a and b of QKV, o, gate/up, down
 
 c10::optional<torch::Tensor> present(const torch::Tensor& t) {  // an empty tensor stands for "none"
   return t.numel() > 0 ? c10::optional<torch::Tensor>(t) : c10::nullopt;
@@ -32,7 +34,8 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor* w, int64_t n)
 // layer: the QKV, o and gate/up output widths. caches: per layer K then V. cos, sin: [T, 1, D/2]. slot_mappings and
 // block_tables: one per KV cache group (core/kv_cache_groups.py), layer i reading its group layer_groups[i]'s and
 // attending to the last windows[i] positions (0: all). Returns (the last layer's MLP output, the residual stream
-// before it), as the Python layers do.
+// before it), as the Python layers do. lora (empty: no adapter row in the step), per layer: lora_add's a and b of the
+// QKV, o, gate/up and down projections; lora_rows: each row's slot.
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor x, c10::optional<torch::Tensor> residual_opt,
                                                        std::vector<torch::Tensor> weights,
                                                        std::vector<int64_t> widths,
@@ -40,8 +43,10 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor x, c10::opt
                                                        torch::Tensor sin, std::vector<torch::Tensor> slot_mappings,
                                                        std::vector<torch::Tensor> block_tables,
                                                        torch::Tensor context_lens, std::vector<int64_t> layer_groups,
-                                                       std::vector<int64_t> windows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                                       double eps, double scale) {
+                                                       std::vector<int64_t> windows, int64_t num_heads,
+                                                       int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                                                       std::vector<torch::Tensor> lora,
+                                                       c10::optional<torch::Tensor> lora_rows) {
   const int64_t layers = static_cast<int64_t>(caches.size()) / 2;
   TORCH_CHECK(layers * 2 == static_cast<int64_t>(caches.size()) &&
                   static_cast<int64_t>(weights.size()) == layers * kPerLayer &&
@@ -51,11 +56,15 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor x, c10::opt
               "decode_layers: ", kPerLayer, " weight tensors, 3 widths, 2 caches, a group and a window per layer");
   for (int64_t g : layer_groups)
     TORCH_CHECK(g >= 0 && g < static_cast<int64_t>(block_tables.size()), "decode_layers: no block table for group ", g);
+  const bool with_lora = !lora.empty();
+  TORCH_CHECK(!with_lora || (static_cast<int64_t>(lora.size()) == layers * kLoRAPerLayer && lora_rows.has_value()),
+              "decode_layers: ", kLoRAPerLayer, " LoRA tensors per layer and the rows' slots, or none");
   const int64_t t = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   torch::Tensor residual = residual_opt.has_value() ? *residual_opt : torch::Tensor();
   for (int64_t i = 0; i < layers; ++i) {
     const torch::Tensor* w = weights.data() + i * kPerLayer;
     const int64_t* width = widths.data() + i * 3;
+    const torch::Tensor* l = with_lora ? lora.data() + i * kLoRAPerLayer : nullptr;
     torch::Tensor h;
     if (!residual.defined()) {  // first layer: the embeddings are the residual stream
       residual = x;
@@ -64,6 +73,7 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor x, c10::opt
       h = rms_norm(x, residual, w[0], eps, c10::nullopt);
     }
     const torch::Tensor qkv = product(h, w + 1, width[0]);
+    if (with_lora) lora_add(qkv, h, l[0], l[1], *lora_rows, {q_size, kv_size, kv_size});
     const torch::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({t, num_heads + num_kv_heads, head_dim});
     const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_dim});
     const torch::Tensor q = qk.narrow(1, 0, num_heads), k = qk.narrow(1, num_heads, num_kv_heads);
@@ -77,8 +87,13 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor x, c10::opt
     const torch::Tensor o = paged_decode_attention(q, caches[2 * i], caches[2 * i + 1], block_tables[g], context_lens,
                                                    scale, c10::nullopt, windows[i]);
     h = product(o.view({t, q_size}), w + 7, width[1]);
+    if (with_lora) lora_add(h, o.view({t, q_size}), l[2], l[3], *lora_rows, {width[1]});
     h = rms_norm(h, residual, w[11], eps, c10::nullopt);
-    x = product(silu_and_mul(product(h, w + 12, width[2])), w + 16, x.size(1));
+    const torch::Tensor gate_up = product(h, w + 12, width[2]);
+    if (with_lora) lora_add(gate_up, h, l[4], l[5], *lora_rows, {width[2] / 2, width[2] / 2});
+    const torch::Tensor act = silu_and_mul(gate_up);
+    x = product(act, w + 16, x.size(1));
+    if (with_lora) lora_add(x, act, l[6], l[7], *lora_rows, {x.size(1)});
   }
   return {x, residual};
 }

@@ -45,10 +45,15 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor x, c10::opt
                                                        torch::Tensor context_lens, std::vector<int64_t> layer_groups,
                                                        std::vector<int64_t> windows, int64_t num_heads,
                                                        int64_t num_kv_heads, int64_t head_dim, double eps,
-                                                       double scale);
+                                                       double scale, std::vector<torch::Tensor> lora,
+                                                       c10::optional<torch::Tensor> lora_rows);
 // moe_experts.cpp
 torch::Tensor fused_moe_experts(torch::Tensor rows, std::vector<int64_t> counts, torch::Tensor w13, torch::Tensor w2,
                                 int64_t n13, int64_t n2, c10::optional<torch::Tensor> scale13,
                                 c10::optional<torch::Tensor> shift13, c10::optional<torch::Tensor> scale2,
                                 c10::optional<torch::Tensor> shift2, c10::optional<torch::Tensor> b13,
                                 c10::optional<torch::Tensor> b2, int64_t activation, double alpha, double limit);
+// lora.cpp
+void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor row_slots,
+              std::vector<int64_t> slices);
+bool lora_bf16_pairs();

@@ -8,7 +8,9 @@ built), the model runs on one tensor-parallel rank, and every linear's method ha
 (quantization/base.py: the native small GEMM's packed weights, float or int8). Each step it runs only when every
 row is a decode row within the linears' row limit; otherwise, and for layers with forward hooks (the engine's
 fault injection, a user's, which must run), the Python layers do. A sliding-window layer's attention takes its window,
-and a hybrid model's layer its KV cache group's block table and slots (core/kv_cache_groups.py), as in Python.
+and a hybrid model's layer its KV cache group's block table and slots (core/kv_cache_groups.py), as in Python. With
+multi-LoRA, the LoRA model manager hands it each step's adapter tensors and row slots (`set_lora`): the kernel adds
+each projection's batched delta after it.
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ class FusedDecodeStack:
         self.weight_dtype = tensors[1].dtype  # the first QKV packed weight: the model dtype, or int8
         attn = layers[0].self_attn
         self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim, rms_norm_eps, attn.scale)
+        self.lora: list[torch.Tensor] = []  # the step's LoRA tensors (lora/layers.py), empty: no adapter row
+        self.lora_rows: torch.Tensor | None = None
 
     @classmethod
     def build(cls, layers: nn.ModuleList, attn_backend: AttentionBackend, parallel: ParallelState,
@@ -73,6 +77,11 @@ class FusedDecodeStack:
         return cls(layers, kernels, tensors, widths, min(t.max_rows for t in native.values()), rms_norm_eps,
                    layer_groups)
 
+    def set_lora(self, tensors: list[torch.Tensor], row_slots: torch.Tensor | None) -> None:
+        """The next steps' LoRA: per layer lora_a and lora_b of QKV, o, gate/up and down, and each row's slot (-1:
+        none); ([], None): no adapter row."""
+        self.lora, self.lora_rows = tensors, row_slots
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: tuple[torch.Tensor, torch.Tensor],
                  kv_caches: list[KVCache], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(hidden, residual) after every layer, or None when this step is not one the stack runs."""
@@ -85,4 +94,4 @@ class FusedDecodeStack:
         return self.kernels.decode_layers(x, residual, self.tensors, self.widths, [t for kv in kv_caches for t in kv],
                                           *cos_sin, [m.slot_mapping for m in groups],
                                           [m.decode_block_tables for m in groups], meta.decode_context_lens,
-                                          self.layer_groups, self.windows, *self.shape)
+                                          self.layer_groups, self.windows, *self.shape, self.lora, self.lora_rows)
