@@ -162,6 +162,7 @@ class EngineArgs:
         quantization = resolve_quantization(self.quantization, model.quantization_config)
         if quantization in CHECKPOINT_FORMATS and self.tensor_parallel_size > 1:  # its tensors are not split yet
             raise ValueError(f"A {quantization} checkpoint runs with tensor_parallel_size=1 for now.")
+        from pagedserve.model_executor.models.registry import is_encoder_only
         from pagedserve.model_executor.pooler import resolve_pooler_config
 
         pooler = resolve_pooler_config(model_dir, model.architecture, self.runner, self.task)
@@ -173,15 +174,20 @@ class EngineArgs:
                 raise ValueError("LoRA adapters are for generation: a pooling model runs without enable_lora.")
             # a cached prefix is not computed again: only the last token's hidden state is always there
             enable_prefix_caching = enable_prefix_caching and pooler.pooling_type == "LAST"
+        chunked_prefill = self.enable_chunked_prefill
+        if is_encoder_only(model.architecture):  # bidirectional: every token's state depends on the whole prompt
+            if self.tensor_parallel_size > 1:
+                raise ValueError("Encoder models (BERT, RoBERTa) run with tensor_parallel_size=1.")
+            enable_prefix_caching = chunked_prefill = False
         budget = self.max_num_batched_tokens
-        if not self.enable_chunked_prefill and budget < model.max_model_len:
+        if not chunked_prefill and budget < model.max_model_len:
             logger.warning("Without chunked prefill a whole prompt must fit one step: raising "
                            "max_num_batched_tokens from %d to max_model_len=%d.", budget, model.max_model_len)
             budget = model.max_model_len
         spec = self.speculative
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget, max_model_len=model.max_model_len,
-            enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_chunked_prefill=chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.scheduling_policy,
             num_lookahead_tokens=spec.num_lookahead_tokens if spec is not None else 0,
             max_loras=self.lora.max_loras if self.lora is not None else 0)

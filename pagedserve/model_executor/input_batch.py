@@ -42,8 +42,9 @@ def runs_as_decode(num_tokens: int) -> bool:
     return num_tokens <= MAX_DECODE_ROWS_SPAN
 
 
-def prepare_batch(spans: list[TokenSpan], block_size: int, device: torch.device) -> InputBatch:
-    """Spans that run as decode rows (runs_as_decode) must come first: attention batches them together."""
+def prepare_batch(spans: list[TokenSpan], block_size: int, device: torch.device, causal: bool = True) -> InputBatch:
+    """Spans that run as decode rows (runs_as_decode) must come first: attention batches them together.
+    causal False (an encoder's): every span is a whole prompt, one bidirectional prefill span however short."""
     bs = block_size
     tokens: list[int] = []
     positions, slots = [], []
@@ -61,13 +62,15 @@ def prepare_batch(spans: list[TokenSpan], block_size: int, device: torch.device)
         positions.append(pos)
         slots.append(table[pos // bs] * bs + pos % bs)
         used_blocks = span.block_ids[:-(-context_len // bs)]
-        if runs_as_decode(n):
+        if causal and runs_as_decode(n):
             decode_tables.extend([used_blocks] * n)
             decode_lens.extend(range(first + 1, context_len + 1))
         else:
+            if not causal and first:
+                raise ValueError("a bidirectional span must hold its whole prompt (no earlier context).")
             prefills.append(PrefillSpan(start, n, context_len,
                                         torch.tensor(used_blocks, dtype=torch.long, device=device),
-                                        chunk_causal_mask(first, context_len, device)))
+                                        chunk_causal_mask(first, context_len, device) if causal else None, causal))
         start += n
         logits_indices.extend(range(start - span.num_logits, start))
     decode_bt = decode_lens_t = None

@@ -59,6 +59,8 @@ class ModelConfig:
         # a window without use_sliding_window (Mistral's configs) is in use; Qwen's configs say when it is not
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         max_pos = cfg.get("max_position_embeddings", 2048)
+        if cfg.get("model_type") in ("roberta", "xlm-roberta"):  # positions start past the padding id (bert.py)
+            max_pos -= cfg.get("pad_token_id", 1) + 1
         layer_types = cfg.get("layer_types")
         if layer_types is None and sliding and "max_window_layers" in cfg:  # Qwen2's layers from this one slide
             layer_types = ["sliding_attention" if i >= cfg["max_window_layers"] else "full_attention"

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pagedserve.model_executor.models.registry import is_encoder_only
+
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # sentence-transformers' pooling config key -> our pooling type
 _MODE_KEYS = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
@@ -96,13 +98,14 @@ def resolve_pooler_config(model_dir: Path, architecture: str, runner: str, task:
     if runner == "auto" and task == "auto" and native is None:
         return None
     model_task = native or "embed"  # a causal LM as an embedder
+    default_pooling = "CLS" if is_encoder_only(architecture) else "LAST"  # (a cross-encoder reads its CLS token)
     if task in ("embed", "classify") and task != model_task:
         raise ValueError(f"task {task!r} is not supported by {architecture}: it serves {model_task!r}"
                          f"{' (a classifier needs a *ForSequenceClassification checkpoint)' if task == 'classify' else ''}.")
     if model_task == "classify":
-        config = PoolerConfig("LAST", False, task="classify", num_labels=num_labels(model_dir))
+        config = PoolerConfig(default_pooling, False, task="classify", num_labels=num_labels(model_dir))
     else:
-        config = PoolerConfig.from_model_dir(model_dir, "LAST")
+        config = PoolerConfig.from_model_dir(model_dir, default_pooling)
     if task == "score" and "score" not in config.supported_tasks:
         raise ValueError(f"task 'score' needs a classifier with one label; {architecture} has {config.num_labels}.")
     return config

@@ -24,6 +24,7 @@ class _PoolingDecoder:
     """Mixed in before a DecoderForCausalLM family."""
     has_lm_head = False
     is_pooling_model = True
+    reads_token_types = False  # (a decoder has no token type embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor | None:

@@ -179,7 +179,7 @@ class DecoderForCausalLM(nn.Module):
     def checkpoint_tensors(self, model_dir: Path):
         """(name, tensor) of every checkpoint tensor, in the names the loader maps (a family whose checkpoint fuses
         projections differently splits them here)."""
-        return _iter_safetensors(model_dir)
+        return iter_safetensors(model_dir)
 
     def load_extra_weight(self, name: str, tensor: torch.Tensor, params: dict) -> str | None:
         """A family's own checkpoint tensors (MoE experts): copies `tensor` into `params` and returns the key it
@@ -259,7 +259,7 @@ def build_rotary(cfg: ModelConfig, theta: float, scaling: dict | None,
                            max_model_len=cfg.max_model_len)
 
 
-def _iter_safetensors(model_dir: Path):
+def iter_safetensors(model_dir: Path):
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
