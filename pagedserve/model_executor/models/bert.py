@@ -190,7 +190,7 @@ class BertForSequenceClassification(BertEmbeddingModel):
                  quant_config: QuantizationConfig) -> None:
         super().__init__(cfg, parallel, attn_backend, quant_config)
         self.pooler = nn.ModuleDict({"dense": nn.Linear(cfg.hidden_size, cfg.hidden_size)})
-        self.classifier = nn.Linear(cfg.hidden_size, num_labels(cfg.model_dir))
+        self.classifier = nn.Linear(cfg.hidden_size, num_labels(cfg.model_dir, cfg.hf_overrides))
 
     def reads(self, name: str) -> bool:
         return name.startswith("pooler.")
@@ -208,7 +208,7 @@ class RobertaForSequenceClassification(RobertaEmbeddingModel):
                  quant_config: QuantizationConfig) -> None:
         super().__init__(cfg, parallel, attn_backend, quant_config)
         self.classifier = nn.ModuleDict({"dense": nn.Linear(cfg.hidden_size, cfg.hidden_size),
-                                         "out_proj": nn.Linear(cfg.hidden_size, num_labels(cfg.model_dir))})
+                                         "out_proj": nn.Linear(cfg.hidden_size, num_labels(cfg.model_dir, cfg.hf_overrides))})
 
     def pooler_head(self, pooled: torch.Tensor) -> torch.Tensor:
         head = self.classifier
