@@ -97,16 +97,18 @@ def build_encoder_tokenizer(arch: str):
                                    clean_up_tokenization_spaces=False, model_input_names=names)
 
 
-def build_tiny_encoder(arch: str, *, tokenizer, num_labels: int | None = None, seed: int = 5) -> torch.nn.Module:
+def build_tiny_encoder(arch: str, *, tokenizer, num_labels: int | None = None, seed: int = 5,
+                       **overrides) -> torch.nn.Module:
     """transformers' <Family>Model (num_labels None) or <Family>ForSequenceClassification, float32, eval: 2 layers,
-    hidden 64, 4 heads; weights drawn wide (std 1/sqrt(fan_in), LayerNorms and biases random) so that attention is
-    far from uniform and a causal mask, a wrong position or token type would show."""
+    hidden 64, 4 heads unless overridden (config fields: a larger shape for benchmarks); weights drawn wide (std
+    1/sqrt(fan_in), LayerNorms and biases random) so that attention is far from uniform and a causal mask, a wrong
+    position or token type would show."""
     family = ENCODER_ARCHS[arch]
     pad = tokenizer.pad_token_id
+    fields = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128) | overrides
     config = getattr(transformers, f"{family}Config")(
-        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=128, max_position_embeddings=512 + (pad + 1 if arch == "xlm-roberta" else 0),
-        type_vocab_size=2 if arch == "bert" else 1, pad_token_id=pad, num_labels=num_labels or 2)
+        vocab_size=len(tokenizer), max_position_embeddings=512 + (pad + 1 if arch == "xlm-roberta" else 0),
+        type_vocab_size=2 if arch == "bert" else 1, pad_token_id=pad, num_labels=num_labels or 2, **fields)
     cls = getattr(transformers, f"{family}Model" if num_labels is None else f"{family}ForSequenceClassification")
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32)
@@ -123,10 +125,10 @@ def build_tiny_encoder(arch: str, *, tokenizer, num_labels: int | None = None, s
 
 
 def make_tiny_encoder_checkpoint(arch: str, out_dir, *, tokenizer, pooling: str | None = "cls",
-                                 normalize: bool = True, num_labels: int | None = None) -> Path:
+                                 normalize: bool = True, num_labels: int | None = None, **overrides) -> Path:
     """An embedding model with sentence-transformers' modules (pooling given), or a cross-encoder (num_labels)."""
     out = Path(out_dir)
-    model = build_tiny_encoder(arch, tokenizer=tokenizer, num_labels=num_labels)
+    model = build_tiny_encoder(arch, tokenizer=tokenizer, num_labels=num_labels, **overrides)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     if num_labels is None:

@@ -5,8 +5,9 @@ their sentence-transformers config says, CLS by default) and cross-encoders (*Fo
 Embeddings: word + absolute position + token type (registry's token types, token_types.py), then LayerNorm. Each
 layer is post-norm: LayerNorm(x + attention(x)), LayerNorm(x + MLP(x)), with biases everywhere and a GELU MLP.
 Attention is bidirectional: the engine runs each prompt whole in one step (registry.is_encoder_only: no chunked
-prefill, no prefix caching) as one non-causal prefill span (PrefillSpan.causal False) through the model's
-attention backend, whose K/V write and cache are the decoders' (the blocks are freed when the request ends).
+prefill, no prefix caching) as one non-causal prefill span (PrefillSpan.causal False), attended by the backend's
+forward_encoder from the step's own K/V (never written to the cache: nothing reads an encoder's K/V again; the
+request's blocks are allocated and freed as for any pooling request).
 
 The forward returns the final hidden states of the rows the pooler reads (pooling_runner.py); `pooler_head` turns a
 pooled vector into the model's output: itself (an embedding model), or the classification head's logits (BERT:
@@ -59,10 +60,10 @@ class EncoderLayer(nn.Module):
                              f"{', '.join(_ACTIVATIONS)}.")
         self.act = _ACTIVATIONS[act]
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t, h = x.shape
         qkv = self.qkv_proj(x).view(t, 3, self.num_heads, self.head_dim)
-        o = self.attn_backend.forward(qkv[:, 0], qkv[:, 1], qkv[:, 2], kv_cache[0], kv_cache[1], meta, self.scale)
+        o = self.attn_backend.forward_encoder(qkv[:, 0], qkv[:, 1], qkv[:, 2], meta, self.scale)
         x = self.attn_norm(self.o_proj(o.reshape(t, h)).add_(x))
         return self.mlp_norm(self.down_proj(self.act(self.up_proj(x))).add_(x))
 
@@ -113,11 +114,11 @@ class BertEmbeddingModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """The final hidden states [len(logits_indices), hidden] (model dtype) of the rows the pooler reads."""
-        meta = self.attn_backend.build_metadata(meta)
+        """The final hidden states [len(logits_indices), hidden] (model dtype) of the rows the pooler reads
+        (kv_caches: unused, see forward_encoder)."""
         x = self.embeddings(input_ids, positions)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, kv_cache, meta)
+        for layer in self.layers:
+            x = layer(x, meta)
         return x[logits_indices]
 
     def pooler_head(self, pooled: torch.Tensor) -> torch.Tensor:
@@ -208,7 +209,8 @@ class RobertaForSequenceClassification(RobertaEmbeddingModel):
                  quant_config: QuantizationConfig) -> None:
         super().__init__(cfg, parallel, attn_backend, quant_config)
         self.classifier = nn.ModuleDict({"dense": nn.Linear(cfg.hidden_size, cfg.hidden_size),
-                                         "out_proj": nn.Linear(cfg.hidden_size, num_labels(cfg.model_dir, cfg.hf_overrides))})
+                                         "out_proj": nn.Linear(cfg.hidden_size,
+                                                               num_labels(cfg.model_dir, cfg.hf_overrides))})
 
     def pooler_head(self, pooled: torch.Tensor) -> torch.Tensor:
         head = self.classifier
