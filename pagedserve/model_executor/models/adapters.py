@@ -14,6 +14,7 @@ from torch import nn
 
 from pagedserve.model_executor.attention.backend import AttentionBackend, KVCache
 from pagedserve.model_executor.attention.metadata import AttentionMetadata
+from pagedserve.model_executor.layers.decoder import DecoderLayer
 from pagedserve.model_executor.model_config import ModelConfig
 from pagedserve.model_executor.models.decoder_lm import DecoderForCausalLM
 from pagedserve.model_executor.parallel_state import ParallelState
@@ -29,12 +30,14 @@ class _PoolingDecoder:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor | None:
-        """The final hidden states [len(logits_indices), hidden] (model dtype) of the rows the pooler reads."""
-        out = self.hidden_states(input_ids, positions, kv_caches, meta)
+        """The final hidden states [len(logits_indices), hidden] (model dtype) of the rows the pooler reads; where
+        it reads fewer rows than the step has (last token, CLS), the last layer's MLP runs on those rows only."""
+        prune = logits_indices.numel() < input_ids.numel() and isinstance(self.layers[-1], DecoderLayer)
+        out = self.hidden_states(input_ids, positions, kv_caches, meta, logits_indices if prune else None)
         if out is None:
             return None
         x, residual = out
-        return self.norm(x[logits_indices], residual[logits_indices])
+        return self.norm(x, residual) if prune else self.norm(x[logits_indices], residual[logits_indices])
 
     def pooler_head(self, pooled: torch.Tensor) -> torch.Tensor:
         """Pooled hidden states [N, hidden] float32 -> the model's raw output (an embedding model: themselves)."""

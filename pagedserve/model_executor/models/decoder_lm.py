@@ -98,9 +98,11 @@ class DecoderForCausalLM(nn.Module):
         return self.parallel.gather_vocab(logits, self.cfg.vocab_size)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+                      meta: AttentionMetadata, rows: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The decoder layers over the flat batch: (hidden, residual) before the final norm on the last stage; an
-        earlier stage sends them on and returns None."""
+        earlier stage sends them on and returns None. rows (a pooling model's, one stage only): only these rows
+        are returned, and the last layer's MLP runs only on them (DecoderLayer's `rows`)."""
         ps = self.parallel
         meta = self.attn_backend.build_metadata(meta)
         if self.embed_tokens is not None:
@@ -112,9 +114,15 @@ class DecoderForCausalLM(nn.Module):
         fused = self.fused_decode(x, residual, cos_sin, kv_caches, meta) if self.fused_decode is not None else None
         if fused is not None:
             x, residual = fused
+            if rows is not None:
+                x, residual = x[rows], residual[rows]
         else:
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                x, residual = layer(cos_sin, x, residual, kv_cache, meta)
+            last = len(self.layers) - 1
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+                if rows is not None and i == last:
+                    x, residual = layer(cos_sin, x, residual, kv_cache, meta, rows)
+                else:
+                    x, residual = layer(cos_sin, x, residual, kv_cache, meta)
         if self.norm is None:
             ps.send_hidden(x, residual)
             return None
