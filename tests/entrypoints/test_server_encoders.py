@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from server_helpers import ServerProcess
-from tiny_pooling_models import build_encoder_tokenizer, build_tiny_encoder, make_tiny_encoder_checkpoint
+from tiny_pooling_models import build_encoder_tokenizer, make_tiny_encoder_checkpoint
 
 ARGS = ("--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256", "--max-num-batched-tokens", "32")
 TEXTS = ["the cat reads a long letter before noon", "a small dog", "the scheduler frees the memory blocks " * 6]
@@ -26,13 +26,13 @@ def bert_embedder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bert_reranker(tmp_path_factory):
+    from transformers import AutoModelForSequenceClassification
+
     tokenizer = build_encoder_tokenizer("bert")
-    hf = build_tiny_encoder("bert", tokenizer=tokenizer, num_labels=1)
-    path = tmp_path_factory.mktemp("bert-rerank")
-    hf.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
+    path = make_tiny_encoder_checkpoint("bert", tmp_path_factory.mktemp("bert-rerank"), tokenizer=tokenizer,
+                                        num_labels=1)
     srv = ServerProcess(path, ("--served-model-name", "tiny-bert-rerank", *ARGS))
-    yield srv, tokenizer, hf
+    yield srv, tokenizer, AutoModelForSequenceClassification.from_pretrained(str(path)).eval()
     assert srv.stop() == 0, srv.log()[-3000:]
 
 
