@@ -6,8 +6,8 @@ Embeddings: word + absolute position + token type (registry's token types, token
 layer is post-norm: LayerNorm(x + attention(x)), LayerNorm(x + MLP(x)), with biases everywhere and a GELU MLP.
 Attention is bidirectional: the engine runs each prompt whole in one step (registry.is_encoder_only: no chunked
 prefill, no prefix caching) as one non-causal prefill span (PrefillSpan.causal False), attended by the backend's
-forward_encoder from the step's own K/V (never written to the cache: nothing reads an encoder's K/V again; the
-request's blocks are allocated and freed as for any pooling request).
+forward_encoder (the CPU backend: its native prefill kernel, bidirectional; elsewhere PyTorch's SDPA per span from
+the step's own K/V); the request's blocks are allocated and freed as for any pooling request.
 
 The forward returns the final hidden states of the rows the pooler reads (pooling_runner.py); `pooler_head` turns a
 pooled vector into the model's output: itself (an embedding model), or the classification head's logits (BERT:
@@ -60,10 +60,11 @@ class EncoderLayer(nn.Module):
                              f"{', '.join(_ACTIVATIONS)}.")
         self.act = _ACTIVATIONS[act]
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         t, h = x.shape
         qkv = self.qkv_proj(x).view(t, 3, self.num_heads, self.head_dim)
-        o = self.attn_backend.forward_encoder(qkv[:, 0], qkv[:, 1], qkv[:, 2], meta, self.scale)
+        o = self.attn_backend.forward_encoder(qkv[:, 0], qkv[:, 1], qkv[:, 2], kv_cache[0], kv_cache[1], meta,
+                                              self.scale)
         x = self.attn_norm(self.o_proj(o.reshape(t, h)).add_(x))
         return self.mlp_norm(self.down_proj(self.act(self.up_proj(x))).add_(x))
 
@@ -114,11 +115,10 @@ class BertEmbeddingModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """The final hidden states [len(logits_indices), hidden] (model dtype) of the rows the pooler reads
-        (kv_caches: unused, see forward_encoder)."""
+        """The final hidden states [len(logits_indices), hidden] (model dtype) of the rows the pooler reads."""
         x = self.embeddings(input_ids, positions)
-        for layer in self.layers:
-            x = layer(x, meta)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, kv_cache, meta)
         return x[logits_indices]
 
     def pooler_head(self, pooled: torch.Tensor) -> torch.Tensor:
