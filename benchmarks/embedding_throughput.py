@@ -51,7 +51,8 @@ def main() -> int:
     import torch.nn.functional as F
     from sentence_transformers import SentenceTransformer
     from tiny_models import build_tiny_tokenizer, tiny_corpus
-    from tiny_pooling_models import build_encoder_tokenizer, make_tiny_embedding_checkpoint, make_tiny_encoder_checkpoint
+    from tiny_pooling_models import (build_encoder_tokenizer, make_tiny_embedding_checkpoint,
+                                     make_tiny_encoder_checkpoint)
 
     from pagedserve import LLM
 

@@ -233,7 +233,8 @@ class EngineArgs:
             elif f.name == "hf_overrides":
                 parser.add_argument(flag, type=str, default=None,
                                     help='JSON, e.g. \'{"architectures": ["Qwen3ForSequenceClassification"], '
-                                         '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\'')
+                                         '"classifier_from_token": ["no", "yes"], '
+                                         '"is_original_qwen3_reranker": true}\'')
             elif f.name == "kv_transfer_config":
                 parser.add_argument(flag, type=str, default=None,
                                     help='JSON, e.g. \'{"kv_connector": "redis", "url": "redis://127.0.0.1:6379"}\' '

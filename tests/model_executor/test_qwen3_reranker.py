@@ -61,3 +61,20 @@ def test_tokens_as_classes(tiny_model_dir, tiny_tokenizer):
     assert torch.allclose(torch.tensor(out.outputs.probs), want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="not tokens of the model's vocabulary"):
         LLM(str(path), dtype="float32", num_kv_blocks=16, hf_overrides=_overrides(["no-such-token", "x" * 40]))
+
+
+def test_hf_overrides_flag(tiny_model_dir, tiny_tokenizer):
+    """`--hf-overrides` (the server's flag) takes the JSON text; the engine config sees the overridden architecture."""
+    import argparse
+
+    from pagedserve.config import EngineArgs
+
+    tokens = tiny_tokenizer.convert_ids_to_tokens([300, 301])
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(["--hf-overrides", json.dumps(_overrides(tokens))]))
+    args.model = str(tiny_model_dir("qwen3"))
+    config = args.create_engine_config()
+    assert config.model.architecture == "Qwen3ForSequenceClassification"
+    assert config.pooler.task == "classify" and config.pooler.num_labels == 1
+    with pytest.raises(ValueError, match="hf_overrides must be a JSON object"):
+        EngineArgs(model=args.model, hf_overrides="[1]").create_engine_config()
