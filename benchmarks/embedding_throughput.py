@@ -2,11 +2,13 @@
 sentence-transformers' `encode(batch_size=32)` on the same checkpoint, dtype and thread count, in one process with
 the two alternating round by round (this machine's speed drifts; a paired ratio per round is what is reported).
 
-    python benchmarks/embedding_throughput.py [--shape small|qwen3-0.6b] [--threads 1] [--rounds 5] [--tokens 64]
+    python benchmarks/embedding_throughput.py [--shape small|qwen3-0.6b|minilm|bert-base] [--threads 1] [--rounds 5]
+        [--tokens 64]
 
-The checkpoint is a random-weight Qwen3 of the chosen shape (tests/tiny_pooling_models.py, the tiny tokenizer's
-768-token vocabulary), saved with sentence-transformers' modules (last-token pooling, normalised: the
-Qwen3-Embedding recipe), so both engines read the same files. Each round embeds the same 32 sentences of about
+The checkpoint is a random-weight Qwen3 or BERT of the chosen shape (tests/tiny_pooling_models.py, the tiny
+tokenizer's 768-token vocabulary), saved with sentence-transformers' modules (Qwen3: last-token pooling, normalised:
+the Qwen3-Embedding recipe; BERT: mean pooling, normalised: all-MiniLM-L6-v2's), so both engines read the same
+files. Each round embeds the same 32 sentences of about
 `--tokens` tokens; before timing, the lowest cosine similarity between the two engines' embeddings is printed
 (1.0000 in float32; ~0.99 in bfloat16, where the two round differently).
 """
@@ -29,12 +31,16 @@ SHAPES = {  # Qwen3 config overrides
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128),
 }
+ENCODER_SHAPES = {  # BERT config overrides: all-MiniLM-L6-v2's and bert-base's
+    "minilm": dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=12),
+    "bert-base": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
+}
 BATCH = 32
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    ap.add_argument("--shape", choices=sorted(SHAPES) + sorted(ENCODER_SHAPES), default="small")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64, help="about this many tokens per sentence")
@@ -45,14 +51,21 @@ def main() -> int:
     import torch.nn.functional as F
     from sentence_transformers import SentenceTransformer
     from tiny_models import build_tiny_tokenizer, tiny_corpus
-    from tiny_pooling_models import make_tiny_embedding_checkpoint
+    from tiny_pooling_models import (build_encoder_tokenizer, make_tiny_embedding_checkpoint,
+                                     make_tiny_encoder_checkpoint)
 
     from pagedserve import LLM
 
     torch.set_num_threads(args.threads)
-    tokenizer = build_tiny_tokenizer()
-    path = make_tiny_embedding_checkpoint("qwen3", Path(tempfile.mkdtemp(prefix="embed-bench-")), tokenizer=tokenizer,
-                                          max_position_embeddings=4096, **SHAPES[args.shape])
+    out = Path(tempfile.mkdtemp(prefix="embed-bench-"))
+    if args.shape in ENCODER_SHAPES:
+        tokenizer = build_encoder_tokenizer("bert")
+        path = make_tiny_encoder_checkpoint("bert", out, tokenizer=tokenizer, pooling="mean",
+                                            **ENCODER_SHAPES[args.shape])
+    else:
+        tokenizer = build_tiny_tokenizer()
+        path = make_tiny_embedding_checkpoint("qwen3", out, tokenizer=tokenizer, max_position_embeddings=4096,
+                                              **SHAPES[args.shape])
     text = " ".join(tiny_corpus()[:400])
     ids = tokenizer.encode(text, add_special_tokens=False)
     sentences = [tokenizer.decode(ids[i * args.tokens:(i + 1) * args.tokens]) for i in range(BATCH)]
@@ -60,7 +73,8 @@ def main() -> int:
 
     st = SentenceTransformer(str(path), device="cpu", model_kwargs={"dtype": getattr(torch, args.dtype)})
     llm = LLM(str(path), runner="pooling", dtype=args.dtype, num_threads=args.threads, max_num_seqs=BATCH,
-              max_num_batched_tokens=max(2048, num_tokens), max_model_len=4096, enable_prefix_caching=False)
+              max_num_batched_tokens=max(2048, num_tokens), max_model_len=512 if args.shape in ENCODER_SHAPES else 4096,
+              enable_prefix_caching=False)
     torch.set_num_threads(args.threads)
 
     def run_st():

@@ -49,6 +49,9 @@ class EngineArgs:
     # ---- pooling models (vLLM's --runner / --task; model_executor/pooler.py resolve_pooler_config)
     runner: str = "auto"  # auto | generate | pooling
     task: str = "auto"  # auto | generate | embed | classify | score
+    # vLLM's --hf-overrides: config.json fields to replace, a dict or its JSON text (a causal LM served as a
+    # classifier: architectures + classifier_from_token, models/adapters.py)
+    hf_overrides: dict | str | None = None
     # ---- parallelism (docs/PARALLEL.md)
     tensor_parallel_size: int = 1  # -tp: heads, MLP channels and vocabulary split over this many ranks
     pipeline_parallel_size: int = 1  # -pp: layers split over this many stages
@@ -158,13 +161,16 @@ class EngineArgs:
         kv_dtype = dtype if self.kv_cache_dtype == "auto" else resolve_dtype(self.kv_cache_dtype, device)
         model = ModelConfig.from_dir(model_dir, dtype=dtype_name(dtype), max_model_len=self.max_model_len,
                                      served_model_name=self.served_model_name or self.model or "pagedserve-demo",
-                                     tokenizer=self.tokenizer or str(model_dir), is_default_model=self.model is None)
+                                     tokenizer=self.tokenizer or str(model_dir), is_default_model=self.model is None,
+                                     hf_overrides=parse_json_object(self.hf_overrides, "hf_overrides", None)
+                                     if self.hf_overrides else None)
         quantization = resolve_quantization(self.quantization, model.quantization_config)
         if quantization in CHECKPOINT_FORMATS and self.tensor_parallel_size > 1:  # its tensors are not split yet
             raise ValueError(f"A {quantization} checkpoint runs with tensor_parallel_size=1 for now.")
+        from pagedserve.model_executor.models.registry import is_encoder_only
         from pagedserve.model_executor.pooler import resolve_pooler_config
 
-        pooler = resolve_pooler_config(model_dir, model.architecture, self.runner, self.task)
+        pooler = resolve_pooler_config(model_dir, model.architecture, self.runner, self.task, model.hf_overrides)
         enable_prefix_caching = self.enable_prefix_caching
         if pooler is not None:
             if self.speculative is not None or self.pipeline_parallel_size > 1:
@@ -173,15 +179,20 @@ class EngineArgs:
                 raise ValueError("LoRA adapters are for generation: a pooling model runs without enable_lora.")
             # a cached prefix is not computed again: only the last token's hidden state is always there
             enable_prefix_caching = enable_prefix_caching and pooler.pooling_type == "LAST"
+        chunked_prefill = self.enable_chunked_prefill
+        if is_encoder_only(model.architecture):  # bidirectional: every token's state depends on the whole prompt
+            if self.tensor_parallel_size > 1:
+                raise ValueError("Encoder models (BERT, RoBERTa) run with tensor_parallel_size=1.")
+            enable_prefix_caching = chunked_prefill = False
         budget = self.max_num_batched_tokens
-        if not self.enable_chunked_prefill and budget < model.max_model_len:
+        if not chunked_prefill and budget < model.max_model_len:
             logger.warning("Without chunked prefill a whole prompt must fit one step: raising "
                            "max_num_batched_tokens from %d to max_model_len=%d.", budget, model.max_model_len)
             budget = model.max_model_len
         spec = self.speculative
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget, max_model_len=model.max_model_len,
-            enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_chunked_prefill=chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.scheduling_policy,
             num_lookahead_tokens=spec.num_lookahead_tokens if spec is not None else 0,
             max_loras=self.lora.max_loras if self.lora is not None else 0)
@@ -219,6 +230,11 @@ class EngineArgs:
                 parser.add_argument(flag, type=str, default=None,
                                     help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                                          '"prompt_lookup_max": 4}\' or \'{"model": PATH, "num_speculative_tokens": 3}\'')
+            elif f.name == "hf_overrides":
+                parser.add_argument(flag, type=str, default=None,
+                                    help='JSON, e.g. \'{"architectures": ["Qwen3ForSequenceClassification"], '
+                                         '"classifier_from_token": ["no", "yes"], '
+                                         '"is_original_qwen3_reranker": true}\'')
             elif f.name == "kv_transfer_config":
                 parser.add_argument(flag, type=str, default=None,
                                     help='JSON, e.g. \'{"kv_connector": "redis", "url": "redis://127.0.0.1:6379"}\' '

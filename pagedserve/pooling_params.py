@@ -9,6 +9,7 @@ cosine similarity the entrypoint computes from two embeddings).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import RequestOutputKind
@@ -23,6 +24,8 @@ class PoolingParams:
     normalize: bool | None = None  # embed: L2-normalise (None: as the model's config says)
     activation: bool | None = None  # classify / score: softmax (sigmoid for one label) over the logits (None: yes)
     truncate_prompt_tokens: int | None = None  # keep the last this many prompt tokens (-1: max_model_len)
+    # vLLM's: set by the entrypoints (compressed_token_type_ids: where a cross-encoder pair's second text starts)
+    extra_kwargs: dict[str, Any] | None = None
 
     # a pooling request is one sequence and answers once, when its prompt has run (the async engine reads these)
     n = 1

@@ -24,6 +24,7 @@ from pagedserve.engine.structured_output import StructuredOutputManager
 from pagedserve.errors import InvalidRequestError
 from pagedserve.lora.adapter_config import read_adapter_config
 from pagedserve.lora.request import LoRARequest
+from pagedserve.model_executor.token_types import shift_token_types
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 
@@ -286,8 +287,9 @@ class InputProcessor:
         if not token_ids:
             raise InvalidRequestError(f"{prompt_param} must not be empty.", param=prompt_param)
         if params.truncate_prompt_tokens is not None:
-            token_ids = self.truncate_prompt(token_ids, params.truncate_prompt_tokens)
-            prompt = token_ids
+            kept = self.truncate_prompt(token_ids, params.truncate_prompt_tokens)
+            params = shift_token_types(params, len(token_ids) - len(kept))  # the kept tokens' types
+            token_ids = prompt = kept
         limit = self.config.model.max_model_len
         if len(token_ids) > limit:
             raise InvalidRequestError(

@@ -13,6 +13,7 @@ from pagedserve.config import EngineArgs
 from pagedserve.engine.beam_search import BeamSearch
 from pagedserve.engine.input_processor import render_chat
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.errors import InvalidRequestError
 from pagedserve.entrypoints.score_utils import pair_scores, score_pairs, score_prompts
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import (BeamSearchOutput, ClassificationRequestOutput,
@@ -80,16 +81,23 @@ class LLM:
         return self._run_engine(ids, use_tqdm)
 
     # ------------------------------------------------------------------ pooling models (runner="pooling")
-    def encode(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
                use_tqdm: bool = True, pooling_task: str | None = None) -> list[PoolingRequestOutput]:
-        """The pooler's raw output per prompt (outputs.data, a float32 tensor), in prompt order. Invalid input
-        raises InvalidRequestError (a ValueError) before anything runs; a generative engine refuses."""
-        params = pooling_params or PoolingParams()
+        """The pooler's raw output per prompt (outputs.data, a float32 tensor), in prompt order; pooling_params for
+        every prompt or one per prompt (vLLM's). Invalid input raises InvalidRequestError (a ValueError) before
+        anything runs; a generative engine refuses."""
+        normalized = self._normalize_prompts(prompts, None)
+        per_prompt = list(pooling_params) if isinstance(pooling_params, Sequence) \
+            else [pooling_params or PoolingParams()] * len(normalized)
+        if len(per_prompt) != len(normalized):
+            raise InvalidRequestError(f"pooling_params: {len(per_prompt)} for {len(normalized)} prompts.",
+                                      param="pooling_params")
         if pooling_task is not None:
-            params = dataclasses.replace(params, task=pooling_task)
+            per_prompt = [dataclasses.replace(p, task=pooling_task) for p in per_prompt]
         ids = []
         try:
-            for prompt, cache_salt in self._normalize_prompts(prompts, None):
+            for (prompt, cache_salt), params in zip(normalized, per_prompt):
                 request_id = str(next(self._counter))
                 self.llm_engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
                 ids.append(request_id)
@@ -119,8 +127,9 @@ class LLM:
         pairs = score_pairs(data_1, data_2)
         params = dataclasses.replace(pooling_params or PoolingParams(), truncate_prompt_tokens=truncate_prompt_tokens)
         pooler = self.llm_engine.config.pooler
-        prompts, task = score_prompts(self.get_tokenizer(), pairs, pooler.task if pooler is not None else "score")
-        outs = self.encode(prompts, dataclasses.replace(params, task=task), use_tqdm)
+        prompts, per_prompt, task = score_prompts(self.get_tokenizer(), pairs,
+                                                  pooler.task if pooler is not None else "score", params)
+        outs = self.encode(prompts, per_prompt, use_tqdm)
         if task == "score":
             return [ScoringRequestOutput.from_base(o) for o in outs]
         by_text = dict(zip(prompts, outs))

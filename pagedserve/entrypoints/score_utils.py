@@ -2,12 +2,15 @@
 request means, a cross-encoder's pair prompt, and the cosine similarity of an embedding model's vectors."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from pagedserve.errors import InvalidRequestError
+from pagedserve.model_executor.token_types import COMPRESSED_TOKEN_TYPE_IDS, compress_token_type_ids
+from pagedserve.pooling_params import PoolingParams
 
 
 def score_pairs(data_1: str | list[str], data_2: str | list[str], param_1: str = "text_1",
@@ -28,12 +31,23 @@ def score_pairs(data_1: str | list[str], data_2: str | list[str], param_1: str =
     return list(zip(first, second))
 
 
-def score_prompts(tokenizer: Any, pairs: list[tuple[str, str]], model_task: str) -> tuple[list, str]:
-    """What to pool for these pairs, and with which task: an embedding model embeds each distinct text once; a
-    cross-encoder reads each pair as one prompt, through the tokenizer's own pair template (as it was trained)."""
+def score_prompts(tokenizer: Any, pairs: list[tuple[str, str]], model_task: str,
+                  params: PoolingParams) -> tuple[list, list[PoolingParams], str]:
+    """What to pool for these pairs, with which params (`params` with the task set) and task: an embedding model
+    embeds each distinct text once; a cross-encoder reads each pair as one prompt, through the tokenizer's own pair
+    template (as it was trained), its second text's token types where the tokenizer gives them (BERT's)."""
     if model_task == "embed":
-        return list(dict.fromkeys(text for pair in pairs for text in pair)), "embed"
-    return [list(tokenizer(text=a, text_pair=b)["input_ids"]) for a, b in pairs], "score"
+        texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+        return texts, [dataclasses.replace(params, task="embed")] * len(texts), "embed"
+    prompts, per_prompt = [], []
+    for a, b in pairs:
+        encoded = tokenizer(text=a, text_pair=b)
+        prompts.append(list(encoded["input_ids"]))
+        start = compress_token_type_ids(list(encoded.get("token_type_ids") or []))
+        extra = {**(params.extra_kwargs or {}), COMPRESSED_TOKEN_TYPE_IDS: start} if start is not None \
+            else params.extra_kwargs
+        per_prompt.append(dataclasses.replace(params, task="score", extra_kwargs=extra))
+    return prompts, per_prompt, "score"
 
 
 def pair_scores(pairs: list[tuple[str, str]], prompts: list, outputs: list, task: str) -> list[float]:

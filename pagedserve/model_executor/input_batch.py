@@ -43,8 +43,9 @@ def runs_as_decode(num_tokens: int) -> bool:
     return num_tokens <= MAX_DECODE_ROWS_SPAN
 
 
-def prepare_batch(spans: list[TokenSpan], block_size: int, device: torch.device) -> InputBatch:
-    """Spans that run as decode rows (runs_as_decode) must come first: attention batches them together."""
+def prepare_batch(spans: list[TokenSpan], block_size: int, device: torch.device, causal: bool = True) -> InputBatch:
+    """Spans that run as decode rows (runs_as_decode) must come first: attention batches them together.
+    causal False (an encoder's): every span is a whole prompt, one bidirectional prefill span however short."""
     bs = block_size
     tokens: list[int] = []
     positions = []
@@ -58,10 +59,13 @@ def prepare_batch(spans: list[TokenSpan], block_size: int, device: torch.device)
         context_len = first + n
         tokens.extend(span.token_ids)
         positions.append(np.arange(first, context_len))
-        if runs_as_decode(n):
+        if causal and runs_as_decode(n):
             decode_lens.extend(range(first + 1, context_len + 1))
         else:
-            prefills.append(PrefillSpan(start, n, context_len, None, chunk_causal_mask(first, context_len, device)))
+            if not causal and first:
+                raise ValueError("a bidirectional span must hold its whole prompt (no earlier context).")
+            prefills.append(PrefillSpan(start, n, context_len, None,
+                                        chunk_causal_mask(first, context_len, device) if causal else None, causal))
         start += n
         logits_indices.extend(range(start - span.num_logits, start))
     meta = AttentionMetadata(
@@ -72,17 +76,17 @@ def prepare_batch(spans: list[TokenSpan], block_size: int, device: torch.device)
         block_size=bs,
         prefills=prefills,
     )
-    meta = _with_block_tables(meta, spans, [span.block_ids for span in spans], positions, device)
+    meta = _with_block_tables(meta, spans, [span.block_ids for span in spans], positions, device, causal)
     num_groups = len(spans[0].group_block_ids) if spans else 0
     meta.group_metadata = [_with_block_tables(meta, spans, [span.group_block_ids[g] for span in spans], positions,
-                                              device) for g in range(num_groups)]
+                                              device, causal) for g in range(num_groups)]
     return InputBatch(torch.tensor(tokens, dtype=torch.long, device=device),
                       torch.from_numpy(np.concatenate(positions)).to(device), meta,
                       torch.tensor(logits_indices, dtype=torch.long, device=device))
 
 
 def _with_block_tables(meta: AttentionMetadata, spans: list[TokenSpan], tables: list[list[int]],
-                       positions: list[np.ndarray], device: torch.device) -> AttentionMetadata:
+                       positions: list[np.ndarray], device: torch.device, causal: bool) -> AttentionMetadata:
     """`meta` with the slots, decode block tables and chunks' blocks of one KV cache group's tables (one per span)."""
     bs = meta.block_size
     slots, decode_tables, chunk_blocks = [], [], []
@@ -91,7 +95,7 @@ def _with_block_tables(meta: AttentionMetadata, spans: list[TokenSpan], tables: 
         table = np.asarray(block_ids, dtype=np.int64)
         slots.append(table[pos // bs] * bs + pos % bs)
         used_blocks = block_ids[:-(-(span.start_pos + n) // bs)]
-        if runs_as_decode(n):
+        if causal and runs_as_decode(n):
             decode_tables.extend([used_blocks] * n)
         else:
             chunk_blocks.append(torch.tensor(used_blocks, dtype=torch.long, device=device))

@@ -40,14 +40,15 @@ class ModelConfig:
     served_model_name: str
     tokenizer: str  # the tokenizer's path or hub id
     is_default_model: bool  # the embedded demo model
+    hf_overrides: dict | None = None  # vLLM's --hf-overrides: config.json fields replaced (read over the file's)
 
     @classmethod
     def from_dir(cls, model_dir: Path, *, dtype: str = "float32", max_model_len: int | None = None,
                  served_model_name: str | None = None, tokenizer: str | None = None,
-                 is_default_model: bool = False) -> "ModelConfig":
+                 is_default_model: bool = False, hf_overrides: dict | None = None) -> "ModelConfig":
         """The checkpoint's config; max_model_len defaults to the positions the model supports (and may not exceed
         them), the served name to the directory."""
-        cfg = json.loads((model_dir / "config.json").read_text())
+        cfg = json.loads((model_dir / "config.json").read_text()) | (hf_overrides or {})
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -59,6 +60,8 @@ class ModelConfig:
         # a window without use_sliding_window (Mistral's configs) is in use; Qwen's configs say when it is not
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         max_pos = cfg.get("max_position_embeddings", 2048)
+        if cfg.get("model_type") in ("roberta", "xlm-roberta"):  # positions start past the padding id (bert.py)
+            max_pos -= cfg.get("pad_token_id", 1) + 1
         layer_types = cfg.get("layer_types")
         if layer_types is None and sliding and "max_window_layers" in cfg:  # Qwen2's layers from this one slide
             layer_types = ["sliding_attention" if i >= cfg["max_window_layers"] else "full_attention"
@@ -95,6 +98,7 @@ class ModelConfig:
             served_model_name=served_model_name or str(model_dir),
             tokenizer=tokenizer or str(model_dir),
             is_default_model=is_default_model,
+            hf_overrides=hf_overrides or None,
         )
 
     def layer_sliding_window(self, layer: int) -> int | None:

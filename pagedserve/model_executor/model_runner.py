@@ -22,6 +22,7 @@ from pagedserve.model_executor.cuda_graphs import DecodeGraphs, wants_cuda_graph
 from pagedserve.model_executor.host_allocator import keep_freed_memory
 from pagedserve.model_executor.input_batch import TokenSpan, prepare_batch, runs_as_decode
 from pagedserve.model_executor.model_loader import allocate_kv_cache, kv_bytes_per_block, load_model
+from pagedserve.model_executor.models.registry import is_encoder_only
 from pagedserve.model_executor.parallel_state import SINGLE, ParallelState
 from pagedserve.model_executor.platform import available_memory, torch_dtype
 from pagedserve.model_executor.pooling_runner import PoolingRunner
@@ -105,6 +106,7 @@ class ModelRunner:
         self.model = load_model(self.model_config, device, self.dtype, self.quant_config, self.attn_backend, parallel,
                                 pooling=config.pooler is not None)
         self.pooler = PoolingRunner(config.pooler, self.model) if config.pooler is not None else None
+        self.causal = not is_encoder_only(config.model.architecture)  # an encoder attends both ways
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=device).manual_seed(config.seed)
         self.generators: dict[str, torch.Generator] = {}
@@ -166,7 +168,9 @@ class ModelRunner:
         if self.pooler is not None:  # rows of hidden states the pooler reads, not logits
             for span, item in zip(spans, items):
                 span.num_logits = self.pooler.num_rows(item)
-        batch = prepare_batch(spans, self.block_size, self.device)
+        batch = prepare_batch(spans, self.block_size, self.device, self.causal)
+        if self.pooler is not None:  # a cross-encoder's pair: the second text's token types
+            self.pooler.add_token_types(items, batch.input_ids, batch.positions)
         if self.lora_manager is not None:
             self.lora_manager.prepare_step(out.lora_slots, [(item.request.lora_request, len(span.token_ids))
                                                             for item, span in zip(items, spans)], self.device)

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pagedserve.model_executor.models.registry import is_encoder_only
+
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # sentence-transformers' pooling config key -> our pooling type
 _MODE_KEYS = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
@@ -78,7 +80,8 @@ class PoolerConfig:
             raise ValueError(f"dimensions must be one of {list(self.matryoshka_dimensions)}, got {dimensions}.")
 
 
-def resolve_pooler_config(model_dir: Path, architecture: str, runner: str, task: str) -> PoolerConfig | None:
+def resolve_pooler_config(model_dir: Path, architecture: str, runner: str, task: str,
+                          hf_overrides: dict | None = None) -> PoolerConfig | None:
     """vLLM's runner selection: None for a generative engine, else what the pooling engine computes. `auto` pools
     for architectures that are pooling models (*ForSequenceClassification: classify; *Model: embed); a causal LM
     pools (embed: last token, as Qwen3-Embedding) when asked with runner pooling or a pooling task."""
@@ -96,22 +99,47 @@ def resolve_pooler_config(model_dir: Path, architecture: str, runner: str, task:
     if runner == "auto" and task == "auto" and native is None:
         return None
     model_task = native or "embed"  # a causal LM as an embedder
+    default_pooling = "CLS" if is_encoder_only(architecture) else "LAST"  # (a cross-encoder reads its CLS token)
     if task in ("embed", "classify") and task != model_task:
         raise ValueError(f"task {task!r} is not supported by {architecture}: it serves {model_task!r}"
                          f"{' (a classifier needs a *ForSequenceClassification checkpoint)' if task == 'classify' else ''}.")
     if model_task == "classify":
-        config = PoolerConfig("LAST", False, task="classify", num_labels=num_labels(model_dir))
+        config = PoolerConfig(default_pooling, False, task="classify", num_labels=num_labels(model_dir, hf_overrides))
     else:
-        config = PoolerConfig.from_model_dir(model_dir, "LAST")
+        config = PoolerConfig.from_model_dir(model_dir, default_pooling)
     if task == "score" and "score" not in config.supported_tasks:
         raise ValueError(f"task 'score' needs a classifier with one label; {architecture} has {config.num_labels}.")
     return config
 
 
-def num_labels(model_dir: Path) -> int:
-    """A classification head's outputs, as transformers' PretrainedConfig counts them (id2label, else num_labels)."""
-    cfg = _read_json(model_dir / "config.json")
+def num_labels(model_dir: Path, hf_overrides: dict | None = None) -> int:
+    """A classification head's outputs, as transformers' PretrainedConfig counts them (id2label, else num_labels);
+    a head made from LM head rows (classifier_from_token, models/adapters.py) has one per token, or one for a
+    two-way softmax (a Qwen3-Reranker's P(yes))."""
+    from_tokens = classifier_from_token(model_dir, hf_overrides)
+    if from_tokens is not None:
+        tokens, two_way = from_tokens
+        return 1 if two_way else len(tokens)
+    cfg = _read_json(model_dir / "config.json") | (hf_overrides or {})
     return len(cfg["id2label"]) if cfg.get("id2label") else int(cfg.get("num_labels", 2))
+
+
+def classifier_from_token(model_dir: Path, hf_overrides: dict | None = None) -> tuple[list[str], bool] | None:
+    """vLLM's `classifier_from_token` (config.json or --hf-overrides): the tokens whose LM head rows make a causal
+    LM's classification head, and whether it is a two-way softmax (`is_original_qwen3_reranker`, or method
+    `from_2_way_softmax`: softmax over the logits of [no, yes], whose yes probability is sigmoid(logit_yes -
+    logit_no): one label). None for a checkpoint with its own head."""
+    cfg = _read_json(model_dir / "config.json") | (hf_overrides or {})
+    tokens = cfg.get("classifier_from_token")
+    if not tokens:
+        return None
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"classifier_from_token must be a list of token strings, got {tokens!r}.")
+    two_way = bool(cfg.get("is_original_qwen3_reranker")) or cfg.get("method") == "from_2_way_softmax"
+    if two_way and len(tokens) != 2:
+        raise ValueError(f"a two-way softmax head (is_original_qwen3_reranker) needs two tokens [no, yes], "
+                         f"got {tokens!r}.")
+    return list(tokens), two_way
 
 
 def reduce_spans(hidden: torch.Tensor, span_lens: torch.Tensor, pooling_type: str) -> torch.Tensor:

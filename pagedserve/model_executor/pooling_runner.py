@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from pagedserve.core.scheduler import ScheduledRequest
 from pagedserve.model_executor.pooler import (PoolerConfig, classification_activation, reduce_spans,
                                               truncate_dimensions)
+from pagedserve.model_executor.token_types import COMPRESSED_TOKEN_TYPE_IDS, add_token_types
 
 
 class PoolingRunner:
@@ -30,6 +31,15 @@ class PoolingRunner:
         if kind == "CLS":  # the whole first chunk (its first row is the one kept): rows are counted from the end
             return item.num_new_tokens if item.request.num_computed_tokens == 0 else 0
         return item.num_new_tokens
+
+    def add_token_types(self, items: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """The step's token types into its input ids (token_types.py), where a request has a second segment
+        (vLLM's compressed_token_type_ids; only models with token type embeddings read them)."""
+        if not self.model.reads_token_types:
+            return
+        starts = [(item.request.pooling_params.extra_kwargs or {}).get(COMPRESSED_TOKEN_TYPE_IDS) for item in items]
+        if any(s is not None for s in starts):
+            add_token_types(input_ids, positions, starts, [item.num_new_tokens for item in items])
 
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

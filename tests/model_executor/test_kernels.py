@@ -307,7 +307,17 @@ def test_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, layout,
         _check_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, layout, heads, kvh, d, bs)
 
 
-def _check_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, layout, heads, kvh, d, bs):
+@pytest.mark.parametrize("q_dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("n, threads", [(37, 1), (300, 2), (5, 1)])
+@pytest.mark.parametrize("heads, kvh, d, bs", [(12, 12, 32, 16), (5, 1, 64, 8)])
+@over_builds("amx", lambda caps: [(amx,) for amx in caps.amx_modes] if caps.prefill else [])
+def test_prefill_attention_bidirectional(ops, q_dtype, cache_dtype, n, threads, heads, kvh, d, bs, amx):
+    """causal false (an encoder's whole prompt): every row sees all n keys, on the vector and AMX paths."""
+    with amx_tiles(ops, amx):
+        _check_prefill_attention(ops, q_dtype, cache_dtype, n, 0, threads, "heads", heads, kvh, d, bs, causal=False)
+
+
+def _check_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, layout, heads, kvh, d, bs, causal=True):
     assert ops.native_prefill(d)
     g = torch.Generator().manual_seed(n + first)
     ctx = first + n
@@ -319,12 +329,13 @@ def _check_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, layou
     out_rows = torch.zeros(n + 2, heads * d, dtype=q_dtype)
     out = out_rows[1:-1].view(n, heads, d)
     torch.set_num_threads(threads)
-    ops.paged_prefill_attention(q, k_cache, v_cache, block_ids, first, d ** -0.5, out)
+    ops.paged_prefill_attention(q, k_cache, v_cache, block_ids, first, d ** -0.5, out, causal)
     assert not out_rows[0].any() and not out_rows[-1].any()
     keys = k_cache[block_ids].reshape(-1, kvh, d)[:ctx].float().repeat_interleave(heads // kvh, dim=1)
     values = v_cache[block_ids].reshape(-1, kvh, d)[:ctx].float().repeat_interleave(heads // kvh, dim=1)
     scores = torch.einsum("thd,shd->hts", q.float(), keys) * d ** -0.5
-    visible = torch.arange(ctx)[None, :] <= torch.arange(first, ctx)[:, None]
+    visible = torch.arange(ctx)[None, :] <= torch.arange(first, ctx)[:, None] if causal else \
+        torch.ones(n, ctx, dtype=torch.bool)
     expected = torch.einsum("hts,shd->thd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)
     torch.testing.assert_close(out.float(), expected, **(_tol(q_dtype) if q_dtype != torch.float32 else
                                                          dict(atol=1e-5, rtol=1e-4)))

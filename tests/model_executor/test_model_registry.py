@@ -7,7 +7,7 @@ import torch
 
 from pagedserve.model_executor.attention.selector import get_attention_backend
 from pagedserve.model_executor.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
-from pagedserve.model_executor.models.registry import get_model_class
+from pagedserve.model_executor.models.registry import get_model_class, is_encoder_only
 from pagedserve.model_executor.parallel_state import SINGLE
 from pagedserve.model_executor.quantization.unquantized import UnquantizedConfig
 
@@ -17,10 +17,12 @@ CAUSAL = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3Fo
           "GptOssForCausalLM")
 POOLING = ("LlamaForSequenceClassification", "MistralForSequenceClassification", "Qwen2ForSequenceClassification",
            "Qwen3ForSequenceClassification", "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
+ENCODERS = ("BertModel", "BertForSequenceClassification", "RobertaModel", "RobertaForSequenceClassification",
+            "XLMRobertaModel", "XLMRobertaForSequenceClassification")
 
 
 def test_supported_architectures_come_from_the_registry():
-    assert SUPPORTED_ARCHITECTURES == CAUSAL + POOLING
+    assert SUPPORTED_ARCHITECTURES == CAUSAL + POOLING + ENCODERS
     for arch in CAUSAL:
         assert get_model_class(arch).__name__ == arch
         # the pooling runner serves a causal LM as an embedding model (no LM head)
@@ -29,6 +31,11 @@ def test_supported_architectures_come_from_the_registry():
         name = get_model_class(arch).__name__
         assert name == (arch if arch.endswith("Classification") else arch.replace("Model", "ForEmbedding"))
         assert get_model_class(arch).is_pooling_model and not get_model_class(arch).has_lm_head
+    for arch in ENCODERS:  # pooling models of their own, whatever the runner
+        assert get_model_class(arch, pooling=True).is_pooling_model and is_encoder_only(arch)
+        assert get_model_class(arch).__name__.endswith("ForSequenceClassification" if "Classification" in arch
+                                                       else "EmbeddingModel")
+    assert not any(is_encoder_only(arch) for arch in CAUSAL + POOLING)
 
 
 def test_unsupported_architecture_lists_the_supported_ones(tiny_model_dir, tmp_path):

@@ -64,6 +64,19 @@ def test_embeddings_match_sentence_transformers(tmp_path, tiny_tokenizer, texts,
     _assert_pool_is_free(llm)
 
 
+def test_last_token_pooling_of_short_prompts(tmp_path, tiny_tokenizer):
+    """Prompts of a few tokens run as decode rows (the native whole-stack decode where it builds): the pooled rows
+    are picked from its output as from the layers' (whose last MLP runs on the pooled rows only)."""
+    from sentence_transformers import SentenceTransformer
+
+    path = make_tiny_embedding_checkpoint("qwen3", tmp_path / "q", tokenizer=tiny_tokenizer)
+    texts = ["hi", "a b", "the cat"]
+    want = SentenceTransformer(str(path), device="cpu").encode(texts, convert_to_tensor=True)
+    llm = _engine(path, runner="pooling")
+    _assert_cosine([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)], want)
+    _assert_pool_is_free(llm)
+
+
 def test_chunked_and_preempted_prefills_pool_the_whole_prompt(tmp_path, tiny_tokenizer, texts):
     """MEAN pooling sums every chunk; a KV pool too small for all prompts at once preempts some mid-prefill, and
     their partial sums start again with them."""

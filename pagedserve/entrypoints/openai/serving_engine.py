@@ -183,16 +183,18 @@ class OpenAIServing:
             truncate_prompt_tokens=req.truncate_prompt_tokens)
 
     # ------------------------------------------------------------------------------ submitting
-    async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+    async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams | list,
                      req: _SamplingFields, prompt_param: str = "prompt",
                      lora_request: LoRARequest | None = None) -> list[RequestStream]:
-        """Add one engine request per prompt; all or nothing (a rejection aborts the accepted ones)."""
+        """Add one engine request per prompt (params: for all, or a list with one per prompt); all or nothing (a
+        rejection aborts the accepted ones)."""
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
         if self.log_requests:
             logger.info("Received request %s: prompts=%d, prompt_tokens=%s, params=%s, user=%r", request_id,
                         len(prompts), [len(p) for p in prompts], params, req.user)
         tasks = [asyncio.ensure_future(self.engine_client.add_request(
-                     rid, p, params, priority=req.priority, cache_salt=req.cache_salt,
+                     rid, p, params[i] if isinstance(params, list) else params, priority=req.priority,
+                     cache_salt=req.cache_salt,
                      prompt_param=prompt_param if len(prompts) == 1 else f"{prompt_param}[{i}]",
                      lora_request=lora_request))
                  for i, (rid, p) in enumerate(zip(ids, prompts))]

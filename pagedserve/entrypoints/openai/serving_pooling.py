@@ -84,12 +84,12 @@ class OpenAIServingPooling(OpenAIServing):
 
     async def _scores(self, pairs: list[tuple[str, str]], req: _PoolingFields,
                       raw_request: Request | None) -> tuple[list[float], list[PoolingRequestOutput]]:
-        prompts, task = score_prompts(self.tokenizer, pairs, self.engine_client.config.pooler.task)
-        params = PoolingParams(task=task, truncate_prompt_tokens=req.truncate_prompt_tokens)
+        prompts, params, task = score_prompts(self.tokenizer, pairs, self.engine_client.config.pooler.task,
+                                              PoolingParams(truncate_prompt_tokens=req.truncate_prompt_tokens))
         outs = await self._pool("score", prompts, params, req, raw_request)
         return pair_scores(pairs, prompts, outs, task), outs
 
-    async def _pool(self, prefix: str, prompts: list, params: PoolingParams, req: _PoolingFields,
+    async def _pool(self, prefix: str, prompts: list, params: PoolingParams | list[PoolingParams], req: _PoolingFields,
                     raw_request: Request | None) -> list[PoolingRequestOutput]:
         limit = self.engine_client.config.limits.max_sequences_per_request
         if len(prompts) > limit:

@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from pagedserve.model_executor.attention.metadata import AttentionMetadata
 
@@ -65,6 +66,20 @@ class AttentionBackend(ABC):
         """q: [T, H, D], k/v: [T, KVH, D] (this step's new tokens, written to the cache first). Returns [T, H, D].
         sliding_window: each query attends only to the last this many positions (its own included).
         logits_soft_cap: scores become cap * tanh(scores / cap) before the softmax (Gemma 2)."""
+
+    def forward_encoder(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """An encoder's attention (models/bert.py): each prefill span is a whole prompt whose tokens attend to each
+        other both ways. By default PyTorch's SDPA per span from this step's q/k/v ([T, H, D], [T, KVH, D]), on any
+        device, the cache untouched (an encoder's K/V are never read again: no decode, no prefix caching; the
+        Triton prefill kernel is causal only)."""
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        for span in meta.prefills:
+            sl = slice(span.start, span.start + span.num_tokens)
+            out[sl] = F.scaled_dot_product_attention(q[sl].transpose(0, 1), k[sl].transpose(0, 1),
+                                                     v[sl].transpose(0, 1), scale=scale,
+                                                     enable_gqa=True).transpose(0, 1)
+        return out
 
     def fused_ops(self, x: torch.Tensor) -> ModuleType | None:
         """The decoder layer's small ops that run beside this backend for a tensor like x (a module with rms_norm,

@@ -9,8 +9,8 @@ views keep the common [num_blocks, block_size, num_kv_heads, head_dim] indexing 
   * decodes: a native kernel reads each row's blocks in place through its block table
     (q read in place from the QKV output, the output written in place);
   * prefill chunks: with AVX-512 (head_dim % 16 == 0), one native call per chunk reads the chunk's whole context,
-    its own new K/V included, from the cache through its block table (causal with an offset; bfloat16 on AMX
-    tiles where the CPU has them); elsewhere the reference SDPA per chunk.
+    its own new K/V included, from the cache through its block table (causal with an offset, or bidirectional for
+    an encoder's span; bfloat16 on AMX tiles where the CPU has them); elsewhere the reference SDPA per chunk.
 A sliding-window layer's decode rows run the native kernel from each row's window on; its prefill chunks, and
 every row of a soft-capped layer (Gemma 2), run the reference paths (the window's blocks and masks, the cap) over
 the natively written cache.
@@ -76,13 +76,22 @@ class CpuAttentionBackend(TorchSDPABackend):
         # the native prefill attends to the whole context: a windowed chunk takes the reference's window
         native_prefill = kernels.native_prefill(k.shape[2]) and sliding_window is None
         for span in meta.prefills:
-            if native_prefill and span.causal:  # (bidirectional spans: the reference SDPA) reads the chunk's context (its own K/V included) from the cache in place
+            if native_prefill:  # reads the chunk's context (its own K/V included) from the cache in place
                 sl = slice(span.start, span.start + span.num_tokens)
                 kernels.paged_prefill_attention(q[sl], k_cache, v_cache, span.block_ids,
-                                                span.context_len - span.num_tokens, scale, out[sl])
+                                                span.context_len - span.num_tokens, scale, out[sl], span.causal)
             else:
                 self.prefill(q, k, v, k_cache, v_cache, span, scale, out, sliding_window)
         return out
+
+    def forward_encoder(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """The native prefill kernel with causal false, one call per span, over the K/V written to the cache first
+        (it reads the paged cache): several times faster than an SDPA call per span at an encoder's lengths."""
+        kernels = self._native(q)
+        if kernels is None or not kernels.native_prefill(q.shape[2]):
+            return super().forward_encoder(q, k, v, k_cache, v_cache, meta, scale)
+        return self.forward(q, k, v, k_cache, v_cache, meta, scale)
 
     def fused_ops(self, x: torch.Tensor) -> ModuleType | None:
         """The compiled small ops (kernels/layer_ops.cpp) for float32 / bfloat16 on the CPU: at decode batch sizes

@@ -14,7 +14,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // prefill_attention.cpp
 bool native_prefill(int64_t head_dim);
 void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_ids,
-                             int64_t first, double scale, torch::Tensor out);
+                             int64_t first, double scale, torch::Tensor out, bool causal);
 // kv_write.cpp
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_mapping);

@@ -197,12 +197,14 @@ void transpose_chunks(const T* k_cache, const T* v_cache, const int64_t* table, 
 }
 
 // Attention of a prefill chunk (head_dim % 16 == 0): its token i, at position first + i, over the sequence's keys
-// [0, first + i] (the chunk's own K/V are already in the cache). The context's keys are transposed and its values
+// [0, first + i] (the chunk's own K/V are already in the cache); with causal false over all first + n of them (an
+// encoder's whole prompt). The context's keys are transposed and its values
 // widened to float32 once (transpose_chunks); then one task per (KV head, tile of query tokens) with the group's
 // query heads: each update's keys and values serve every (token, head) row of the tile.
 template <typename TQ, typename T>
 void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* table,
-                    int64_t n, int64_t first, TQ* out, int64_t out_stride, const Shape& s, float scale) {
+                    int64_t n, int64_t first, TQ* out, int64_t out_stride, const Shape& s, float scale,
+                    bool causal) {
   const int64_t d = s.head_dim, group = s.num_heads / s.num_kv_heads;
   const int64_t max_rows = kPrefillTile * group, update_keys = kWideVecs * kChunk;
   const int64_t steps = (first + n + 2 * kChunk - 1) / (2 * kChunk), head_floats = steps * 2 * kChunk * d;
@@ -221,15 +223,17 @@ void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_
       std::fill(m.begin(), m.begin() + rows, kNoScore);
       std::fill(l.begin(), l.begin() + rows, 0.f);
       const float* vf_rows[kWideVecs * kChunk];
-      for (int64_t c0 = 0; c0 < first + b; c0 += update_keys) {
-        const int64_t keys = std::min(update_keys, first + b - c0);
+      const int64_t end = causal ? first + b : first + n;  // the keys the tile's last row sees
+      for (int64_t c0 = 0; c0 < end; c0 += update_keys) {
+        const int64_t keys = std::min(update_keys, end - c0);
         const float* kt = keys_t + kvh * head_floats + c0 * d;
         for (int64_t i = 0; i < keys; ++i) vf_rows[i] = values + kvh * head_floats + (c0 + i) * d;
         // the tile's rows (token, head) that see this update, kPrefillRows at a time
-        for (int64_t r = (std::max(a, c0 - first) - a) * group; r < rows; r += kPrefillRows) {
+        for (int64_t r = causal ? (std::max(a, c0 - first) - a) * group : 0; r < rows; r += kPrefillRows) {
           const int64_t nr = std::min<int64_t>(kPrefillRows, rows - r);
           int64_t visible[kPrefillRows];
-          for (int64_t j = 0; j < nr; ++j) visible[j] = std::min(keys, first + a + (r + j) / group - c0 + 1);
+          for (int64_t j = 0; j < nr; ++j)
+            visible[j] = causal ? std::min(keys, first + a + (r + j) / group - c0 + 1) : keys;
           const float* qr = qf.data() + r * d;
           float* ar = acc.data() + r * d;
           switch (nr) {
@@ -379,7 +383,7 @@ void pair_chunks(const bf16* k_cache, const bf16* v_cache, const int64_t* table,
 // or 16 at a time on AMX tiles (prefill_block_amx, one two-chunk step per update).
 void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, const bf16* v_cache,
                          const int64_t* table, int64_t n, int64_t first, bf16* out, int64_t out_stride, const Shape& s,
-                         float scale) {
+                         float scale, bool causal) {
   const int64_t d = s.head_dim, group = s.num_heads / s.num_kv_heads;
   const int64_t max_rows = (kPrefillTile * group + 15) / 16 * 16;  // whole tiles of 16 rows
   const bool tiles = ps::amx_tiles();
@@ -404,17 +408,18 @@ void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, c
       }
       const __m512i* head_keys = pairs + kvh * chunks * d;
       const __m512i* head_values = head_keys + chunks * d / 2;
-      for (int64_t c0 = 0; c0 < first + b; c0 += update_keys) {
-        const int64_t keys = std::min(update_keys, first + b - c0);
+      const int64_t end = causal ? first + b : first + n;  // the keys the tile's last row sees
+      for (int64_t c0 = 0; c0 < end; c0 += update_keys) {
+        const int64_t keys = std::min(update_keys, end - c0);
         const __m512i* kp = head_keys + c0 / kChunk * d / 2;
         const __m512i* vp = head_values + c0 / kChunk * d / 2;
         // the tile's rows that see this update: r = (t - a) * group + g for its tokens t from max(a, c0 - first)
-        const int64_t r_first = (std::max(a, c0 - first) - a) * group;
+        const int64_t r_first = causal ? (std::max(a, c0 - first) - a) * group : 0;
         if (tiles) {
           for (int64_t r0 = r_first / 16 * 16; r0 < rows; r0 += 16) {
             int64_t visible[16];
             for (int64_t i = 0; i < 16; ++i)  // rows before the update's first key see none of it
-              visible[i] = std::clamp<int64_t>(first + a + (r0 + i) / group - c0 + 1, 0, keys);
+              visible[i] = causal ? std::clamp<int64_t>(first + a + (r0 + i) / group - c0 + 1, 0, keys) : keys;
             prefill_block_amx(&qt[r0 * d], visible, std::min<int64_t>(16, rows - r0), kp, vp, d, scale,
                               acc.data() + r0 * d, m.data() + r0, l.data() + r0);
           }
@@ -428,7 +433,7 @@ void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, c
           for (int i = 0; i < nr; ++i) {
             const int64_t t = a + (r + i) / group, h = kvh * group + (r + i) % group;
             qr[i] = reinterpret_cast<const uint32_t*>(q + t * q_stride + h * d);
-            visible[i] = std::min(keys, first + t - c0 + 1);
+            visible[i] = causal ? std::min(keys, first + t - c0 + 1) : keys;
             ar[i] = acc.data() + (r + i) * d;
           }
           float* mr = m.data() + r;
@@ -470,9 +475,10 @@ bool native_prefill(int64_t head_dim) {
 
 // One prefill chunk of one sequence: q [n, H, D] (heads contiguous, any token stride) at positions first ..
 // first + n - 1, causal over the sequence's K/V in the paged cache (block_ids: its blocks in order, covering
-// first + n tokens; the chunk's own K/V written already). Writes out ([n, H, D], q's dtype, any token stride).
+// first + n tokens; the chunk's own K/V written already); causal false: every row sees all first + n keys (an
+// encoder's bidirectional attention). Writes out ([n, H, D], q's dtype, any token stride).
 void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_ids,
-                             int64_t first, double scale, torch::Tensor out) {
+                             int64_t first, double scale, torch::Tensor out, bool causal) {
   TORCH_CHECK(ps::is_act_dtype(q.scalar_type()) && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be float32 or bfloat16 [T, H, D] with contiguous heads");
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.sizes() == q.sizes() && out.stride(2) == 1 &&
@@ -494,14 +500,14 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
         if (bf16_path(s.head_dim)) {
           prefill_kernel_bf16(ps::ptr<bf16>(q), q.stride(0), ps::ptr<bf16>(k_cache), ps::ptr<bf16>(v_cache),
                               table.data_ptr<int64_t>(), q.size(0), first, ps::ptr<bf16>(out), out.stride(0), s,
-                              static_cast<float>(scale));
+                              static_cast<float>(scale), causal);
           return;
         }
       }
 #endif
       prefill_kernel<TQ, T>(ps::ptr<TQ>(q), q.stride(0), ps::ptr<T>(k_cache), ps::ptr<T>(v_cache),
                             table.data_ptr<int64_t>(), q.size(0), first, ps::ptr<TQ>(out), out.stride(0), s,
-                            static_cast<float>(scale));
+                            static_cast<float>(scale), causal);
     });
   });
 #endif

@@ -102,12 +102,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, parallel, attn_backend, quant_config, f"{prefix}.mlp")
 
     def forward(self, cos_sin, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: AttentionMetadata, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before adding it): each residual add is fused
-        into the norm that follows it (the next layer's input norm, or the final norm)."""
+        into the norm that follows it (the next layer's input norm, or the final norm). rows: only these rows go
+        on past attention (a pooling model's last layer: the rows its pooler reads; every K/V is written)."""
         if residual is None:  # first layer: the embeddings are the residual stream
             residual, h = x, self.input_layernorm(x)
         else:
             h = self.input_layernorm(x, residual)
         h = self.self_attn(cos_sin, h, kv_cache, meta)
+        if rows is not None:
+            h, residual = h[rows], residual[rows]
         return self.mlp(self.post_attention_layernorm(h, residual)), residual

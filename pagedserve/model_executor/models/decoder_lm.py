@@ -107,9 +107,11 @@ class DecoderForCausalLM(nn.Module):
         return self.parallel.gather_vocab(logits, self.cfg.vocab_size)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+                      meta: AttentionMetadata, rows: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The decoder layers over the flat batch: (hidden, residual) before the final norm on the last stage; an
-        earlier stage sends them on and returns None."""
+        earlier stage sends them on and returns None. rows (a pooling model's, one stage only): only these rows
+        are returned, and the last layer's MLP runs only on them (DecoderLayer's `rows`)."""
         ps = self.parallel
         meta = self.attn_backend.build_metadata(meta)
         if self.embed_tokens is not None:
@@ -121,10 +123,16 @@ class DecoderForCausalLM(nn.Module):
         fused = self.fused_decode(x, residual, cos_sin, kv_caches, meta) if self.fused_decode is not None else None
         if fused is not None:
             x, residual = fused
+            if rows is not None:
+                x, residual = x[rows], residual[rows]
         else:
             metas = [meta, *map(self.attn_backend.build_metadata, meta.group_metadata)]
-            for layer, kv_cache, (group, _) in zip(self.layers, kv_caches, self.layer_kv_slots):
-                x, residual = layer(cos_sin, x, residual, kv_cache, metas[group])
+            last = len(self.layers) - 1
+            for i, (layer, kv_cache, (group, _)) in enumerate(zip(self.layers, kv_caches, self.layer_kv_slots)):
+                if rows is not None and i == last:
+                    x, residual = layer(cos_sin, x, residual, kv_cache, metas[group], rows)
+                else:
+                    x, residual = layer(cos_sin, x, residual, kv_cache, metas[group])
         if self.norm is None:
             ps.send_hidden(x, residual)
             return None
@@ -189,7 +197,7 @@ class DecoderForCausalLM(nn.Module):
     def checkpoint_tensors(self, model_dir: Path):
         """(name, tensor) of every checkpoint tensor, in the names the loader maps (a family whose checkpoint fuses
         projections differently splits them here)."""
-        return _iter_safetensors(model_dir)
+        return iter_safetensors(model_dir)
 
     def load_extra_weight(self, name: str, tensor: torch.Tensor, params: dict) -> str | None:
         """A family's own checkpoint tensors (MoE experts): copies `tensor` into `params` and returns the key it
@@ -269,7 +277,7 @@ def build_rotary(cfg: ModelConfig, theta: float, scaling: dict | None,
                            max_model_len=cfg.max_model_len)
 
 
-def _iter_safetensors(model_dir: Path):
+def iter_safetensors(model_dir: Path):
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))

@@ -1,7 +1,9 @@
 """The supported architectures: config.json's `architectures[0]` -> the model class, imported only when used.
 A new architecture is its file in this package and one line here. Pooling architectures (a family's
 *ForSequenceClassification and bare *Model checkpoints) are a causal family behind an adapter (adapters.py); a
-causal LM served with the pooling runner gets the embedding adapter."""
+causal LM served with the pooling runner gets the embedding adapter. Encoder-only models (BERT, RoBERTa, XLM-RoBERTa:
+bidirectional attention) are pooling models of their own (models/bert.py); the engine runs each of their prompts
+whole in one step (is_encoder_only)."""
 from __future__ import annotations
 
 import importlib
@@ -33,7 +35,20 @@ _POOLING_MODELS: dict[str, tuple[str, str]] = {  # architecture -> (the causal a
     "Qwen2Model": ("Qwen2ForCausalLM", "as_embedding_model"),
     "Qwen3Model": ("Qwen3ForCausalLM", "as_embedding_model"),
 }
-SUPPORTED_ARCHITECTURES = tuple(_MODELS) + tuple(_POOLING_MODELS)
+_ENCODER_MODELS: dict[str, tuple[str, str]] = {  # architecture -> (module in models/, class)
+    "BertModel": ("bert", "BertEmbeddingModel"),
+    "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
+    "RobertaModel": ("bert", "RobertaEmbeddingModel"),
+    "RobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
+    "XLMRobertaModel": ("bert", "RobertaEmbeddingModel"),
+    "XLMRobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
+}
+SUPPORTED_ARCHITECTURES = tuple(_MODELS) + tuple(_POOLING_MODELS) + tuple(_ENCODER_MODELS)
+
+
+def is_encoder_only(architecture: str) -> bool:
+    """Bidirectional attention over the whole prompt: no chunked prefill, no prefix caching, no generation."""
+    return architecture in _ENCODER_MODELS
 
 
 def check_architecture(architecture: str) -> None:
@@ -45,6 +60,9 @@ def check_architecture(architecture: str) -> None:
 def get_model_class(architecture: str, pooling: bool = False) -> type[nn.Module]:
     """pooling: the engine runs the pooling runner (a causal LM then serves as an embedding model)."""
     check_architecture(architecture)
+    if architecture in _ENCODER_MODELS:
+        module, name = _ENCODER_MODELS[architecture]
+        return getattr(importlib.import_module(f"pagedserve.model_executor.models.{module}"), name)
     adapter = None
     if architecture in _POOLING_MODELS:
         architecture, adapter = _POOLING_MODELS[architecture]
