@@ -44,3 +44,8 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor x, c10::opt
                                                        torch::Tensor block_tables, torch::Tensor context_lens,
                                                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                                        double eps, double scale);
+// quant_gemm.cpp
+bool native_gguf_type(int64_t type);
+torch::Tensor gguf_repack(torch::Tensor raw, int64_t type, int64_t n, int64_t k);
+torch::Tensor gguf_gemm(torch::Tensor x, std::vector<torch::Tensor> packed, std::vector<int64_t> types,
+                        std::vector<int64_t> widths, c10::optional<torch::Tensor> bias);
