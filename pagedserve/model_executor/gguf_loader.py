@@ -4,7 +4,8 @@ file (path, size, mtime) and reused after. The engine then loads that directory 
 
 transformers reads the metadata and maps GGUF tensor names to its own (undoing llama.cpp's q/k row permutation);
 the `gguf` package dequantizes every type it knows (F32/F16/BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants, ...).
-The decoder layers' linear weights in a type with a native kernel (quantization/gguf.py: Q8_0, Q4_0, Q4_K, Q6_K)
+The decoder layers' linear weights and the LM head (`output`, or the tied `token_embd`: then untied, the
+embedding's float rows kept for lookups) in a type with a native kernel (quantization/gguf.py: Q8_0, Q4_0, Q4_K, Q6_K)
 stay in their blocks, as stored: their raw rows (in transformers' row order) are written with their type, and
 config.json gets quantization_config {"quant_method": "gguf", "linear_types": {module: type}}. A fused q/k/v or
 gate/up layer stays quantized only if all its projections do. Everything else is dequantized to float32.
@@ -71,18 +72,21 @@ def _convert(path: Path, out: Path) -> None:
     with torch.device("meta"):  # only the parameter names, for transformers' GGUF -> HF name map
         skeleton = AutoModelForCausalLM.from_config(config)
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
-    if config.tie_word_embeddings:
+    quantized = _quantized_linears(path, tensors)
+    if "lm_head" in quantized:  # the head multiplies the blocks; the embedding keeps its float rows for lookups
+        config.tie_word_embeddings = False
+        tensors.pop("lm_head.weight", None)
+    elif config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     elif "lm_head.weight" not in tensors:  # llama.cpp omits `output` when the head is the embedding
         config.tie_word_embeddings = True
-    quantized = _quantized_linears(path, tensors)
     out.mkdir(parents=True, exist_ok=True)
     config.architectures = [type(skeleton).__name__]
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     files = {k: v.float().contiguous() for k, v in tensors.items()}
     for module, (_, qweight, qtype) in quantized.items():
-        del files[f"{module}.weight"]
+        files.pop(f"{module}.weight", None)
         files[f"{module}.qweight"], files[f"{module}.qtype"] = qweight, qtype
     save_file(files, str(out / "model.safetensors"))
     if quantized:
@@ -105,13 +109,19 @@ def _quantized_linears(path: Path, tensors: dict) -> dict:
     from pagedserve.model_executor.quantization.gguf import NATIVE_TYPES, row_bytes
 
     found = {}
-    for t in gguf.GGUFReader(str(path)).tensors:
-        parts = t.name.split(".")  # blk.<i>.<name>.weight
-        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LINEAR_NAMES or parts[3] != "weight":
+    reader = gguf.GGUFReader(str(path))
+    names = {t.name for t in reader.tensors}
+    for t in reader.tensors:
+        parts = t.name.split(".")  # blk.<i>.<name>.weight; output.weight, or token_embd.weight for a tied head
+        if t.name == "output.weight" or (t.name == "token_embd.weight" and "output.weight" not in names):
+            module = "lm_head"
+            target = tensors.get("lm_head.weight", tensors.get("model.embed_tokens.weight"))
+        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in _LINEAR_NAMES and parts[3] == "weight":
+            module = f"model.layers.{parts[1]}.{_LINEAR_NAMES[parts[2]]}"
+            target = tensors.get(f"{module}.weight")
+        else:
             continue
         type_name = t.tensor_type.name
-        module = f"model.layers.{parts[1]}.{_LINEAR_NAMES[parts[2]]}"
-        target = tensors.get(f"{module}.weight")
         if type_name not in NATIVE_TYPES or target is None or target.dim() != 2:
             continue
         n, k = target.shape
@@ -127,7 +137,7 @@ def _quantized_linears(path: Path, tensors: dict) -> dict:
         qtype = torch.full((n,), NATIVE_TYPES[type_name][0], dtype=torch.uint8)
         found[module] = (type_name, qweight, qtype)
     for group in _FUSED:  # a fused layer is quantized only whole; its shards' rows padded to one width
-        for layer in {m.rsplit(".", 2)[0] for m in found}:
+        for layer in {m.rsplit(".", 2)[0] for m in found if m != "lm_head"}:
             members = [f"{layer}.{name}" for name in group]
             present = [m for m in members if m in found]
             if not present:

@@ -46,6 +46,18 @@ def test_gguf_llama_matches_hf(tmp_path, tensor_type):
     assert qkv.gguf_parts is not None and qkv.weight is None
 
 
+@pytest.mark.parametrize("arch,tied,native", [("qwen2", False, True), ("llama", True, False)])
+def test_gguf_quantized_lm_head_matches_hf(tmp_path, monkeypatch, arch, tied, native):
+    """The head's blocks (llama.cpp's `output`, or the tied `token_embd`: then untied, the embedding float) kept
+    as blocks: on the kernel, or dequantized without it (HF-exact: the tied head's rows in the embedding's order)."""
+    if not native:
+        monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "0")
+        monkeypatch.setattr(kernels, "_default", None)
+    path = make_tiny_gguf(arch, "Q8_0", tmp_path, quantize_head=True, tie_word_embeddings=tied)
+    head = _check(path, native=native).llm_engine.runner.model.lm_head
+    assert (head.gguf_parts is not None) == native
+
+
 @pytest.mark.parametrize("tensor_type", ["Q4_0", "Q4_K"])
 def test_gguf_dequantized_without_native_kernels_matches_hf(tmp_path, monkeypatch, tensor_type):
     monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "0")

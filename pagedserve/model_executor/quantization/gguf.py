@@ -116,7 +116,8 @@ class GGUFConfig(CheckpointQuantizationConfig):
 
     def get_linear_method(self, layer: nn.Module, prefix: str = "") -> LinearMethodBase:
         parent, _, leaf = prefix.rpartition(".")  # "layers.0.self_attn.qkv_proj" -> model.layers.0.self_attn.q_proj ...
-        types = [self.linear_types.get(f"model.{parent}.{name}") for name in FUSED_SHARDS.get(leaf, (leaf,))]
-        if prefix == "lm_head" or None in types:
+        module = f"model.{parent}." if parent else ""  # the LM head: "lm_head"
+        types = [self.linear_types.get(module + name) for name in FUSED_SHARDS.get(leaf, (leaf,))]
+        if None in types:
             return self.float_config.method
         return GGUFLinearMethod(tuple(types))
