@@ -5,7 +5,7 @@ file (path, size, mtime) and reused after. The engine then loads that directory 
 transformers reads the metadata and maps GGUF tensor names to its own (undoing llama.cpp's q/k row permutation);
 the `gguf` package dequantizes every type it knows (F32/F16/BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants, ...).
 The decoder layers' linear weights and the LM head (`output`, or the tied `token_embd`: then untied, the
-embedding's float rows kept for lookups) in a type with a native kernel (quantization/gguf.py: Q8_0, Q4_0, Q4_K, Q6_K)
+embedding's float rows kept for lookups) in a type with a native kernel (quantization/gguf.py: Q8_0, Q4_0, Q5_0, Q4_K, Q6_K)
 stay in their blocks, as stored: their raw rows (in transformers' row order) are written with their type, and
 config.json gets quantization_config {"quant_method": "gguf", "linear_types": {module: type}}. A fused q/k/v or
 gate/up layer stays quantized only if all its projections do. Everything else is dequantized to float32.

@@ -39,7 +39,7 @@ def _check(path, native: bool = False):
     return llm
 
 
-@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_0", "Q4_K"])
+@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_0", "Q5_0", "Q4_K"])
 def test_gguf_llama_matches_hf(tmp_path, tensor_type):
     llm = _check(make_tiny_gguf("llama", tensor_type, tmp_path), native=True)
     qkv = llm.llm_engine.runner.model.layers[0].self_attn.qkv_proj  # kept as blocks
@@ -66,7 +66,7 @@ def test_gguf_dequantized_without_native_kernels_matches_hf(tmp_path, monkeypatc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,tensor_type", [("llama", t) for t in TYPES if t not in ("Q8_0", "Q4_0", "Q4_K")]
+@pytest.mark.parametrize("arch,tensor_type", [("llama", t) for t in TYPES if t not in ("Q8_0", "Q4_0", "Q5_0", "Q4_K")]
                          + [("qwen2", t) for t in ("Q8_0", "Q4_0", "Q6_K")])
 def test_gguf_types_match_hf(tmp_path, arch, tensor_type):
     _check(make_tiny_gguf(arch, tensor_type, tmp_path), native=tensor_type in NATIVE_TYPES)

@@ -1,4 +1,4 @@
-// x W^T for weights in llama.cpp's block-quantized GGUF types (Q8_0, Q4_0, Q4_K, Q6_K), read as 4/6/8-bit integers
+// x W^T for weights in llama.cpp's block-quantized GGUF types (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K), read as 4/6/8-bit integers
 // and never dequantized to float in memory: the activations are quantized on the fly to int8 per block of 32 (one
 // float scale each, llama.cpp's Q8 trick), so every block product is an integer dot product (VPDPBUSD on
 // AVX512-VNNI, VPMADDUBSW + VPMADDWD on AVX-512 and AVX2, plain C++ at the generic level), scaled in float once per
@@ -9,10 +9,12 @@
 // 64-byte vector holds 4 consecutive k of each of the 16 columns: the layout VPDPBUSD multiplies against 4
 // activation bytes broadcast to every lane. Quantized values keep their bits (4-bit nibbles two a byte, Q6_K's low
 // nibbles and high 2 bits apart, Q8_0 bytes); scales stay float16 or 6-bit / int8 integers as stored. Bytes per
-// weight: Q8_0 8.5 bits, Q4_0 4.5, Q4_K 4.625, Q6_K 6.56 (GGUF: 8.5, 4.5, 4.5, 6.56).
+// weight: Q8_0 8.5 bits, Q4_0 4.5, Q5_0 6.5, Q4_K 4.625, Q6_K 6.56 (GGUF: 8.5, 4.5, 5.5, 4.5, 6.56; Q5_0 keeps its
+// fifth bit in Q6_K's 2-bit planes, one unused).
 //
 //   Q8_0 unit (32 k):  d[16] f16 | q[8 groups][16 cols][4] int8
 //   Q4_0 unit (32 k):  d[16] f16 | nib[4 chunks][16][4]: low nibbles group c, high nibbles group c + 4 (w = d (q - 8))
+//   Q5_0 unit (32 k):  Q4_0's | hi[2][16][4] as Q6_K's (bit 5 zero)  (w = d (q - 16))
 //   Q4_K unit (256 k): d[16] f16 | dmin[16] f16 | sc[8][16] u8 | m[8][16] u8 | 8 x nib[4][16][4]
 //                      (w = d sc_j q - dmin m_j in sub-block j of 32)
 //   Q6_K unit (256 k): d[16] f16 | sc[16][16] int8 | 8 x (nib[4][16][4] | hi[2][16][4]: bits 2s..2s+1 of chunk h
@@ -30,7 +32,7 @@
 namespace {
 
 constexpr int kTile = 16;  // output columns of a tile
-constexpr int kQ8_0 = 8, kQ4_0 = 2, kQ4_K = 12, kQ6_K = 14;  // ggml_type ids
+constexpr int kQ8_0 = 8, kQ4_0 = 2, kQ5_0 = 6, kQ4_K = 12, kQ6_K = 14;  // ggml_type ids
 
 struct TypeInfo {
   int block;       // k per GGUF block
@@ -42,6 +44,7 @@ bool type_info(int64_t type, TypeInfo* info) {
   switch (type) {
     case kQ8_0: *info = {32, 34, 32 + 512}; return true;
     case kQ4_0: *info = {32, 18, 32 + 256}; return true;
+    case kQ5_0: *info = {32, 22, 32 + 256 + 128}; return true;
     case kQ4_K: *info = {256, 144, 32 + 32 + 128 + 128 + 8 * 256}; return true;
     case kQ6_K: *info = {256, 210, 32 + 256 + 8 * 384}; return true;
     default: return false;
@@ -71,6 +74,11 @@ inline uint8_t raw_value(int type, const uint8_t* blk, int k) {
   switch (type) {
     case kQ8_0: return blk[2 + k];
     case kQ4_0: return k < 16 ? blk[2 + k] & 0xF : blk[2 + k - 16] >> 4;
+    case kQ5_0: {  // d, qh[4] (bit k: value k's bit 4), qs[16]
+      uint32_t qh;
+      std::memcpy(&qh, blk + 2, 4);
+      return (k < 16 ? blk[6 + k] & 0xF : blk[6 + k - 16] >> 4) | (((qh >> k) & 1) << 4);
+    }
     case kQ4_K: {
       const uint8_t* qs = blk + 16 + (k / 64) * 32;
       const int l = k % 32;
@@ -122,8 +130,9 @@ void pack_unit(int type, const uint8_t* const* blocks, uint8_t* out) {
   switch (type) {
     case kQ8_0:
     case kQ4_0:
+    case kQ5_0:
       put16(0, [&](int c, uint8_t* o) { std::memcpy(o + 2 * c, blocks[c] ? blocks[c] : (const uint8_t*)"\0\0", 2); });
-      pack32(type, blocks, 0, type == kQ4_0, false, out + 32);
+      pack32(type, blocks, 0, type != kQ8_0, type == kQ5_0, out + 32);
       return;
     case kQ4_K:
       for (int c = 0; c < kTile; ++c) {
@@ -349,7 +358,7 @@ void tile_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a
     for (int h = 0; h < H; ++h) {
       const int col4 = h * Vec::C * 4, col2 = h * Vec::C * 2, col1 = h * Vec::C;
       W w[8];
-      if constexpr (TYPE == kQ8_0 || TYPE == kQ4_0) {
+      if constexpr (TYPE == kQ8_0 || TYPE == kQ4_0 || TYPE == kQ5_0) {
         const F d = Vec::load_f16(p + col2);
         if constexpr (TYPE == kQ8_0) {
           for (int g = 0; g < 8; ++g) w[g] = Vec::load(p + 32 + g * 64 + col4);
@@ -360,6 +369,13 @@ void tile_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a
             const W raw = Vec::load(p + 32 + c * 64 + col4);
             w[c] = Vec::lo4(raw);
             w[c + 4] = Vec::hi4(raw);
+          }
+          if constexpr (TYPE == kQ5_0) {
+            const W hi0 = Vec::load(p + 288 + col4), hi1 = Vec::load(p + 288 + 64 + col4);
+            for (int c = 0; c < 4; ++c) {
+              w[c] = Vec::or_(w[c], Vec::bits45(hi0, c));
+              w[c + 4] = Vec::or_(w[c + 4], Vec::bits45(hi1, c));
+            }
           }
         }
         for (int r = 0; r < R; ++r) {
@@ -375,7 +391,7 @@ void tile_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a
             }
             s = Vec::add(s, s2);
           } else {
-            s = Vec::sub(dot_groups<8>(w, x), (TYPE == kQ8_0 ? 128 : 8) * a.sum[b]);
+            s = Vec::sub(dot_groups<8>(w, x), (TYPE == kQ8_0 ? 128 : TYPE == kQ5_0 ? 16 : 8) * a.sum[b]);
           }
           acc[r][h] = Vec::fma(Vec::cvt(s), Vec::mul(d, Vec::set1(a.d[b])), acc[r][h]);
         }
@@ -444,6 +460,7 @@ void run_tile(int64_t type, const uint8_t* tile, int64_t units, int unit_bytes, 
   switch (type) {
     case kQ8_0: return tile_all_rows<kQ8_0>(tile, units, unit_bytes, a, m_rows, out);
     case kQ4_0: return tile_all_rows<kQ4_0>(tile, units, unit_bytes, a, m_rows, out);
+    case kQ5_0: return tile_all_rows<kQ5_0>(tile, units, unit_bytes, a, m_rows, out);
     case kQ4_K: return tile_all_rows<kQ4_K>(tile, units, unit_bytes, a, m_rows, out);
     default: return tile_all_rows<kQ6_K>(tile, units, unit_bytes, a, m_rows, out);
   }
