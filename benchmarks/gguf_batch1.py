@@ -20,8 +20,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from batch1_alternating import llamacpp_round, pagedserve_round  # noqa: E402
-from side_by_side import Server, find_llama_server, free_port  # noqa: E402
+from batch1_alternating import llamacpp_round, pagedserve_round
+from side_by_side import Server, find_llama_server, free_port
 
 
 def streamed_bytes(gguf_path: str) -> int:
@@ -50,8 +50,8 @@ def main(argv=None) -> int:
 
     files = dict(item.split("=", 1) for item in args.gguf)
     server_bin, _ = find_llama_server(args.llama_server)
-    lengths = dict(max_model_len=args.input_len + args.output_len + 16,
-                   num_kv_blocks=(args.input_len + args.output_len) // 16 + 4, num_threads=args.threads)
+    lengths = {"max_model_len": args.input_len + args.output_len + 16,
+               "num_kv_blocks": (args.input_len + args.output_len) // 16 + 4, "num_threads": args.threads}
     bandwidths = [measure_peaks((256,), 1, 256, args.threads).bandwidth]
     ours = {label: LLM(path, **lengths).llm_engine for label, path in files.items()}
     ours["int8"] = LLM(args.model, quantization="int8", **lengths).llm_engine

@@ -23,8 +23,8 @@ from torch import nn
 from pagedserve.model_executor.kernels import cpu_kernels
 from pagedserve.model_executor.quantization.base import LinearMethodBase
 from pagedserve.model_executor.quantization.packed import (
-    CheckpointQuantizationConfig,
     FUSED_SHARDS,
+    CheckpointQuantizationConfig,
     add_param,
     drop_params,
 )
