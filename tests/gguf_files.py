@@ -44,13 +44,16 @@ def _random_k_blocks(qtype, rows: int, cols: int, rng: np.random.Generator) -> n
     return blocks.reshape(rows, cols // block_size * type_size)
 
 
-def make_tiny_gguf(arch: str, tensor_type: str, out_dir, *, seed: int = 0) -> Path:
+def make_tiny_gguf(arch: str, tensor_type: str, out_dir, *, seed: int = 0, quantize_head: bool = False,
+                   **overrides) -> Path:
+    """quantize_head: the LM head (`output`, or `token_embd` when tied) in `tensor_type` too, as llama.cpp writes it;
+    overrides: of the tiny checkpoint's config (tests/tiny_models.py)."""
     import gguf
     from safetensors.numpy import load_file
 
     out_dir = Path(out_dir)
     widen = dict(hidden_size=256, intermediate_size=512, head_dim=64) if tensor_type in K_QUANTS else {}
-    ckpt = make_tiny_checkpoint(arch, out_dir / "hf", seed=seed, **widen)
+    ckpt = make_tiny_checkpoint(arch, out_dir / "hf", seed=seed, **widen, **overrides)
     cfg = json.loads((ckpt / "config.json").read_text())
     weights = load_file(str(ckpt / "model.safetensors"))
     tok = json.loads((ckpt / "tokenizer.json").read_text())
@@ -95,10 +98,10 @@ def make_tiny_gguf(arch: str, tensor_type: str, out_dir, *, seed: int = 0) -> Pa
         else:
             w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
 
-    put("token_embd.weight", weights["model.embed_tokens.weight"], False)
+    put("token_embd.weight", weights["model.embed_tokens.weight"], quantize_head and "lm_head.weight" not in weights)
     put("output_norm.weight", weights["model.norm.weight"], False)
     if "lm_head.weight" in weights:
-        put("output.weight", weights["lm_head.weight"], False)
+        put("output.weight", weights["lm_head.weight"], quantize_head)
     for i in range(cfg["num_hidden_layers"]):
         for hf, gg in _NAMES.items():
             for kind in ("weight", "bias"):

@@ -40,7 +40,8 @@ def test_quantization_registry_names_and_errors():
     )
 
     cpu = torch.device("cpu")
-    assert set(QUANTIZATION_METHODS) == {"int8", "int4", "gptq", "awq", "compressed-tensors", "fp8"}
+    assert set(QUANTIZATION_METHODS) == {"int8", "int4", "gptq", "awq", "compressed-tensors", "fp8",
+                                         "gguf"}
     int8 = get_quantization_config("int8", "auto", cpu)
     assert isinstance(int8, Int8Config)
     assert isinstance(Linear(8, 4, False, int8, "layers.0.mlp.down_proj").linear_method, Int8LinearMethod)
@@ -49,7 +50,7 @@ def test_quantization_registry_names_and_errors():
     assert isinstance(Linear(8, 4, True, plain).linear_method, UnquantizedLinearMethod)
     assert get_quantization_config(None, "native", torch.device("meta")).method.backend == "torch"  # CPU kernels only
     with pytest.raises(ValueError, match="quantization must be None or one of int8, int4, gptq, awq, "
-                                         "compressed-tensors, fp8, got 'bnb'"):
+                                         "compressed-tensors, fp8, gguf, got 'bnb'"):
         get_quantization_config("bnb", "auto", cpu)
     with pytest.raises(ValueError, match="int8' is implemented for the CPU only"):
         get_quantization_config("int8", "auto", torch.device("meta"))

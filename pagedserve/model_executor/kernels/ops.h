@@ -57,3 +57,8 @@ torch::Tensor fused_moe_experts(torch::Tensor rows, std::vector<int64_t> counts,
 void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor row_slots,
               std::vector<int64_t> slices);
 bool lora_bf16_pairs();
+// quant_gemm.cpp
+bool native_gguf_type(int64_t type);
+torch::Tensor gguf_repack(torch::Tensor raw, int64_t type, int64_t n, int64_t k);
+torch::Tensor gguf_gemm(torch::Tensor x, std::vector<torch::Tensor> packed, std::vector<int64_t> types,
+                        std::vector<int64_t> widths, c10::optional<torch::Tensor> bias);

@@ -19,9 +19,10 @@ QUANTIZATION_METHODS: dict[str, str] = {
     "awq": "pagedserve.model_executor.quantization.awq:AWQConfig",
     "compressed-tensors": "pagedserve.model_executor.quantization.compressed_tensors:CompressedTensorsConfig",
     "fp8": "pagedserve.model_executor.quantization.fp8:Fp8Config",
+    "gguf": "pagedserve.model_executor.quantization.gguf:GGUFConfig",
 }
 # weights quantized in the checkpoint, as its quantization_config describes
-CHECKPOINT_FORMATS = ("gptq", "awq", "compressed-tensors", "fp8")
+CHECKPOINT_FORMATS = ("gptq", "awq", "compressed-tensors", "fp8", "gguf")
 # checkpoint formats the model's loader dequantizes as it reads them (gpt-oss's MXFP4 experts): the model then runs
 # as a float checkpoint, or with --quantization int8
 DEQUANTIZED_ON_LOAD = ("mxfp4",)

@@ -1,0 +1,559 @@
+// x W^T for weights in llama.cpp's block-quantized GGUF types (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K), read as 4/6/8-bit integers
+// and never dequantized to float in memory: the activations are quantized on the fly to int8 per block of 32 (one
+// float scale each, llama.cpp's Q8 trick), so every block product is an integer dot product (VPDPBUSD on
+// AVX512-VNNI, VPMADDUBSW + VPMADDWD on AVX-512 and AVX2, plain C++ at the generic level), scaled in float once per
+// block of 32 and 16 output columns.
+//
+// Layout. The GGUF rows ([N, row bytes] as stored) are repacked once at load (gguf_repack) into tiles of 16 output
+// columns, each a run of "units" along K (32 k for Q8_0/Q4_0, one 256-k super-block for the K-quants), so that a
+// 64-byte vector holds 4 consecutive k of each of the 16 columns: the layout VPDPBUSD multiplies against 4
+// activation bytes broadcast to every lane. Quantized values keep their bits (4-bit nibbles two a byte, Q6_K's low
+// nibbles and high 2 bits apart, Q8_0 bytes); scales stay float16 or 6-bit / int8 integers as stored. Bytes per
+// weight: Q8_0 8.5 bits, Q4_0 4.5, Q5_0 6.5, Q4_K 4.625, Q6_K 6.56 (GGUF: 8.5, 4.5, 5.5, 4.5, 6.56; Q5_0 keeps its
+// fifth bit in Q6_K's 2-bit planes, one unused).
+//
+//   Q8_0 unit (32 k):  d[16] f16 | q[8 groups][16 cols][4] int8
+//   Q4_0 unit (32 k):  d[16] f16 | nib[4 chunks][16][4]: low nibbles group c, high nibbles group c + 4 (w = d (q - 8))
+//   Q5_0 unit (32 k):  Q4_0's | hi[2][16][4] as Q6_K's (bit 5 zero)  (w = d (q - 16))
+//   Q4_K unit (256 k): d[16] f16 | dmin[16] f16 | sc[8][16] u8 | m[8][16] u8 | 8 x nib[4][16][4]
+//                      (w = d sc_j q - dmin m_j in sub-block j of 32)
+//   Q6_K unit (256 k): d[16] f16 | sc[16][16] int8 | 8 x (nib[4][16][4] | hi[2][16][4]: bits 2s..2s+1 of chunk h
+//                      are the high 2 bits of group 4h + s)  (w = d sc_i (q - 32) in sub-block i of 16)
+#include "ops.h"
+#include "vec.h"
+
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kTile = 16;  // output columns of a tile
+constexpr int kQ8_0 = 8, kQ4_0 = 2, kQ5_0 = 6, kQ4_K = 12, kQ6_K = 14;  // ggml_type ids
+
+struct TypeInfo {
+  int block;       // k per GGUF block
+  int raw_bytes;   // bytes of a GGUF block
+  int unit_bytes;  // bytes of a packed unit (one GGUF block of 16 columns)
+};
+
+bool type_info(int64_t type, TypeInfo* info) {
+  switch (type) {
+    case kQ8_0: *info = {32, 34, 32 + 512}; return true;
+    case kQ4_0: *info = {32, 18, 32 + 256}; return true;
+    case kQ5_0: *info = {32, 22, 32 + 256 + 128}; return true;
+    case kQ4_K: *info = {256, 144, 32 + 32 + 128 + 128 + 8 * 256}; return true;
+    case kQ6_K: *info = {256, 210, 32 + 256 + 8 * 384}; return true;
+    default: return false;
+  }
+}
+
+inline uint16_t rd16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+inline float half_to_float(uint16_t bits) { return c10::detail::fp16_ieee_to_fp32_value(bits); }
+
+// Q4_K's 6-bit scale and min of sub-block j (llama.cpp's get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// Value k (0..block) of a GGUF block as the packed layout keeps it: Q8_0 int8 bits, Q4_0 / Q4_K 0..15, Q6_K 0..63.
+inline uint8_t raw_value(int type, const uint8_t* blk, int k) {
+  switch (type) {
+    case kQ8_0: return blk[2 + k];
+    case kQ4_0: return k < 16 ? blk[2 + k] & 0xF : blk[2 + k - 16] >> 4;
+    case kQ5_0: {  // d, qh[4] (bit k: value k's bit 4), qs[16]
+      uint32_t qh;
+      std::memcpy(&qh, blk + 2, 4);
+      return (k < 16 ? blk[6 + k] & 0xF : blk[6 + k - 16] >> 4) | (((qh >> k) & 1) << 4);
+    }
+    case kQ4_K: {
+      const uint8_t* qs = blk + 16 + (k / 64) * 32;
+      const int l = k % 32;
+      return (k % 64) < 32 ? qs[l] & 0xF : qs[l] >> 4;
+    }
+    default: {  // Q6_K: ql[128] qh[64] scales[16] d
+      const int half = k / 128, r = k % 128, l = r % 32, quarter = r / 32;
+      const uint8_t* ql = blk + half * 64;
+      const uint8_t* qh = blk + 128 + half * 32;
+      const uint8_t low = quarter == 0 ? ql[l] & 0xF : quarter == 1 ? ql[l + 32] & 0xF
+                        : quarter == 2 ? ql[l] >> 4 : ql[l + 32] >> 4;
+      return low | (((qh[l] >> (2 * quarter)) & 3) << 4);
+    }
+  }
+}
+
+// 32 consecutive values (k0..k0+31 of a block) of 16 columns into the group layout: nib=false -> 8 groups of 64
+// bytes; nib=true -> 4 chunks of 64 bytes, low nibble group c, high nibble group c + 4; hi2 (Q6_K) additionally
+// writes the values' bits 4-5 in 2 chunks after the nibbles.
+void pack32(int type, const uint8_t* const* blocks, int k0, bool nib, bool hi2, uint8_t* out) {
+  uint8_t v[kTile][32];
+  for (int c = 0; c < kTile; ++c)
+    for (int k = 0; k < 32; ++k) v[c][k] = blocks[c] ? raw_value(type, blocks[c], k0 + k) : 0;
+  if (!nib) {
+    for (int g = 0; g < 8; ++g)
+      for (int c = 0; c < kTile; ++c)
+        for (int t = 0; t < 4; ++t) out[g * 64 + c * 4 + t] = v[c][4 * g + t];
+    return;
+  }
+  for (int h = 0; h < 4; ++h)
+    for (int c = 0; c < kTile; ++c)
+      for (int t = 0; t < 4; ++t)
+        out[h * 64 + c * 4 + t] = (v[c][4 * h + t] & 0xF) | ((v[c][4 * (h + 4) + t] & 0xF) << 4);
+  if (!hi2) return;
+  for (int h = 0; h < 2; ++h)
+    for (int c = 0; c < kTile; ++c)
+      for (int t = 0; t < 4; ++t) {
+        uint8_t b = 0;
+        for (int s = 0; s < 4; ++s) b |= ((v[c][4 * (4 * h + s) + t] >> 4) & 3) << (2 * s);
+        out[256 + h * 64 + c * 4 + t] = b;
+      }
+}
+
+// One unit (a GGUF block of each of 16 columns; null: a padding column) in the packed layout.
+void pack_unit(int type, const uint8_t* const* blocks, uint8_t* out) {
+  auto put16 = [&](int offset, auto&& value) {  // 16 per-column bytes or halves
+    for (int c = 0; c < kTile; ++c) value(c, out + offset);
+  };
+  switch (type) {
+    case kQ8_0:
+    case kQ4_0:
+    case kQ5_0:
+      put16(0, [&](int c, uint8_t* o) { std::memcpy(o + 2 * c, blocks[c] ? blocks[c] : (const uint8_t*)"\0\0", 2); });
+      pack32(type, blocks, 0, type != kQ8_0, type == kQ5_0, out + 32);
+      return;
+    case kQ4_K:
+      for (int c = 0; c < kTile; ++c) {
+        static const uint8_t zero[16] = {};
+        const uint8_t* b = blocks[c] ? blocks[c] : zero;
+        std::memcpy(out + 2 * c, b, 2);
+        std::memcpy(out + 32 + 2 * c, b + 2, 2);
+        for (int j = 0; j < 8; ++j) scale_min_k4(j, b + 4, out + 64 + j * 16 + c, out + 192 + j * 16 + c);
+      }
+      for (int j = 0; j < 8; ++j) pack32(type, blocks, 32 * j, true, false, out + 320 + j * 256);
+      return;
+    default:  // Q6_K
+      for (int c = 0; c < kTile; ++c) {
+        static const uint8_t zero[210] = {};
+        const uint8_t* b = blocks[c] ? blocks[c] : zero;
+        std::memcpy(out + 2 * c, b + 208, 2);
+        for (int i = 0; i < 16; ++i) out[32 + i * 16 + c] = b[192 + i];
+      }
+      for (int j = 0; j < 8; ++j) pack32(type, blocks, 32 * j, true, true, out + 288 + j * 384);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ vector traits
+// V::C columns per vector; W a vector of 4 bytes per column, I of int32 per column, F of float per column.
+#if defined(__AVX512F__)
+struct Vec {
+  static constexpr int C = 16;
+  using W = __m512i;
+  using F = __m512;
+#if defined(__AVX512VNNI__)
+  static constexpr bool kVnni = true;
+#else
+  static constexpr bool kVnni = false;
+#endif
+  static W load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static W lo4(W v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+  static W hi4(W v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+  static W bits45(W v, int s) {  // ((v >> 2s) & 3) << 4 per byte
+    return _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(v, _mm_cvtsi32_si128(2 * s)), _mm512_set1_epi8(3)), 4);
+  }
+  static W or_(W a, W b) { return _mm512_or_si512(a, b); }
+  static W flip(W v) { return _mm512_xor_si512(v, _mm512_set1_epi8(char(0x80))); }
+  static W bcast(const int8_t* x) {
+    int32_t v;
+    std::memcpy(&v, x, 4);
+    return _mm512_set1_epi32(v);
+  }
+  static W zero() { return _mm512_setzero_si512(); }
+  // acc + per column sum of 4 (unsigned w) x (signed x); w * x pairs stay within int16 for w < 128
+  static W dot_us(W acc, W w, W x) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, w, x);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+#endif
+  }
+  // acc + per column sum of 4 (signed w) x (signed x), without VNNI: |w| x sign(w) x
+  static W dot_ss(W acc, W w, W x) {
+    const __mmask64 neg = _mm512_movepi8_mask(w);
+    return dot_us(acc, _mm512_abs_epi8(w), _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
+  }
+  static W sub(W a, int32_t s) { return _mm512_sub_epi32(a, _mm512_set1_epi32(s)); }
+  static W add(W a, W b) { return _mm512_add_epi32(a, b); }
+  static W mullo(W a, W b) { return _mm512_mullo_epi32(a, b); }
+  static W load_i8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F cvt(W v) { return _mm512_cvtepi32_ps(v); }
+  static F set1(float f) { return _mm512_set1_ps(f); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static F load_f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+  static F load_u8f(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+#elif defined(__AVX2__)
+struct Vec {
+  static constexpr int C = 8;
+  using W = __m256i;
+  using F = __m256;
+  static constexpr bool kVnni = false;
+  static W load(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+  static W lo4(W v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+  static W hi4(W v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+  static W bits45(W v, int s) {
+    return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * s)), _mm256_set1_epi8(3)), 4);
+  }
+  static W or_(W a, W b) { return _mm256_or_si256(a, b); }
+  static W flip(W v) { return _mm256_xor_si256(v, _mm256_set1_epi8(char(0x80))); }
+  static W bcast(const int8_t* x) {
+    int32_t v;
+    std::memcpy(&v, x, 4);
+    return _mm256_set1_epi32(v);
+  }
+  static W zero() { return _mm256_setzero_si256(); }
+  static W dot_us(W acc, W w, W x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+  }
+  static W dot_ss(W acc, W w, W x) { return dot_us(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w)); }
+  static W sub(W a, int32_t s) { return _mm256_sub_epi32(a, _mm256_set1_epi32(s)); }
+  static W add(W a, W b) { return _mm256_add_epi32(a, b); }
+  static W mullo(W a, W b) { return _mm256_mullo_epi32(a, b); }
+  static W load_i8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F cvt(W v) { return _mm256_cvtepi32_ps(v); }
+  static F set1(float f) { return _mm256_set1_ps(f); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static F load_f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+  static F load_u8f(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+#else
+// The generic level: one column a "vector" (W: its 4 bytes in a uint32, or an int32 sum), the same arithmetic.
+struct Vec {
+  static constexpr int C = 1;
+  using W = uint32_t;
+  using F = float;
+  static constexpr bool kVnni = true;  // no int16 pairs to saturate: the unsigned form with an offset is exact
+  static W load(const uint8_t* p) {
+    W v;
+    std::memcpy(&v, p, 4);
+    return v;
+  }
+  static W lo4(W v) { return v & 0x0F0F0F0Fu; }
+  static W hi4(W v) { return (v >> 4) & 0x0F0F0F0Fu; }
+  static W bits45(W v, int s) { return ((v >> (2 * s)) & 0x03030303u) << 4; }
+  static W or_(W a, W b) { return a | b; }
+  static W flip(W v) { return v ^ 0x80808080u; }
+  static W bcast(const int8_t* x) { return load(reinterpret_cast<const uint8_t*>(x)); }
+  static W zero() { return 0; }
+  static W dot_us(W acc, W w, W x) {
+    int32_t s = static_cast<int32_t>(acc);
+    for (int t = 0; t < 4; ++t) s += int32_t((w >> (8 * t)) & 0xFF) * int32_t(int8_t((x >> (8 * t)) & 0xFF));
+    return static_cast<W>(s);
+  }
+  static W dot_ss(W acc, W w, W x) { return dot_us(acc, w, x); }  // unused (kVnni)
+  static W sub(W a, int32_t s) { return static_cast<W>(static_cast<int32_t>(a) - s); }
+  static W add(W a, W b) { return a + b; }
+  static W mullo(W a, W b) { return static_cast<W>(static_cast<int32_t>(a) * static_cast<int32_t>(b)); }
+  static W load_i8(const uint8_t* p) { return static_cast<W>(static_cast<int32_t>(static_cast<int8_t>(*p))); }
+  static F fzero() { return 0.f; }
+  static F cvt(W v) { return static_cast<float>(static_cast<int32_t>(v)); }
+  static F set1(float f) { return f; }
+  static F mul(F a, F b) { return a * b; }
+  static F fma(F a, F b, F c) { return a * b + c; }
+  static F fnma(F a, F b, F c) { return c - a * b; }
+  static F load_f16(const uint8_t* p) { return half_to_float(rd16(p)); }
+  static F load_u8f(const uint8_t* p) { return static_cast<float>(*p); }
+  static void store(float* p, F v) { *p = v; }
+};
+#endif
+
+// ------------------------------------------------------------------------------------------------ activations
+// Rows of x quantized per block of 32: q = round(x / d), d = max|x| / 127; with each block's sum of q (and of its
+// two halves, for Q6_K's sub-blocks of 16), which take back the weights' unsigned offsets and Q4_K's mins.
+struct ActQ {
+  int64_t k;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> sum, sum16;
+  const int8_t* row(int64_t m) const { return q.data() + m * k; }
+};
+
+template <typename T>
+void quantize_acts(const T* x, int64_t m_rows, int64_t k, ActQ& a) {
+  const int64_t nb = k / 32;
+  a.k = k;
+  a.q.resize(m_rows * k);
+  a.d.resize(m_rows * nb);
+  a.sum.resize(m_rows * nb);
+  a.sum16.resize(m_rows * nb * 2);
+#pragma omp parallel for schedule(static) if (m_rows * k >= 65536)
+  for (int64_t i = 0; i < m_rows * nb; ++i) {
+    const T* src = x + i * 32;
+    float v[32], amax = 0.f;
+    for (int j = 0; j < 32; ++j) {
+      v[j] = ps::to_float(src[j]);
+      amax = std::max(amax, std::fabs(v[j]));
+    }
+    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    int8_t* q = a.q.data() + i * 32;
+    int32_t s0 = 0, s1 = 0;
+    for (int j = 0; j < 32; ++j) {
+      q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
+      (j < 16 ? s0 : s1) += q[j];
+    }
+    a.d[i] = d;
+    a.sum[i] = s0 + s1;
+    a.sum16[2 * i] = s0;
+    a.sum16[2 * i + 1] = s1;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ the tile kernel
+// The N groups' dot products summed, in 4 independent chains (one chain of 8 dependent VPDPBUSD made a one-row
+// product latency-bound, at about half the speed).
+template <int N>
+inline typename Vec::W dot_groups(const typename Vec::W* w, const int8_t* x) {
+  constexpr int kChains = N < 4 ? N : 4;
+  typename Vec::W s[kChains];
+  for (int c = 0; c < kChains; ++c) s[c] = Vec::dot_us(Vec::zero(), w[c], Vec::bcast(x + 4 * c));
+  for (int g = kChains; g < N; ++g) s[g % kChains] = Vec::dot_us(s[g % kChains], w[g], Vec::bcast(x + 4 * g));
+  for (int c = 1; c < kChains; ++c) s[0] = Vec::add(s[0], s[c]);
+  return s[0];
+}
+
+// R rows (m0..) of one tile: out[r][0..16) = x_r . w_c over all of K.
+template <int TYPE, int R>
+void tile_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a, int64_t m0, float* out) {
+  using W = typename Vec::W;
+  using F = typename Vec::F;
+  constexpr int H = kTile / Vec::C;
+  F acc[R][H];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < H; ++h) acc[r][h] = Vec::fzero();
+  const int64_t nb = a.k / 32;
+  for (int64_t u = 0; u < units; ++u) {
+    const uint8_t* p = tile + u * unit_bytes;
+    for (int h = 0; h < H; ++h) {
+      const int col4 = h * Vec::C * 4, col2 = h * Vec::C * 2, col1 = h * Vec::C;
+      W w[8];
+      if constexpr (TYPE == kQ8_0 || TYPE == kQ4_0 || TYPE == kQ5_0) {
+        const F d = Vec::load_f16(p + col2);
+        if constexpr (TYPE == kQ8_0) {
+          for (int g = 0; g < 8; ++g) w[g] = Vec::load(p + 32 + g * 64 + col4);
+          if (Vec::kVnni)
+            for (int g = 0; g < 8; ++g) w[g] = Vec::flip(w[g]);  // w + 128, unsigned
+        } else {
+          for (int c = 0; c < 4; ++c) {
+            const W raw = Vec::load(p + 32 + c * 64 + col4);
+            w[c] = Vec::lo4(raw);
+            w[c + 4] = Vec::hi4(raw);
+          }
+          if constexpr (TYPE == kQ5_0) {
+            const W hi0 = Vec::load(p + 288 + col4), hi1 = Vec::load(p + 288 + 64 + col4);
+            for (int c = 0; c < 4; ++c) {
+              w[c] = Vec::or_(w[c], Vec::bits45(hi0, c));
+              w[c + 4] = Vec::or_(w[c + 4], Vec::bits45(hi1, c));
+            }
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          const int64_t b = (m0 + r) * nb + u;
+          const int8_t* x = a.row(m0 + r) + u * 32;
+          W s;
+          if (TYPE == kQ8_0 && !Vec::kVnni) {
+            W s2 = Vec::zero();
+            s = Vec::zero();
+            for (int g = 0; g < 8; g += 2) {
+              s = Vec::dot_ss(s, w[g], Vec::bcast(x + 4 * g));
+              s2 = Vec::dot_ss(s2, w[g + 1], Vec::bcast(x + 4 * g + 4));
+            }
+            s = Vec::add(s, s2);
+          } else {
+            s = Vec::sub(dot_groups<8>(w, x), (TYPE == kQ8_0 ? 128 : TYPE == kQ5_0 ? 16 : 8) * a.sum[b]);
+          }
+          acc[r][h] = Vec::fma(Vec::cvt(s), Vec::mul(d, Vec::set1(a.d[b])), acc[r][h]);
+        }
+      } else if constexpr (TYPE == kQ4_K) {
+        const F d = Vec::load_f16(p + col2), dmin = Vec::load_f16(p + 32 + col2);
+        for (int j = 0; j < 8; ++j) {
+          const F dsc = Vec::mul(d, Vec::load_u8f(p + 64 + j * 16 + col1));
+          const F dmn = Vec::mul(dmin, Vec::load_u8f(p + 192 + j * 16 + col1));
+          const uint8_t* nib = p + 320 + j * 256;
+          for (int c = 0; c < 4; ++c) {
+            const W raw = Vec::load(nib + c * 64 + col4);
+            w[c] = Vec::lo4(raw);
+            w[c + 4] = Vec::hi4(raw);
+          }
+          for (int r = 0; r < R; ++r) {
+            const int64_t b = (m0 + r) * nb + u * 8 + j;
+            const W s = dot_groups<8>(w, a.row(m0 + r) + (u * 8 + j) * 32);
+            acc[r][h] = Vec::fma(Vec::cvt(s), Vec::mul(dsc, Vec::set1(a.d[b])), acc[r][h]);
+            acc[r][h] = Vec::fnma(dmn, Vec::set1(a.d[b] * static_cast<float>(a.sum[b])), acc[r][h]);
+          }
+        }
+      } else {  // Q6_K
+        const F d = Vec::load_f16(p + col2);
+        for (int j = 0; j < 8; ++j) {
+          const W sc0 = Vec::load_i8(p + 32 + (2 * j) * 16 + col1);
+          const W sc1 = Vec::load_i8(p + 32 + (2 * j + 1) * 16 + col1);
+          const uint8_t* sub = p + 288 + j * 384;
+          const W hi0 = Vec::load(sub + 256 + col4), hi1 = Vec::load(sub + 256 + 64 + col4);
+          for (int c = 0; c < 4; ++c) {
+            const W raw = Vec::load(sub + c * 64 + col4);
+            w[c] = Vec::or_(Vec::lo4(raw), Vec::bits45(hi0, c));
+            w[c + 4] = Vec::or_(Vec::hi4(raw), Vec::bits45(hi1, c));
+          }
+          for (int r = 0; r < R; ++r) {
+            const int64_t b = (m0 + r) * nb + u * 8 + j;
+            const int8_t* x = a.row(m0 + r) + (u * 8 + j) * 32;
+            const W s0 = Vec::sub(dot_groups<4>(w, x), 32 * a.sum16[2 * b]);
+            const W s1 = Vec::sub(dot_groups<4>(w + 4, x + 16), 32 * a.sum16[2 * b + 1]);
+            const W s = Vec::add(Vec::mullo(s0, sc0), Vec::mullo(s1, sc1));
+            acc[r][h] = Vec::fma(Vec::cvt(s), Vec::mul(d, Vec::set1(a.d[b])), acc[r][h]);
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < H; ++h) Vec::store(out + r * kTile + h * Vec::C, acc[r][h]);
+}
+
+template <int TYPE>
+void tile_all_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a, int64_t m_rows,
+                   float* out /* [m_rows][16] */) {
+  constexpr int kRows = 4;  // rows per pass over the tile's weights (its decoded groups stay in registers)
+  int64_t m0 = 0;
+  for (; m0 + kRows <= m_rows; m0 += kRows) tile_rows<TYPE, kRows>(tile, units, unit_bytes, a, m0, out + m0 * kTile);
+  switch (m_rows - m0) {
+    case 3: tile_rows<TYPE, 3>(tile, units, unit_bytes, a, m0, out + m0 * kTile); break;
+    case 2: tile_rows<TYPE, 2>(tile, units, unit_bytes, a, m0, out + m0 * kTile); break;
+    case 1: tile_rows<TYPE, 1>(tile, units, unit_bytes, a, m0, out + m0 * kTile); break;
+    default: break;
+  }
+}
+
+void run_tile(int64_t type, const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a, int64_t m_rows,
+              float* out) {
+  switch (type) {
+    case kQ8_0: return tile_all_rows<kQ8_0>(tile, units, unit_bytes, a, m_rows, out);
+    case kQ4_0: return tile_all_rows<kQ4_0>(tile, units, unit_bytes, a, m_rows, out);
+    case kQ5_0: return tile_all_rows<kQ5_0>(tile, units, unit_bytes, a, m_rows, out);
+    case kQ4_K: return tile_all_rows<kQ4_K>(tile, units, unit_bytes, a, m_rows, out);
+    default: return tile_all_rows<kQ6_K>(tile, units, unit_bytes, a, m_rows, out);
+  }
+}
+
+}  // namespace
+
+bool native_gguf_type(int64_t type) {
+  TypeInfo info;
+  return type_info(type, &info);
+}
+
+torch::Tensor gguf_repack(torch::Tensor raw, int64_t type, int64_t n, int64_t k) {
+  TypeInfo info;
+  TORCH_CHECK(type_info(type, &info), "gguf_repack: ggml type ", type, " has no native kernel");
+  TORCH_CHECK(k % info.block == 0, "gguf_repack: K=", k, " is not a multiple of the type's block ", info.block);
+  const int64_t units = k / info.block, row_bytes = units * info.raw_bytes;
+  TORCH_CHECK(raw.scalar_type() == torch::kByte && raw.dim() == 2 && raw.size(0) == n && raw.size(1) >= row_bytes,
+              "gguf_repack: raw blocks [N, row bytes] uint8");
+  raw = raw.contiguous();
+  const int64_t tiles = (n + kTile - 1) / kTile, stride = raw.size(1);
+  torch::Tensor packed = torch::empty({tiles * units * info.unit_bytes}, torch::kByte);
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t u = 0; u < units; ++u) {
+      const uint8_t* blocks[kTile];
+      for (int c = 0; c < kTile; ++c) {
+        const int64_t col = t * kTile + c;
+        blocks[c] = col < n ? src + col * stride + u * info.raw_bytes : nullptr;
+      }
+      pack_unit(static_cast<int>(type), blocks, dst + (t * units + u) * info.unit_bytes);
+    }
+  return packed;
+}
+
+torch::Tensor gguf_gemm(torch::Tensor x, std::vector<torch::Tensor> packed, std::vector<int64_t> types,
+                        std::vector<int64_t> widths, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+              "gguf_gemm: x [M, K] float32 or bfloat16");
+  TORCH_CHECK(packed.size() == types.size() && types.size() == widths.size() && !packed.empty(),
+              "gguf_gemm: one type and width per packed weight");
+  x = x.contiguous();
+  const int64_t m_rows = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % 32 == 0, "gguf_gemm: K must be a multiple of 32");
+  int64_t n_total = 0;
+  std::vector<int64_t> first_tile{0}, col0;
+  std::vector<TypeInfo> infos(types.size());
+  for (size_t s = 0; s < types.size(); ++s) {
+    TORCH_CHECK(type_info(types[s], &infos[s]) && k % infos[s].block == 0, "gguf_gemm: type ", types[s],
+                " with K=", k);
+    const int64_t tiles = (widths[s] + kTile - 1) / kTile;
+    TORCH_CHECK(packed[s].numel() == tiles * (k / infos[s].block) * infos[s].unit_bytes, "gguf_gemm: packed weight ",
+                s, " does not match its type, width and K");
+    col0.push_back(n_total);
+    n_total += widths[s];
+    first_tile.push_back(first_tile.back() + tiles);
+  }
+  ActQ a;
+  ps::with_act_type(x.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    quantize_acts(ps::ptr<T>(x), m_rows, k, a);
+  });
+  torch::Tensor out = torch::empty({m_rows, n_total}, x.options());
+  const float* bias_ptr = nullptr;
+  torch::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    bias_f = bias->to(torch::kFloat).contiguous();
+    TORCH_CHECK(bias_f.numel() == n_total, "gguf_gemm: bias of ", n_total, " outputs");
+    bias_ptr = bias_f.data_ptr<float>();
+  }
+  const int64_t all_tiles = first_tile.back();
+  ps::with_act_type(x.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* o = ps::ptr<T>(out);
+#pragma omp parallel
+    {
+      std::vector<float> buf(m_rows * kTile);
+#pragma omp for schedule(static)
+      for (int64_t gt = 0; gt < all_tiles; ++gt) {
+        const size_t s = std::upper_bound(first_tile.begin(), first_tile.end(), gt) - first_tile.begin() - 1;
+        const int64_t t = gt - first_tile[s], units = k / infos[s].block;
+        run_tile(types[s], packed[s].data_ptr<uint8_t>() + t * units * infos[s].unit_bytes, units,
+                 infos[s].unit_bytes, a, m_rows, buf.data());
+        const int64_t c0 = t * kTile, cols = std::min<int64_t>(kTile, widths[s] - c0);
+        for (int64_t m = 0; m < m_rows; ++m)
+          for (int64_t c = 0; c < cols; ++c) {
+            const int64_t col = col0[s] + c0 + c;
+            o[m * n_total + col] = ps::from_float<T>(buf[m * kTile + c] + (bias_ptr ? bias_ptr[col] : 0.f));
+          }
+      }
+    }
+  });
+  return out;
+}

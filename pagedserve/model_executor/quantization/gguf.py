@@ -1,0 +1,123 @@
+"""GGUF block-quantized linear weights kept as stored (quant_method "gguf", which the GGUF loader writes into the
+converted checkpoint's config.json: gguf_loader.py): Q8_0, Q4_0, Q5_0, Q4_K and Q6_K rows stay in their blocks and run on
+the native kernel (kernels/quant_gemm.cpp), which decodes the 4/6/8-bit values in registers and multiplies them
+against activations quantized to int8 per block of 32 - about a quarter (Q4) or half (Q8_0) of the bytes the int8
+path streams per decode step, an eighth / a quarter of float32's. The blocks are repacked once at load into the
+kernel's tiles (same bits, reordered). Other GGUF types are dequantized at conversion and run as float layers.
+
+Tensors per linear (N outputs, K inputs), as the loader writes them:
+  qweight [N, row bytes] uint8 - each output row's GGUF blocks as stored (a fused q/k/v or gate/up layer's shards
+                                 may differ in type, e.g. Q4_K_M's Q6_K v_proj: rows padded to the widest);
+  qtype   [N] uint8            - each row's ggml type id; runs of one type become the kernel's parts along N.
+Without the native kernels (PAGEDSERVE_CPU_KERNELS=0, float16, another device) the rows are dequantized at load
+(the `gguf` package) and multiplied in float.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.model_executor.kernels import cpu_kernels
+from pagedserve.model_executor.quantization.base import LinearMethodBase
+from pagedserve.model_executor.quantization.packed import (
+    FUSED_SHARDS,
+    CheckpointQuantizationConfig,
+    add_param,
+    drop_params,
+)
+
+if TYPE_CHECKING:
+    from pagedserve.model_executor.layers.linear import Linear
+
+# The types kept quantized: name -> (ggml type id, weights per block, bytes per block)
+NATIVE_TYPES: dict[str, tuple[int, int, int]] = {
+    "Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q5_0": (6, 32, 22), "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210)}
+_NAME_OF_ID = {type_id: name for name, (type_id, _, _) in NATIVE_TYPES.items()}
+
+
+def row_bytes(type_name: str, in_features: int) -> int:
+    _, block, size = NATIVE_TYPES[type_name]
+    if in_features % block:
+        raise ValueError(f"quantization='gguf': {type_name} rows of {in_features} inputs (not a multiple of {block}).")
+    return in_features // block * size
+
+
+def type_runs(qtype: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(first row, rows, ggml type id) of each run of one type along the output rows."""
+    ids = qtype.tolist()
+    runs, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[start]:
+            runs.append((start, i - start, int(ids[start])))
+            start = i
+    return runs
+
+
+def dequantize_rows(raw: torch.Tensor, type_id: int, in_features: int) -> torch.Tensor:
+    """Float32 [rows, in_features] of GGUF rows (the `gguf` package's reference dequantization)."""
+    import gguf
+    import numpy as np
+
+    name = _NAME_OF_ID[type_id]
+    raw = raw[:, :row_bytes(name, in_features)].contiguous().numpy()
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name])))
+
+
+class GGUFLinearMethod(LinearMethodBase):
+    def __init__(self, shard_types: tuple[str, ...]) -> None:
+        self.shard_types = shard_types  # of the layer's checkpoint projections (q/k/v, gate/up, or one)
+
+    def create_weights(self, layer: Linear, in_features: int, out_features: int, bias: bool) -> None:
+        width = max(row_bytes(t, in_features) for t in self.shard_types)
+        add_param(layer, "qweight", (out_features, width), torch.uint8, output_dim=0)
+        add_param(layer, "qtype", (out_features,), torch.uint8, output_dim=0)
+        layer.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        layer.gguf_parts = layer.weight = None
+        # converted with the model (model.to(dtype)) as the uint8 blocks are not: the dtype the layer computes in
+        layer.register_buffer("gguf_dtype", torch.empty(0), persistent=False)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        dtype = layer.gguf_dtype.dtype
+        ops = cpu_kernels() if dtype in (torch.float32, torch.bfloat16) else None
+        runs = type_runs(layer.qtype.data)
+        raw = layer.qweight.data
+        if ops is not None and all(ops.native_gguf_type(t) for _, _, t in runs):
+            layer.gguf_parts = ([ops.gguf_repack(raw[a:a + n], t, n, layer.in_features) for a, n, t in runs],
+                                [t for _, _, t in runs], [n for _, n, _ in runs])
+        else:
+            w = torch.cat([dequantize_rows(raw[a:a + n], t, layer.in_features) for a, n, t in runs])
+            layer.weight = nn.Parameter(w.to(dtype), requires_grad=False)
+        drop_params(layer, "qweight", "qtype")
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.gguf_parts is None or x.dtype not in (torch.float32, torch.bfloat16):
+            if layer.weight is None:  # float16 activations on repacked blocks: not a path the engine takes
+                raise ValueError("quantization='gguf' runs float32 or bfloat16 activations.")
+            return F.linear(x, layer.weight.to(x.dtype), layer.bias)
+        packed, types, widths = layer.gguf_parts
+        rows = x.reshape(-1, x.shape[-1])
+        y = cpu_kernels().gguf_gemm(rows, packed, types, widths, layer.bias)
+        return y.view(*x.shape[:-1], layer.out_features)
+
+
+class GGUFConfig(CheckpointQuantizationConfig):
+    name = "gguf"
+
+    def read_checkpoint_config(self, cfg: dict) -> None:
+        # the checkpoint module names ("model.layers.0.self_attn.q_proj") whose weights stay quantized -> GGUF type
+        self.linear_types: dict[str, str] = dict(cfg.get("linear_types", {}))
+        unknown = sorted(set(self.linear_types.values()) - set(NATIVE_TYPES))
+        if unknown:
+            raise ValueError(f"quantization='gguf': no kernel for tensor types {unknown}; supported: "
+                             f"{', '.join(NATIVE_TYPES)}.")
+
+    def get_linear_method(self, layer: nn.Module, prefix: str = "") -> LinearMethodBase:
+        parent, _, leaf = prefix.rpartition(".")  # "layers.0.self_attn.qkv_proj" -> model.layers.0.self_attn.q_proj ...
+        module = f"model.{parent}." if parent else ""  # the LM head: "lm_head"
+        types = [self.linear_types.get(module + name) for name in FUSED_SHARDS.get(leaf, (leaf,))]
+        if None in types:
+            return self.float_config.method
+        return GGUFLinearMethod(tuple(types))

@@ -1,0 +1,110 @@
+"""The native GGUF block-quantized GEMM (kernels/quant_gemm.cpp) against the `gguf` package's own dequantization of
+the same blocks: exact (float rounding) against the kernel's arithmetic - the dequantized weights times the
+activations quantized to int8 per block of 32 - and close to the float product, for each type kept quantized, on
+each instruction-set level this CPU runs (the default one in the fast tier, the others built on demand)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf_files import _random_k_blocks
+
+from pagedserve.model_executor import kernels
+from pagedserve.model_executor.quantization.gguf import NATIVE_TYPES, type_runs
+
+gguf = pytest.importorskip("gguf")
+
+OTHER_LEVELS = [pytest.param(isa, marks=[pytest.mark.kernels_build(isa), pytest.mark.slow])
+                for isa in ("avx512", "avx2", "generic")]
+
+
+def _blocks(name: str, n: int, k: int, rng: np.random.Generator) -> tuple[np.ndarray, torch.Tensor]:
+    """Random rows of type `name` ([n, row bytes] uint8) and their float64 dequantization."""
+    qtype = gguf.GGMLQuantizationType[name]
+    if name.endswith("_K"):  # gguf-py has no K-quant quantizer: random blocks with bounded scales
+        raw = _random_k_blocks(qtype, n, k, rng)
+    else:
+        raw = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+    return raw, torch.from_numpy(gguf.quants.dequantize(raw, qtype)).double()
+
+
+def _int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel multiplies it: rounded to int8 per block of 32 with scale max|x| / 127."""
+    b = x.double().reshape(x.shape[0], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(b / torch.where(d > 0, d, 1)) * d).reshape(x.shape)
+
+
+def _ops(isa: str | None):
+    if isa is None:
+        ops = kernels.cpu_kernels()
+    elif isa not in kernels.supported_isas():
+        pytest.skip(f"this CPU cannot run the {isa} build")
+    else:
+        ops = kernels.load_cpu_kernels(isa)
+    if ops is None:
+        pytest.skip("no native kernels")
+    return ops
+
+
+def _check_types(ops, dtype=torch.float32):
+    rng = np.random.default_rng(0)
+    for name, (type_id, _, _) in NATIVE_TYPES.items():
+        assert ops.native_gguf_type(type_id)
+        n, k = 40, 512  # 40: a padded last tile of 16 columns
+        raw, w = _blocks(name, n, k, rng)
+        packed = ops.gguf_repack(torch.from_numpy(raw), type_id, n, k)
+        for m in (1, 4, 7):  # one pass of 4 rows, and the 1-3 row tails
+            x = torch.randn(m, k).to(dtype)
+            y = ops.gguf_gemm(x, [packed], [type_id], [n], None)
+            assert y.dtype == dtype and y.shape == (m, n)
+            exact = _int8_blocks(x) @ w.T
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < tol, (name, m)
+            float_ref = x.double() @ w.T
+            assert ((y.double() - float_ref).abs().max() / float_ref.abs().max()).item() < 3e-2, (name, m)
+
+
+def test_gguf_gemm_types_default_level():
+    _check_types(_ops(None))
+
+
+@pytest.mark.parametrize("isa", OTHER_LEVELS)
+def test_gguf_gemm_types_other_levels(isa):
+    _check_types(_ops(isa))
+
+
+def test_gguf_gemm_bfloat16_activations():
+    _check_types(_ops(None), torch.bfloat16)
+
+
+def test_gguf_gemm_mixed_parts_and_bias():
+    """A fused layer's shards of different types (Q4_K_M's Q4_K q/k and Q6_K v) side by side, with a bias."""
+    ops, rng = _ops(None), np.random.default_rng(1)
+    k, parts = 256, [("Q4_K", 32), ("Q4_K", 16), ("Q6_K", 24)]
+    packed, types, ws = [], [], []
+    for name, n in parts:
+        raw, w = _blocks(name, n, k, rng)
+        packed.append(ops.gguf_repack(torch.from_numpy(raw), NATIVE_TYPES[name][0], n, k))
+        types.append(NATIVE_TYPES[name][0])
+        ws.append(w)
+    w = torch.cat(ws)
+    bias = torch.randn(w.shape[0])
+    x = torch.randn(3, k)
+    y = ops.gguf_gemm(x, packed, types, [n for _, n in parts], bias)
+    exact = _int8_blocks(x) @ w.T + bias.double()
+    assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < 1e-5
+
+
+def test_gguf_gemm_rejects_mismatched_weight():
+    ops = _ops(None)
+    raw, _ = _blocks("Q4_0", 16, 64, np.random.default_rng(2))
+    packed = ops.gguf_repack(torch.from_numpy(raw), NATIVE_TYPES["Q4_0"][0], 16, 64)
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.gguf_gemm(torch.randn(1, 128), [packed], [NATIVE_TYPES["Q4_0"][0]], [16], None)
+    assert not ops.native_gguf_type(13)  # Q5_K: dequantized at load instead
+
+
+def test_type_runs():
+    assert type_runs(torch.tensor([12, 12, 14, 14, 14, 12], dtype=torch.uint8)) == [(0, 2, 12), (2, 3, 14),
+                                                                                     (5, 1, 12)]
