@@ -1,7 +1,7 @@
 """Multi-LoRA's kernel against the products it follows, per decoder layer and decode step: the base projections on
 the native small GEMM (packed weights) vs `lora_add` with 4 rank-16 slots and the rows mixed evenly, on the SmolLM2
 and Qwen3-0.6B shapes' matrices, float32 and bfloat16, 16 and 32 rows; CPU time, one thread (BENCHMARKS.md
-section 20).
+section 23).
 
     python benchmarks/lora_kernel_overhead.py
 """
