@@ -35,8 +35,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("n"), py::arg("bias") = py::none());
   m.def("decode_layers", &decode_layers, "a decode step's decoder layers in one call (the Python layers' ops, in "
         "their order); returns (hidden, residual)", py::arg("x"), py::arg("residual"), py::arg("weights"),
-        py::arg("widths"), py::arg("caches"), py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"),
-        py::arg("block_tables"), py::arg("context_lens"), py::arg("num_heads"), py::arg("num_kv_heads"),
+        py::arg("widths"), py::arg("caches"), py::arg("cos"), py::arg("sin"), py::arg("slot_mappings"),
+        py::arg("block_tables"), py::arg("context_lens"), py::arg("layer_groups"), py::arg("windows"),
+        py::arg("num_heads"), py::arg("num_kv_heads"),
         py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("lora") = std::vector<torch::Tensor>(),
         py::arg("lora_rows") = py::none());
   m.def("lora_add", &lora_add, "y += each row's LoRA adapter delta B[slot] (A[slot] x), in place, by the rows' slot "
