@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.core.kv_cache_groups import layer_cache_slots, make_kv_cache_groups
 from pagedserve.model_executor.attention.backend import AttentionBackend, KVCache
 from pagedserve.model_executor.attention.metadata import AttentionMetadata
 from pagedserve.model_executor.layers.linear import Linear
@@ -107,6 +108,10 @@ class BertEmbeddingModel(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(cfg, hf, attn_backend, quant_config, f"layers.{i}")
                                     for i in range(cfg.num_layers))
         self.fused_decode = None  # (the native whole-stack decode is the decoders')
+        # one KV cache group of full-attention layers (core/kv_cache_groups.py), each layer its own KV tensor
+        self.kv_cache_groups = make_kv_cache_groups([None] * cfg.num_layers)
+        slots = layer_cache_slots(self.kv_cache_groups)
+        self.layer_kv_slots = [slots[i] for i in range(cfg.num_layers)]
 
     @staticmethod
     def position_offset(hf: dict) -> int:
