@@ -106,13 +106,19 @@ def test_int4_formats_group_sizes_match_hf(tmp_path, fmt, group_size, symmetric,
                                       desc_act=desc_act, gptq_v2=gptq_v2, **WIDE))
 
 
+# a part of the names, and the checkpoint's full module names (what real checkpoints list)
+FLOAT_MLP_1 = {"part": ("layers.1.mlp",),
+               "full": tuple(f"model.layers.1.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj"))}
+
+
+@pytest.mark.parametrize("names", ["part", "full"])
 @pytest.mark.parametrize("fmt", ["awq", "ct-w4a16", "fp8"])
-def test_layers_the_checkpoint_left_in_float(tmp_path, fmt):
+def test_layers_the_checkpoint_left_in_float(tmp_path, fmt, names):
     """AWQ's modules_to_not_convert, compressed-tensors' ignore (regular expressions), fp8's ignored_layers: those
     layers load as float weights, the others quantized."""
     if fmt.startswith("ct-"):
         pytest.importorskip("compressed_tensors")
-    llm = _check(*make_quantized_checkpoint("llama", fmt, tmp_path, float_modules=("layers.1.mlp",),
+    llm = _check(*make_quantized_checkpoint("llama", fmt, tmp_path, float_modules=FLOAT_MLP_1[names],
                                             fp8_block=(32, 32)))
     layers = llm.llm_engine.runner.model.layers
     for proj in (layers[1].mlp.gate_up_proj, layers[1].mlp.down_proj):

@@ -75,14 +75,13 @@ def unpack_int4(packed: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(r
     return values.reshape(*words.shape[:-1], -1).movedim(-1, dim)
 
 def layer_names(prefix: str) -> list[str]:
-    """The checkpoint's module names (vLLM's, "model.layers.0.self_attn.q_proj") of our layer `prefix`: one per
-    shard of a fused layer."""
+    """The checkpoint's module names (vLLM's, "model.layers.0.self_attn.q_proj") of our layer `prefix`
+    ("layers.0.self_attn.qkv_proj"): one per shard of a fused layer."""
     parent, _, leaf = prefix.rpartition(".")
-    block = {"qkv_proj": "self_attn", "o_proj": "self_attn"}.get(leaf, "mlp")
     leaves = FUSED_SHARDS.get(leaf, (leaf,))
     if not parent:  # lm_head
         return list(leaves)
-    return [f"model.{parent}.{block}.{name}" for name in leaves]
+    return [f"model.{parent}.{name}" for name in leaves]
 
 
 def matches(name: str, patterns: list[str]) -> bool:
