@@ -22,6 +22,11 @@ prebuilt kernels) against this checkout, or this checkout with uvloop and httpto
 when it finds them): an A/B of the server alone, in one run, as ratios paired within a round. Default: one server,
 this checkout.
 
+--peers openvino[,vllm] runs those peers (cpu_peers.py's runners: OpenVINO GenAI's in-process driver, vLLM's CPU server
+with the same client) in every round too, in the alternating order, and adds a table of the server and the engine
+against the best peer per cell (tokens/s, p99 TTFT and ITL, paired within a round): the issue's end-to-end targets
+from one run on one machine.
+
 Output: OUTPUT_DIR/server_overhead.md (the tables) and .json; each run's bench result and logs as cpu_peers.py.
 """
 from __future__ import annotations
@@ -153,6 +158,47 @@ BREAKDOWN = (("busy", "busy (step + between steps)"), ("step", "engine step"), (
              ("other_cpu", "other threads' CPU (OpenMP workers)"))
 
 
+def peer_table(rows: list[dict], meta: dict) -> list[str]:
+    """Every server variant and the engine against the best peer of each (cell, round): tokens/s over the best peer's
+    (the peer with the most tokens/s), and that peer's p99 TTFT and ITL over ours (> 1 = ours better)."""
+    peers = meta.get("peers") or []
+    if not peers:
+        return []
+    ours = (*meta["variants"], ENGINE)
+    cells: dict[tuple, dict] = {}
+    for r in rows:
+        cells.setdefault((r["precision"], r["concurrency"]), {}).setdefault(r["round"], {})[r["variant"]] = r
+    L = ["", "Against the peers (best peer per round = most tokens/s; p99 ratios are the peer's over ours, > 1 = ours "
+         "better; medians [min-max] over the rounds):", "",
+         "| precision | C | rounds | " + " | ".join(f"{p} tok/s" for p in peers) + " | "
+         + " | ".join(f"{o} tok/s | {o} / best peer | TTFT p99 ratio | ITL p99 ratio" for o in ours) + " |",
+         "| --- | ---: | ---: | " + " | ".join("---:" for _ in peers) + " | "
+         + " | ".join("---: | ---: | ---: | ---:" for _ in ours) + " |"]
+
+    def agg(v: list[float], fmt: str = "{:.2f}") -> str:
+        if not v:
+            return "-"
+        s = fmt.format(statistics.median(v))
+        return s if len(v) == 1 else f"{s} [{fmt.format(min(v))}-{fmt.format(max(v))}]"
+
+    for key in sorted(cells, key=lambda k: (cp.precision_order(k[0]), k[1])):
+        by_round = [by for by in cells[key].values() if any(p in by for p in peers)]
+        cols = [agg([by[p]["output_tok_s"] for by in by_round if p in by], "{:.1f}") for p in peers]
+        for o in ours:
+            tok, q, ttft, itl = [], [], [], []
+            for by in by_round:
+                if o not in by:
+                    continue
+                best = max((by[p] for p in peers if p in by), key=lambda r: r["output_tok_s"])
+                tok.append(by[o]["output_tok_s"])
+                q.append(by[o]["output_tok_s"] / best["output_tok_s"])
+                ttft.append(best["ttft_p99_ms"] / by[o]["ttft_p99_ms"])
+                itl.append(best["itl_p99_ms"] / by[o]["itl_p99_ms"])
+            cols += [agg(tok, "{:.1f}"), agg(q), agg(ttft), agg(itl)]
+        L.append(f"| {key[0]} | {key[1]} | {len(by_round)} | " + " | ".join(cols) + " |")
+    return L
+
+
 def format_report(rows: list[dict], meta: dict) -> str:
     variants = meta["variants"]
     L = ["# pagedserve server vs engine in-process (issue 50)", "",
@@ -202,7 +248,26 @@ def format_report(rows: list[dict], meta: dict) -> str:
             vals = [med[key][side].get(metric) for side in sides]
             cols.append(" / ".join("-" if v is None else f"{v:.2f}" for v in vals))
         L.append(f"| {label} | " + " | ".join(cols) + " |")
+    L += peer_table(rows, meta)
     return "\n".join(L) + "\n"
+
+
+def parse_peers(argv: list[str]) -> tuple[list[str], list[str]]:
+    """--peers openvino,vllm out of argv (cpu_peers.py's own --engines stays pagedserve + pagedserve-engine)."""
+    rest, peers = [], []
+    it = iter(argv)
+    for a in it:
+        if a == "--peers" or a.startswith("--peers="):
+            peers += [p for p in (a.partition("=")[2] if "=" in a else next(it)).split(",") if p]
+        else:
+            rest.append(a)
+    bad = [p for p in peers if p not in PEERS]
+    if bad:
+        raise SystemExit(f"--peers {','.join(bad)}: want a comma list of {','.join(PEERS)}")
+    return rest, peers
+
+
+PEERS = ("openvino", "vllm")
 
 
 def parse_variants(argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -233,7 +298,8 @@ def write_report(out_dir: str, rows: list[dict], skipped: dict, meta: dict) -> s
 
 
 def main(argv=None) -> int:
-    argv, variants = parse_variants(list(sys.argv[1:] if argv is None else argv))
+    argv, peers = parse_peers(list(sys.argv[1:] if argv is None else argv))
+    argv, variants = parse_variants(argv)
     args = cp.parse_args([*argv, "--engines", ",".join(SIDES)])
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     out_dir = args.output_dir or os.path.join("bench_results", "server_overhead-" + time.strftime("%Y%m%d-%H%M%S"))
@@ -241,10 +307,10 @@ def main(argv=None) -> int:
     workloads, described = cp.build_workloads(args)
     meta = {"model": args.model, "threads": args.threads, "workload": "; ".join(sorted(set(described.values()))),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "version": cp.pagedserve_version(),
-            "variants": variants}
+            "variants": variants, "peers": peers}
     rows: list[dict] = []
     skipped: dict[str, str] = {}
-    sides = [ENGINE, *variants]
+    sides = [ENGINE, *variants, *peers]
     try:
         for prec in args.precision_list:
             for k in range(args.rounds):
@@ -254,6 +320,10 @@ def main(argv=None) -> int:
                     n = len(rows)
                     if side == ENGINE:
                         run_engine(args, prec, workloads, d, rows, skipped)
+                    elif side in peers:
+                        cp.RUNNERS[side](args, prec, workloads, d, rows, skipped)
+                        for r in rows[n:]:
+                            r["variant"] = side
                     else:
                         run_server(args, prec, workloads, d, rows, skipped, side, variants[side])
                     for r in rows[n:]:
