@@ -98,7 +98,9 @@ def run_server(args, precision: str, workloads: dict, out_dir: str, rows: list, 
                 skipped[f"pagedserve {precision} C={c}"] = "bench serve failed"
                 continue
             row = cp.make_row("pagedserve", precision, c, res, workloads[c], notes=note)
-            row["profile"] = dict({k: after[k] - before[k] for k in after}, client_cpu=client_cpu)
+            # client_run_cpu: the client's CPU while the load ran (bench serve's own count, start-up excluded)
+            row["profile"] = dict({k: after[k] - before[k] for k in after}, client_cpu=client_cpu,
+                                  client_run_cpu=res.get("client_cpu_s", float("nan")))
             row["variant"] = variant
             rows.append(row)
     except RuntimeError as e:
@@ -144,7 +146,7 @@ def per_step(row: dict) -> dict[str, float]:
                    lag_per_delivery=1e3 * p["deliver_lag"] / max(p["deliveries"], 1),
                    encode_us_per_chunk=1e6 * p["encode"] / max(p["chunks"], 1),
                    send_us_per_chunk=1e6 * p["send"] / max(p["chunks"], 1), chunks_per_step=p["chunks"] / steps,
-                   client_cpu_s=p["client_cpu"])
+                   client_cpu_s=p["client_cpu"], client_run_cpu=ms(p.get("client_run_cpu", float("nan"))))
     else:
         out.update(engine_cpu=ms(p["engine_thread_cpu"]), other_cpu=ms(p["process_cpu"] - p["engine_thread_cpu"]))
     return out
@@ -241,7 +243,8 @@ def format_report(rows: list[dict], meta: dict) -> str:
           "| --- | " + " | ".join("---:" for _ in order) + " |"]
     extra = (("tokens_per_step", "tokens / step"), ("chunks_per_step", "SSE chunks / step"),
              ("loop_cpu_us_per_chunk", "event-loop CPU us / chunk"), ("encode_us_per_chunk", "encode us / chunk"),
-             ("send_us_per_chunk", "send us / chunk"), ("client_cpu_s", "bench client CPU s (whole run, start-up too)"))
+             ("send_us_per_chunk", "send us / chunk"), ("client_run_cpu", "bench client CPU while loading, ms / step"),
+             ("client_cpu_s", "bench client CPU s (whole run, start-up too)"))
     for metric, label in (*BREAKDOWN, *extra):
         cols = []
         for key in order:

@@ -359,6 +359,7 @@ def run_serve(args: argparse.Namespace) -> int:
     np.random.seed(args.seed)
 
     spec_before = scrape_spec_decode_counters(base_url)
+    cpu0 = time.process_time()  # the client's own CPU while it loads the server (it may share the server's cores)
     model, outcomes, duration = asyncio.run(benchmark(
         base_url=base_url, api_url=api_url, backend=args.backend, model=args.served_model_name or args.model,
         samples=samples, request_rate=args.request_rate, burstiness=args.burstiness,
@@ -366,6 +367,7 @@ def run_serve(args: argparse.Namespace) -> int:
         disable_tqdm=args.disable_tqdm, seed=args.seed, num_warmups=args.num_warmups,
         ready_check_timeout_sec=args.ready_check_timeout_sec, request_timeout=args.request_timeout,
         tokenizer=tokenizer, extra_body=STRUCTURED_OUTPUT_BODIES.get(args.structured_output)))
+    client_cpu_s = time.process_time() - cpu0
     metrics = calculate_metrics(outcomes, duration, percentiles, slos)
     failed = [o.error for o in outcomes if not o.success]
     if failed:
@@ -397,6 +399,7 @@ def run_serve(args: argparse.Namespace) -> int:
     }
     result.update(result_dict(metrics, outcomes))
     result["spec_decode"] = spec
+    result["client_cpu_s"] = client_cpu_s
     if args.save_result or args.result_filename or args.result_dir:
         path = result_path(args, model, result["date"])
         with open(path, "w") as f:

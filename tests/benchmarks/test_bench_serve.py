@@ -107,6 +107,8 @@ def test_serve_client_timings_against_fake_server(fake_server, tmp_path, capsys)
     assert r["request_goodput"] == 0.0  # every TTFT >= 100 ms > the 50 ms SLO
     assert r["max_concurrent_requests"] <= 2
     assert r["p50_ttft_ms"] == pytest.approx(r["median_ttft_ms"])
+    # the client's CPU while it ran the load (start-up excluded): some, and no more than this process has used
+    assert 0.0 < r["client_cpu_s"] <= time.process_time()
     for key in ("request_throughput", "output_throughput", "total_token_throughput", "p99_ttft_ms", "p99_tpot_ms",
                 "p99_itl_ms", "p99_e2el_ms", "input_lens", "ttfts", "errors"):
         assert key in r

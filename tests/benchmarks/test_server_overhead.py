@@ -27,7 +27,7 @@ def profile(steps, step, forward, chunks=0, loop_cpu=0.0):
     p.update(steps=steps, step=step, forward=forward, output=0.1 * (step - forward), step_cpu=0.9 * step,
              between_steps=0.01 * step, chunks=chunks, deliveries=steps, loop_thread_cpu=loop_cpu,
              engine_thread_cpu=step, process_cpu=2 * step + loop_cpu, encode=chunks * 5e-6, send=chunks * 50e-6,
-             client_cpu=3.0)
+             client_cpu=3.0, client_run_cpu=0.55)
     return p
 
 
@@ -58,6 +58,7 @@ def test_report_pairs_rounds_and_breaks_steps_down(so):
     assert "fp32 C=16 b / a **1.041**" in text  # b over a, paired within each round: 95/90 and 78/76
     s = so.per_step(rows[1])
     assert s["steps"] == 110 and abs(s["step"] - 100.0) < 1e-9 and abs(s["forward"] - 1e3 * 9.5 / 110) < 1e-9
+    assert abs(s["client_run_cpu"] - 5.0) < 1e-9  # 0.55 s of client CPU over 110 steps
     assert abs(s["loop_cpu_us_per_chunk"] - 500.0) < 1e-9 and abs(s["encode_us_per_chunk"] - 5.0) < 1e-9
     assert "event-loop CPU us / chunk | 500.00 / 250.00 / -" in text
 
