@@ -136,6 +136,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="LD_PRELOAD for the vLLM server: none (default), auto (tcmalloc + the venv's libiomp5, what "
                         "vLLM's CPU docs recommend and its worker warns about), or a ':'-separated list of libraries")
     p.add_argument("--startup-timeout", type=float, default=900, help="seconds to wait for a server's /health")
+    p.add_argument("--http-client", choices=("httpx", "aiohttp"), default="httpx",
+                   help="`bench serve --http-client` for every server run (aiohttp: less client CPU on shared cores)")
     p.add_argument("--output-dir", default=None, help="default: bench_results/cpu_peers-<date>")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every precision group this many times, alternating the engines' order (A B, B A, ...); "
@@ -319,7 +321,7 @@ def run_bench_serve(engine: str, precision: str, base_url: str, served_name: str
                              "--max-concurrency", str(conc), "--percentile-metrics", "ttft,tpot,itl,e2el",
                              "--metric-percentiles", "50,99", "--label", f"{engine}-{precision}", "--save-result",
                              "--result-dir", out_dir, "--result-filename", fname, "--disable-tqdm",
-                             "--ready-check-timeout-sec", "300",
+                             "--ready-check-timeout-sec", "300", "--http-client", args.http_client,
                              *(("--structured-output", structured) if structured else ()), *extra)
     log(f"[{LABELS[engine]} {precision}] C={conc}: {' '.join(cmd)}")
     r = subprocess.run(cmd, env=sbs.subprocess_env())

@@ -22,6 +22,11 @@ prebuilt kernels) against this checkout, or this checkout with uvloop and httpto
 when it finds them): an A/B of the server alone, in one run, as ratios paired within a round. Default: one server,
 this checkout.
 
+--peers openvino[,vllm] runs those peers (cpu_peers.py's runners: OpenVINO GenAI's in-process driver, vLLM's CPU server
+with the same client) in every round too, in the alternating order, and adds a table of the server and the engine
+against the best peer per cell (tokens/s, p99 TTFT and ITL, paired within a round): the issue's end-to-end targets
+from one run on one machine.
+
 Output: OUTPUT_DIR/server_overhead.md (the tables) and .json; each run's bench result and logs as cpu_peers.py.
 """
 from __future__ import annotations
@@ -93,7 +98,9 @@ def run_server(args, precision: str, workloads: dict, out_dir: str, rows: list, 
                 skipped[f"pagedserve {precision} C={c}"] = "bench serve failed"
                 continue
             row = cp.make_row("pagedserve", precision, c, res, workloads[c], notes=note)
-            row["profile"] = dict({k: after[k] - before[k] for k in after}, client_cpu=client_cpu)
+            # client_run_cpu: the client's CPU while the load ran (bench serve's own count, start-up excluded)
+            row["profile"] = dict({k: after[k] - before[k] for k in after}, client_cpu=client_cpu,
+                                  client_run_cpu=res.get("client_cpu_s", float("nan")))
             row["variant"] = variant
             rows.append(row)
     except RuntimeError as e:
@@ -139,7 +146,7 @@ def per_step(row: dict) -> dict[str, float]:
                    lag_per_delivery=1e3 * p["deliver_lag"] / max(p["deliveries"], 1),
                    encode_us_per_chunk=1e6 * p["encode"] / max(p["chunks"], 1),
                    send_us_per_chunk=1e6 * p["send"] / max(p["chunks"], 1), chunks_per_step=p["chunks"] / steps,
-                   client_cpu_s=p["client_cpu"])
+                   client_cpu_s=p["client_cpu"], client_run_cpu=ms(p.get("client_run_cpu", float("nan"))))
     else:
         out.update(engine_cpu=ms(p["engine_thread_cpu"]), other_cpu=ms(p["process_cpu"] - p["engine_thread_cpu"]))
     return out
@@ -151,6 +158,47 @@ BREAKDOWN = (("busy", "busy (step + between steps)"), ("step", "engine step"), (
              ("engine_cpu", "engine thread CPU"), ("loop_cpu", "event-loop thread CPU"), ("deliver", "  deliver outputs"), ("encode", "  SSE/JSON encode"),
              ("send", "  HTTP send"), ("lag_per_delivery", "event-loop lag per delivery"),
              ("other_cpu", "other threads' CPU (OpenMP workers)"))
+
+
+def peer_table(rows: list[dict], meta: dict) -> list[str]:
+    """Every server variant and the engine against the best peer of each (cell, round): tokens/s over the best peer's
+    (the peer with the most tokens/s), and that peer's p99 TTFT and ITL over ours (> 1 = ours better)."""
+    peers = meta.get("peers") or []
+    if not peers:
+        return []
+    ours = (*meta["variants"], ENGINE)
+    cells: dict[tuple, dict] = {}
+    for r in rows:
+        cells.setdefault((r["precision"], r["concurrency"]), {}).setdefault(r["round"], {})[r["variant"]] = r
+    L = ["", "Against the peers (best peer per round = most tokens/s; p99 ratios are the peer's over ours, > 1 = ours "
+         "better; medians [min-max] over the rounds):", "",
+         "| precision | C | rounds | " + " | ".join(f"{p} tok/s" for p in peers) + " | "
+         + " | ".join(f"{o} tok/s | {o} / best peer | TTFT p99 ratio | ITL p99 ratio" for o in ours) + " |",
+         "| --- | ---: | ---: | " + " | ".join("---:" for _ in peers) + " | "
+         + " | ".join("---: | ---: | ---: | ---:" for _ in ours) + " |"]
+
+    def agg(v: list[float], fmt: str = "{:.2f}") -> str:
+        if not v:
+            return "-"
+        s = fmt.format(statistics.median(v))
+        return s if len(v) == 1 else f"{s} [{fmt.format(min(v))}-{fmt.format(max(v))}]"
+
+    for key in sorted(cells, key=lambda k: (cp.precision_order(k[0]), k[1])):
+        by_round = [by for by in cells[key].values() if any(p in by for p in peers)]
+        cols = [agg([by[p]["output_tok_s"] for by in by_round if p in by], "{:.1f}") for p in peers]
+        for o in ours:
+            tok, q, ttft, itl = [], [], [], []
+            for by in by_round:
+                if o not in by:
+                    continue
+                best = max((by[p] for p in peers if p in by), key=lambda r: r["output_tok_s"])
+                tok.append(by[o]["output_tok_s"])
+                q.append(by[o]["output_tok_s"] / best["output_tok_s"])
+                ttft.append(best["ttft_p99_ms"] / by[o]["ttft_p99_ms"])
+                itl.append(best["itl_p99_ms"] / by[o]["itl_p99_ms"])
+            cols += [agg(tok, "{:.1f}"), agg(q), agg(ttft), agg(itl)]
+        L.append(f"| {key[0]} | {key[1]} | {len(by_round)} | " + " | ".join(cols) + " |")
+    return L
 
 
 def format_report(rows: list[dict], meta: dict) -> str:
@@ -195,14 +243,34 @@ def format_report(rows: list[dict], meta: dict) -> str:
           "| --- | " + " | ".join("---:" for _ in order) + " |"]
     extra = (("tokens_per_step", "tokens / step"), ("chunks_per_step", "SSE chunks / step"),
              ("loop_cpu_us_per_chunk", "event-loop CPU us / chunk"), ("encode_us_per_chunk", "encode us / chunk"),
-             ("send_us_per_chunk", "send us / chunk"), ("client_cpu_s", "bench client CPU s (whole run, start-up too)"))
+             ("send_us_per_chunk", "send us / chunk"), ("client_run_cpu", "bench client CPU while loading, ms / step"),
+             ("client_cpu_s", "bench client CPU s (whole run, start-up too)"))
     for metric, label in (*BREAKDOWN, *extra):
         cols = []
         for key in order:
             vals = [med[key][side].get(metric) for side in sides]
             cols.append(" / ".join("-" if v is None else f"{v:.2f}" for v in vals))
         L.append(f"| {label} | " + " | ".join(cols) + " |")
+    L += peer_table(rows, meta)
     return "\n".join(L) + "\n"
+
+
+def parse_peers(argv: list[str]) -> tuple[list[str], list[str]]:
+    """--peers openvino,vllm out of argv (cpu_peers.py's own --engines stays pagedserve + pagedserve-engine)."""
+    rest, peers = [], []
+    it = iter(argv)
+    for a in it:
+        if a == "--peers" or a.startswith("--peers="):
+            peers += [p for p in (a.partition("=")[2] if "=" in a else next(it)).split(",") if p]
+        else:
+            rest.append(a)
+    bad = [p for p in peers if p not in PEERS]
+    if bad:
+        raise SystemExit(f"--peers {','.join(bad)}: want a comma list of {','.join(PEERS)}")
+    return rest, peers
+
+
+PEERS = ("openvino", "vllm")
 
 
 def parse_variants(argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -233,7 +301,8 @@ def write_report(out_dir: str, rows: list[dict], skipped: dict, meta: dict) -> s
 
 
 def main(argv=None) -> int:
-    argv, variants = parse_variants(list(sys.argv[1:] if argv is None else argv))
+    argv, peers = parse_peers(list(sys.argv[1:] if argv is None else argv))
+    argv, variants = parse_variants(argv)
     args = cp.parse_args([*argv, "--engines", ",".join(SIDES)])
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     out_dir = args.output_dir or os.path.join("bench_results", "server_overhead-" + time.strftime("%Y%m%d-%H%M%S"))
@@ -241,10 +310,10 @@ def main(argv=None) -> int:
     workloads, described = cp.build_workloads(args)
     meta = {"model": args.model, "threads": args.threads, "workload": "; ".join(sorted(set(described.values()))),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "version": cp.pagedserve_version(),
-            "variants": variants}
+            "variants": variants, "peers": peers}
     rows: list[dict] = []
     skipped: dict[str, str] = {}
-    sides = [ENGINE, *variants]
+    sides = [ENGINE, *variants, *peers]
     try:
         for prec in args.precision_list:
             for k in range(args.rounds):
@@ -254,6 +323,10 @@ def main(argv=None) -> int:
                     n = len(rows)
                     if side == ENGINE:
                         run_engine(args, prec, workloads, d, rows, skipped)
+                    elif side in peers:
+                        cp.RUNNERS[side](args, prec, workloads, d, rows, skipped)
+                        for r in rows[n:]:
+                            r["variant"] = side
                     else:
                         run_server(args, prec, workloads, d, rows, skipped, side, variants[side])
                     for r in rows[n:]:

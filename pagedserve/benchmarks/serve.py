@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -62,10 +63,30 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-dir", default=None)
     p.add_argument("--result-filename", default=None)
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--http-client", choices=HTTP_CLIENTS, default="httpx",
+                   help="the client's HTTP library: httpx, or aiohttp (what vLLM's benchmark uses; about half "
+                        "httpx's CPU per streamed chunk, which matters when the client shares the server's cores)")
 
 
 # ---------------------------------------------------------------------------------------
 # one request
+
+HTTP_CLIENTS = ("httpx", "aiohttp")
+
+
+def _is_aiohttp(client) -> bool:
+    return type(client).__module__.startswith("aiohttp")
+
+
+@contextlib.asynccontextmanager
+async def _post_stream(client, url: str, body: dict[str, Any]):
+    """POST with a streamed answer, either library: yields (status, read the whole body, async iterator of lines)."""
+    if _is_aiohttp(client):
+        async with client.post(url, json=body) as resp:
+            yield resp.status, resp.read, (raw.decode() async for raw in resp.content)
+    else:
+        async with client.stream("POST", url, json=body) as resp:
+            yield resp.status_code, resp.aread, resp.aiter_lines()
 
 # What --structured-output adds to each request body.
 STRUCTURED_OUTPUT_BODIES: dict[str, dict[str, Any]] = {
@@ -109,11 +130,11 @@ async def send_request(client, api_url: str, body: dict[str, Any], prompt_len: i
     out.start_time = st
     last = end = st
     try:
-        async with client.stream("POST", api_url, json=body) as resp:
-            if resp.status_code != 200:
-                out.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:500]}"
+        async with _post_stream(client, api_url, body) as (status, read, lines):
+            if status != 200:
+                out.error = f"HTTP {status}: {(await read()).decode(errors='replace')[:500]}"
                 return out
-            async for line in resp.aiter_lines():
+            async for line in lines:
                 line = line.strip()
                 if not line or line.startswith(":"):
                     continue
@@ -189,7 +210,12 @@ async def _arrivals(samples, offsets) -> AsyncIterator[ds.SampleRequest]:
 
 
 async def get_first_model(client, base_url: str) -> str:
-    r = await client.get(base_url.rstrip("/") + "/v1/models")
+    url = base_url.rstrip("/") + "/v1/models"
+    if _is_aiohttp(client):
+        async with client.get(url) as r:
+            r.raise_for_status()
+            return (await r.json())["data"][0]["id"]
+    r = await client.get(url)
     r.raise_for_status()
     return r.json()["data"][0]["id"]
 
@@ -200,9 +226,25 @@ async def wait_until_ready(client, api_url: str, body: dict, prompt_len: int, ch
         out = await send_request(client, api_url, body, prompt_len, chat)
         if out.success or time.perf_counter() > deadline:
             return out
-        if out.error and not any(k in out.error for k in ("Connect", "Remote", "ReadError", "HTTP 503")):
+        if out.error and not any(k in out.error for k in ("Connect", "Remote", "ReadError", "Disconnected", "HTTP 503")):
             return out  # the server answered with a real error: don't keep retrying
         await asyncio.sleep(1.0)
+
+
+def _client(http_client: str, max_concurrency: int | None, request_timeout: float, headers: dict | None):
+    """The HTTP client session (an async context manager): one connection per concurrent request, kept alive."""
+    if http_client == "aiohttp":
+        import aiohttp
+
+        connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
+        timeout = aiohttp.ClientTimeout(total=request_timeout, connect=30.0)
+        return aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers)
+    if http_client != "httpx":
+        raise ValueError(f"http_client: want one of {HTTP_CLIENTS}, got {http_client!r}")
+    import httpx
+
+    limits = httpx.Limits(max_connections=max_concurrency or None, max_keepalive_connections=max_concurrency or None)
+    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(request_timeout, connect=30.0), headers=headers)
 
 
 async def benchmark(*, base_url: str, api_url: str, backend: str, model: str | None, samples: list[ds.SampleRequest],
@@ -210,18 +252,15 @@ async def benchmark(*, base_url: str, api_url: str, backend: str, model: str | N
                     ignore_eos: bool = False, temperature: float = 0.0, disable_tqdm: bool = False,
                     seed: int = 0, num_warmups: int = 0, ready_check_timeout_sec: float = 600,
                     request_timeout: float = 6 * 3600, tokenizer=None, verbose: bool = True,
-                    extra_body: dict[str, Any] | None = None):
+                    extra_body: dict[str, Any] | None = None, http_client: str = "httpx"):
     """Run the load; returns (model, outcomes in sample order, benchmark duration in seconds)."""
-    import httpx
     from tqdm import tqdm
 
     chat = backend == "openai-chat"
-    limits = httpx.Limits(max_connections=max_concurrency or None, max_keepalive_connections=max_concurrency or None)
-    timeout = httpx.Timeout(request_timeout, connect=30.0)
     log = print if verbose else (lambda *a, **k: None)
     api_key = envs.OPENAI_API_KEY  # as vLLM's bench: the key of a server started with --api-key
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
+    async with _client(http_client, max_concurrency, request_timeout, headers) as client:
         if model is None:
             deadline = time.perf_counter() + max(ready_check_timeout_sec, 1)
             while True:
@@ -359,13 +398,16 @@ def run_serve(args: argparse.Namespace) -> int:
     np.random.seed(args.seed)
 
     spec_before = scrape_spec_decode_counters(base_url)
+    cpu0 = time.process_time()  # the client's own CPU while it loads the server (it may share the server's cores)
     model, outcomes, duration = asyncio.run(benchmark(
         base_url=base_url, api_url=api_url, backend=args.backend, model=args.served_model_name or args.model,
         samples=samples, request_rate=args.request_rate, burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, temperature=args.temperature,
         disable_tqdm=args.disable_tqdm, seed=args.seed, num_warmups=args.num_warmups,
         ready_check_timeout_sec=args.ready_check_timeout_sec, request_timeout=args.request_timeout,
-        tokenizer=tokenizer, extra_body=STRUCTURED_OUTPUT_BODIES.get(args.structured_output)))
+        tokenizer=tokenizer, extra_body=STRUCTURED_OUTPUT_BODIES.get(args.structured_output),
+        http_client=args.http_client))
+    client_cpu_s = time.process_time() - cpu0
     metrics = calculate_metrics(outcomes, duration, percentiles, slos)
     failed = [o.error for o in outcomes if not o.success]
     if failed:
@@ -393,10 +435,12 @@ def run_serve(args: argparse.Namespace) -> int:
         "max_concurrency": args.max_concurrency,
         "ignore_eos": args.ignore_eos,
         "structured_output": args.structured_output,
+        "http_client": args.http_client,
         "goodput_slos_ms": slos or None,
     }
     result.update(result_dict(metrics, outcomes))
     result["spec_decode"] = spec
+    result["client_cpu_s"] = client_cpu_s
     if args.save_result or args.result_filename or args.result_dir:
         path = result_path(args, model, result["date"])
         with open(path, "w") as f:

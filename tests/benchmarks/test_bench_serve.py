@@ -79,9 +79,10 @@ def fake_server():
     srv.shutdown()
 
 
-def test_serve_client_timings_against_fake_server(fake_server, tmp_path, capsys):
+@pytest.mark.parametrize("http_client", ["httpx", "aiohttp"])
+def test_serve_client_timings_against_fake_server(fake_server, tmp_path, capsys, http_client):
     out = tmp_path / "r.json"
-    args = bench_args(["serve", "--base-url", fake_server, "--dataset-name", "random", "--num-prompts", "4",
+    args = bench_args(["serve", "--http-client", http_client, "--base-url", fake_server, "--dataset-name", "random", "--num-prompts", "4",
                        "--random-input-len", "8", "--random-output-len", "5", "--vocab-size", "500",
                        "--ignore-eos", "--goodput", "ttft:50", "tpot:1000", "--metric-percentiles", "50,99",
                        "--percentile-metrics", "ttft,tpot,itl,e2el", "--result-filename", str(out),
@@ -93,6 +94,7 @@ def test_serve_client_timings_against_fake_server(fake_server, tmp_path, capsys)
     assert "Maximum request concurrency:             2" in text
     r = json.loads(out.read_text())
     assert r["model_id"] == "fake-model"  # from GET /v1/models
+    assert r["http_client"] == http_client
     assert r["completed"] == 4 and r["failed"] == 0
     assert r["total_input_tokens"] == 32 and r["total_output_tokens"] == 20
     assert r["output_lens"] == [5, 5, 5, 5]
@@ -107,6 +109,8 @@ def test_serve_client_timings_against_fake_server(fake_server, tmp_path, capsys)
     assert r["request_goodput"] == 0.0  # every TTFT >= 100 ms > the 50 ms SLO
     assert r["max_concurrent_requests"] <= 2
     assert r["p50_ttft_ms"] == pytest.approx(r["median_ttft_ms"])
+    # the client's CPU while it ran the load (start-up excluded): some, and no more than this process has used
+    assert 0.0 < r["client_cpu_s"] <= time.process_time()
     for key in ("request_throughput", "output_throughput", "total_token_throughput", "p99_ttft_ms", "p99_tpot_ms",
                 "p99_itl_ms", "p99_e2el_ms", "input_lens", "ttfts", "errors"):
         assert key in r
@@ -120,7 +124,8 @@ def test_serve_client_timings_against_fake_server(fake_server, tmp_path, capsys)
     assert len({tuple(b["prompt"]) for b in bodies[1:]}) == 4  # distinct prompts
 
 
-def test_serve_client_records_errors(fake_server):
+@pytest.mark.parametrize("http_client", ["httpx", "aiohttp"])
+def test_serve_client_records_errors(fake_server, http_client):
     import asyncio
 
     from pagedserve.benchmarks.datasets import SampleRequest
@@ -129,13 +134,13 @@ def test_serve_client_records_errors(fake_server):
     samples = [SampleRequest([1, 2, 3], 3, 2), SampleRequest([999, 2], 2, 2)]
     model, outs, dur = asyncio.run(benchmark(base_url=fake_server, api_url=fake_server + "/v1/completions",
                                              backend="openai", model="m", samples=samples, disable_tqdm=True,
-                                             ready_check_timeout_sec=0, verbose=False))
+                                             ready_check_timeout_sec=0, verbose=False, http_client=http_client))
     assert outs[0].success and outs[0].output_tokens == 2
     assert not outs[1].success and outs[1].error.startswith("HTTP 500")
     # a dead server: every request fails, nothing raises
     _, outs, _ = asyncio.run(benchmark(base_url="http://127.0.0.1:9", api_url="http://127.0.0.1:9/v1/completions",
                                        backend="openai", model="m", samples=samples[:1], disable_tqdm=True,
-                                       ready_check_timeout_sec=0, verbose=False))
+                                       ready_check_timeout_sec=0, verbose=False, http_client=http_client))
     assert not outs[0].success and outs[0].error
 
 

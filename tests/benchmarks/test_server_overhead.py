@@ -27,7 +27,7 @@ def profile(steps, step, forward, chunks=0, loop_cpu=0.0):
     p.update(steps=steps, step=step, forward=forward, output=0.1 * (step - forward), step_cpu=0.9 * step,
              between_steps=0.01 * step, chunks=chunks, deliveries=steps, loop_thread_cpu=loop_cpu,
              engine_thread_cpu=step, process_cpu=2 * step + loop_cpu, encode=chunks * 5e-6, send=chunks * 50e-6,
-             client_cpu=3.0)
+             client_cpu=3.0, client_run_cpu=0.55)
     return p
 
 
@@ -58,5 +58,32 @@ def test_report_pairs_rounds_and_breaks_steps_down(so):
     assert "fp32 C=16 b / a **1.041**" in text  # b over a, paired within each round: 95/90 and 78/76
     s = so.per_step(rows[1])
     assert s["steps"] == 110 and abs(s["step"] - 100.0) < 1e-9 and abs(s["forward"] - 1e3 * 9.5 / 110) < 1e-9
+    assert abs(s["client_run_cpu"] - 5.0) < 1e-9  # 0.55 s of client CPU over 110 steps
     assert abs(s["loop_cpu_us_per_chunk"] - 500.0) < 1e-9 and abs(s["encode_us_per_chunk"] - 5.0) < 1e-9
     assert "event-loop CPU us / chunk | 500.00 / 250.00 / -" in text
+
+
+def test_peers_parse(so):
+    rest, peers = so.parse_peers(["--model", "m", "--peers", "openvino", "--peers=vllm,openvino"])
+    assert rest == ["--model", "m"] and peers == ["openvino", "vllm", "openvino"]
+    with pytest.raises(SystemExit):
+        so.parse_peers(["--peers", "llamacpp"])
+
+
+def test_peer_table_takes_the_best_peer_per_round(so):
+    def lat(r, ttft, itl):
+        return dict(r, ttft_p99_ms=ttft, itl_p99_ms=itl)
+
+    rows = []
+    # round 0: openvino is the best peer (120 > 100); round 1: vllm is (90 > 80)
+    for k, (srv, eng, ov, vl) in enumerate([(132.0, 150.0, 120.0, 100.0), (99.0, 110.0, 80.0, 90.0)]):
+        rows += [lat(row("server", k, srv, None), 1000.0, 100.0), lat(row("engine", k, eng, None), 900.0, 90.0),
+                 lat(dict(row("server", k, ov, None), engine="openvino", variant="openvino"), 1100.0, 80.0),
+                 lat(dict(row("server", k, vl, None), engine="vllm", variant="vllm"), 2000.0, 200.0)]
+    meta = {"variants": {"server": "/x"}, "peers": ["openvino", "vllm"]}
+    text = "\n".join(so.peer_table(rows, meta))
+    # server / best peer: 132/120 = 1.10, 99/90 = 1.10; TTFT p99 best peer / ours: 1100/1000, 2000/1000
+    assert "| fp32 | 16 | 2 | 100.0 [80.0-120.0] | 95.0 [90.0-100.0] | 115.5 [99.0-132.0] | 1.10 [1.10-1.10] " \
+           "| 1.55 [1.10-2.00] | 1.40 [0.80-2.00] |" in text
+    assert "| 130.0 [110.0-150.0] | 1.24 [1.22-1.25] |" in text  # the engine: 150/120, 110/90
+    assert so.peer_table(rows, {"variants": {"server": "/x"}, "peers": []}) == []
