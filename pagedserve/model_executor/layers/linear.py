@@ -26,6 +26,8 @@ class Linear(nn.Module):
         self.linear_method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.numel():  # no rows (a pooling step whose chunks pool none): the native small GEMM faults on M = 0
+            return x.new_empty(*x.shape[:-1], self.out_features)
         return self.linear_method.apply(self, x)
 
     def native_decode_tensors(self) -> NativeLinearTensors | None:
