@@ -20,12 +20,12 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.core.kv_cache_groups import KVCacheGroup
 from pagedserve.model_executor.attention.backend import AttentionBackend, KVCache
 from pagedserve.model_executor.attention.metadata import AttentionMetadata
+from pagedserve.model_executor.layers.activation import POINTWISE_ACTIVATIONS
 from pagedserve.model_executor.layers.linear import Linear
 from pagedserve.model_executor.model_config import ModelConfig
 from pagedserve.model_executor.models.decoder_lm import iter_safetensors
@@ -34,8 +34,6 @@ from pagedserve.model_executor.pooler import num_labels
 from pagedserve.model_executor.quantization.base import QuantizationConfig
 from pagedserve.model_executor.token_types import split_token_types
 
-_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 # checkpoint module (after encoder.layer.{i}.) -> ours (after layers.{i}.); q/k/v go to one fused projection
 _LAYER_NAMES = {"attention.output.dense": "o_proj", "attention.output.LayerNorm": "attn_norm",
                 "intermediate.dense": "up_proj", "output.dense": "down_proj", "output.LayerNorm": "mlp_norm"}
@@ -57,17 +55,17 @@ class EncoderLayer(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, h, True, quant_config, f"{prefix}.down_proj")
         self.mlp_norm = nn.LayerNorm(h, eps)
         act = hf.get("hidden_act", "gelu")
-        if act not in _ACTIVATIONS:
+        if act not in POINTWISE_ACTIVATIONS:
             raise ValueError(f"hidden_act {act!r} is not supported for encoder models; supported: "
-                             f"{', '.join(_ACTIVATIONS)}.")
-        self.act = _ACTIVATIONS[act]
+                             f"{', '.join(POINTWISE_ACTIVATIONS)}.")
+        self.act = POINTWISE_ACTIVATIONS[act]  # fused into up_proj's GEMM where it runs on oneDNN
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t, h = x.shape
         qkv = self.qkv_proj(x).view(t, 3, self.num_heads, self.head_dim)
         o = self.attn_backend.forward_encoder(qkv[:, 0], qkv[:, 1], qkv[:, 2], meta, self.scale)
         x = self.attn_norm(self.o_proj(o.reshape(t, h)).add_(x))
-        return self.mlp_norm(self.down_proj(self.act(self.up_proj(x))).add_(x))
+        return self.mlp_norm(self.down_proj(self.up_proj(x, self.act)).add_(x))
 
 
 class _Embeddings(nn.Module):
