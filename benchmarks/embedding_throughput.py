@@ -38,6 +38,30 @@ ENCODER_SHAPES = {  # BERT config overrides: all-MiniLM-L6-v2's and bert-base's
 BATCH = 32
 
 
+def max_model_len(shape: str) -> int:
+    return 512 if shape in ENCODER_SHAPES else 4096
+
+
+def make_benchmark_inputs(shape: str, tokens_per_sentence: int) -> tuple[Path, list[str], int]:
+    """(checkpoint directory, the BATCH sentences, their tokens in all) for a shape: a random-weight checkpoint with
+    sentence-transformers' modules, saved to a fresh temporary directory."""
+    from tiny_models import build_tiny_tokenizer, tiny_corpus
+    from tiny_pooling_models import (build_encoder_tokenizer, make_tiny_embedding_checkpoint,
+                                     make_tiny_encoder_checkpoint)
+
+    out = Path(tempfile.mkdtemp(prefix="embed-bench-"))
+    if shape in ENCODER_SHAPES:
+        tokenizer = build_encoder_tokenizer("bert")
+        path = make_tiny_encoder_checkpoint("bert", out, tokenizer=tokenizer, pooling="mean", **ENCODER_SHAPES[shape])
+    else:
+        tokenizer = build_tiny_tokenizer()
+        path = make_tiny_embedding_checkpoint("qwen3", out, tokenizer=tokenizer,
+                                              max_position_embeddings=max_model_len(shape), **SHAPES[shape])
+    ids = tokenizer.encode(" ".join(tiny_corpus()[:400]), add_special_tokens=False)
+    sentences = [tokenizer.decode(ids[i * tokens_per_sentence:(i + 1) * tokens_per_sentence]) for i in range(BATCH)]
+    return path, sentences, sum(len(tokenizer.encode(s)) for s in sentences)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES) + sorted(ENCODER_SHAPES), default="small")
@@ -50,30 +74,15 @@ def main() -> int:
     import torch
     import torch.nn.functional as F
     from sentence_transformers import SentenceTransformer
-    from tiny_models import build_tiny_tokenizer, tiny_corpus
-    from tiny_pooling_models import (build_encoder_tokenizer, make_tiny_embedding_checkpoint,
-                                     make_tiny_encoder_checkpoint)
 
     from pagedserve import LLM
 
     torch.set_num_threads(args.threads)
-    out = Path(tempfile.mkdtemp(prefix="embed-bench-"))
-    if args.shape in ENCODER_SHAPES:
-        tokenizer = build_encoder_tokenizer("bert")
-        path = make_tiny_encoder_checkpoint("bert", out, tokenizer=tokenizer, pooling="mean",
-                                            **ENCODER_SHAPES[args.shape])
-    else:
-        tokenizer = build_tiny_tokenizer()
-        path = make_tiny_embedding_checkpoint("qwen3", out, tokenizer=tokenizer, max_position_embeddings=4096,
-                                              **SHAPES[args.shape])
-    text = " ".join(tiny_corpus()[:400])
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    sentences = [tokenizer.decode(ids[i * args.tokens:(i + 1) * args.tokens]) for i in range(BATCH)]
-    num_tokens = sum(len(tokenizer.encode(s)) for s in sentences)
+    path, sentences, num_tokens = make_benchmark_inputs(args.shape, args.tokens)
 
     st = SentenceTransformer(str(path), device="cpu", model_kwargs={"dtype": getattr(torch, args.dtype)})
     llm = LLM(str(path), runner="pooling", dtype=args.dtype, num_threads=args.threads, max_num_seqs=BATCH,
-              max_num_batched_tokens=max(2048, num_tokens), max_model_len=512 if args.shape in ENCODER_SHAPES else 4096,
+              max_num_batched_tokens=max(2048, num_tokens), max_model_len=max_model_len(args.shape),
               enable_prefix_caching=False)
     torch.set_num_threads(args.threads)
 
@@ -86,21 +95,28 @@ def main() -> int:
     cos = F.cosine_similarity(run_ps(), run_st().float(), dim=-1)
     print(f"shape {args.shape}, {args.dtype}, {args.threads} thread(s), batch {BATCH}, {num_tokens} tokens; "
           f"min cosine vs sentence-transformers {cos.min().item():.6f}")
+    # wall time, and the process's CPU time (all its threads): on a loaded machine the wall time includes the time
+    # other jobs held the cores, the CPU time does not
     times: dict[str, list[float]] = {"pagedserve": [], "sentence-transformers": []}
+    cpu_times: dict[str, list[float]] = {"pagedserve": [], "sentence-transformers": []}
     for r in range(args.rounds):
         order = [("pagedserve", run_ps), ("sentence-transformers", run_st)]
         for name, fn in order if r % 2 == 0 else order[::-1]:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             times[name].append(time.perf_counter() - t0)
-    ratios = [s / p for p, s in zip(times["pagedserve"], times["sentence-transformers"])]
-    print("| engine | sentences/s (median of rounds) | tokens/s |")
-    print("| --- | --- | --- |")
+            cpu_times[name].append(time.process_time() - c0)
+    print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print("| engine | sentences/s (median of rounds) | tokens/s | CPU ms per sentence (median) |")
+    print("| --- | --- | --- | --- |")
     for name, ts in times.items():
         med = statistics.median(ts)
-        print(f"| {name} | {BATCH / med:.1f} | {num_tokens / med:.0f} |")
-    print(f"pagedserve / sentence-transformers per round: median {statistics.median(ratios):.2f}x "
-          f"[{min(ratios):.2f}-{max(ratios):.2f}]")
+        print(f"| {name} | {BATCH / med:.1f} | {num_tokens / med:.0f} | "
+              f"{1000 * statistics.median(cpu_times[name]) / BATCH:.2f} |")
+    for label, ts in (("wall", times), ("CPU", cpu_times)):
+        ratios = [s / p for p, s in zip(ts["pagedserve"], ts["sentence-transformers"])]
+        print(f"pagedserve / sentence-transformers per round ({label} time): median {statistics.median(ratios):.2f}x "
+              f"[{min(ratios):.2f}-{max(ratios):.2f}]")
     return 0
 
 

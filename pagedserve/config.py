@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -385,7 +386,10 @@ class KVCacheConfig:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens of context the cache holds with every group keeping all of it (a sliding group keeps less)."""
+        """Tokens of context the cache holds with every group keeping all of it (a sliding group keeps less). A model
+        without KV cache groups (an encoder) keeps no KV: the cache bounds no context (sys.maxsize)."""
+        if not self.num_kv_cache_groups:
+            return sys.maxsize
         return self.num_blocks // self.num_kv_cache_groups * self.block_size
 
 

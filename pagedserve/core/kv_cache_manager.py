@@ -7,6 +7,9 @@ hittable until evicted) and the null block takes their place in the table (a blo
 written; attention never reads it unmasked). A prefix hit is as long as every group allows: a full group's chain
 of cached blocks from the start, a sliding group's cached blocks covering the window before the hit's end (vLLM's
 rule); each group's blocks are keyed by the token hash and the group.
+
+A model with no KV cache groups (an encoder: its K/V are never read after the step that computes them) keeps no KV
+at all: the pool is empty, every request's table stays empty and allocate_slots always succeeds.
 """
 from __future__ import annotations
 
@@ -34,7 +37,8 @@ NO_HIT = PrefixHit([], 0)
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  hash_algo: str = "sha256", sliding_windows: Sequence[int | None] = (None,)) -> None:
-        """sliding_windows: one per KV cache group (None: full attention); the model's groups, in their order."""
+        """sliding_windows: one per KV cache group (None: full attention); the model's groups, in their order (none:
+        the model keeps no KV, num_blocks 0)."""
         self.block_size = block_size
         self.sliding_windows = tuple(sliding_windows)
         self.null_block = KVBlock(num_blocks, ref_cnt=1)  # the runner allocates one block past the pool for it
@@ -42,7 +46,7 @@ class KVCacheManager:
         self.hash_fn = HASH_FUNCTIONS[hash_algo]
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.group_req_to_blocks: list[dict[str, list[KVBlock]]] = [{} for _ in self.sliding_windows]
-        self.req_to_blocks = self.group_req_to_blocks[0]
+        self.req_to_blocks = self.group_req_to_blocks[0] if self.group_req_to_blocks else {}
         # per group: leading blocks of each request's table replaced by the null block (sliding groups only)
         self._num_skipped: list[dict[str, int]] = [{} for _ in self.sliding_windows]
         # how many leading blocks of each request are registered in the prefix cache
@@ -77,7 +81,7 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        return self.block_pool.num_used_blocks / self.block_pool.num_blocks
+        return self.block_pool.num_used_blocks / max(self.block_pool.num_blocks, 1)
 
     @property
     def num_groups(self) -> int:
@@ -168,6 +172,8 @@ class KVCacheManager:
 
         Returns the newly allocated blocks, or None, changing nothing, when the pool is short.
         """
+        if not self.num_groups:  # no KV kept: nothing to allocate
+            return []
         request_id = request.request_id
         tables = [m.setdefault(request_id, []) for m in self.group_req_to_blocks]
         admitted = bool(tables[0])  # holds blocks already (else: first admission, or after preemption)

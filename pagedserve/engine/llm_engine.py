@@ -106,8 +106,11 @@ class LLMEngine:
         one KV cache group's layers (core/kv_cache_groups.py): num_kv_blocks counts blocks of every layer, each
         worth one block per group."""
         cache, max_len = self.config.cache, self.config.model.max_model_len
-        per_block = self.executor.kv_bytes_per_block
         num_groups = len(self.runner.model.kv_cache_groups)
+        if not num_groups:  # an encoder: its K/V live only through the step's forward, no block is ever allocated
+            logger.info("No KV cache: the model keeps no K/V between steps (an encoder).")
+            return KVCacheConfig(0, cache.block_size, 0, 0)
+        per_block = self.executor.kv_bytes_per_block
         if cache.num_kv_blocks is not None:
             num_blocks = cache.num_kv_blocks * num_groups
         elif cache.kv_cache_memory_bytes is not None:
@@ -127,6 +130,8 @@ class LLMEngine:
     def _connect_kv_store(self) -> KVConnector:
         """After warm-up, so that no warm-up block reaches the store."""
         c, cache, kv_transfer = self.model_config, self.config.cache, self.config.kv_transfer
+        if self.kv_cache_manager.num_groups == 0:
+            raise ValueError("kv_transfer_config: this model keeps no KV cache (an encoder); nothing to transfer.")
         if self.kv_cache_manager.num_groups > 1:  # the connector moves one block table's blocks
             raise ValueError("kv_transfer_config: the KV connector does not support a model with sliding-window and "
                              "full-attention layers (several KV cache groups).")

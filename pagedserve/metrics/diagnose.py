@@ -126,7 +126,7 @@ def trace_stats(events: list[dict[str, Any]], config: dict[str, Any]) -> TraceSt
     queued = [e for e in steps if e["waiting"] > 0]
     st.queued_frac = len(queued) / len(steps)
     st.waiting_max = max(e["waiting"] for e in steps)
-    usage = [e["kv"]["used"] / e["kv"]["total"] for e in steps]
+    usage = [e["kv"]["used"] / max(e["kv"]["total"], 1) for e in steps]  # (an encoder's pool: empty)
     st.kv_usage_mean, st.kv_usage_max = statistics.fmean(usage), max(usage)
     blocked = [e for e in queued if not e["admitted"] and e["running"] < st.max_num_seqs and e["tokens"] < e["budget"]]
     st.kv_blocked_frac = len(blocked) / len(queued) if queued else 0.0

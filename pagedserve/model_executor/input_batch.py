@@ -45,7 +45,8 @@ def runs_as_decode(num_tokens: int) -> bool:
 
 def prepare_batch(spans: list[TokenSpan], block_size: int, device: torch.device, causal: bool = True) -> InputBatch:
     """Spans that run as decode rows (runs_as_decode) must come first: attention batches them together.
-    causal False (an encoder's): every span is a whole prompt, one bidirectional prefill span however short."""
+    causal False (an encoder's): every span is a whole prompt, one bidirectional prefill span however short, with
+    no KV cache (no slots, no block tables: attention reads the step's own K/V)."""
     bs = block_size
     tokens: list[int] = []
     positions = []
@@ -76,17 +77,20 @@ def prepare_batch(spans: list[TokenSpan], block_size: int, device: torch.device,
         block_size=bs,
         prefills=prefills,
     )
-    meta = _with_block_tables(meta, spans, [span.block_ids for span in spans], positions, device, causal)
+    input_ids = torch.tensor(tokens, dtype=torch.long, device=device)
+    positions_t = torch.from_numpy(np.concatenate(positions)).to(device)
+    indices = torch.tensor(logits_indices, dtype=torch.long, device=device)
+    if not causal:
+        return InputBatch(input_ids, positions_t, meta, indices)
+    meta = _with_block_tables(meta, spans, [span.block_ids for span in spans], positions, device)
     num_groups = len(spans[0].group_block_ids) if spans else 0
     meta.group_metadata = [_with_block_tables(meta, spans, [span.group_block_ids[g] for span in spans], positions,
-                                              device, causal) for g in range(num_groups)]
-    return InputBatch(torch.tensor(tokens, dtype=torch.long, device=device),
-                      torch.from_numpy(np.concatenate(positions)).to(device), meta,
-                      torch.tensor(logits_indices, dtype=torch.long, device=device))
+                                              device) for g in range(num_groups)]
+    return InputBatch(input_ids, positions_t, meta, indices)
 
 
 def _with_block_tables(meta: AttentionMetadata, spans: list[TokenSpan], tables: list[list[int]],
-                       positions: list[np.ndarray], device: torch.device, causal: bool) -> AttentionMetadata:
+                       positions: list[np.ndarray], device: torch.device) -> AttentionMetadata:
     """`meta` with the slots, decode block tables and chunks' blocks of one KV cache group's tables (one per span)."""
     bs = meta.block_size
     slots, decode_tables, chunk_blocks = [], [], []
@@ -95,7 +99,7 @@ def _with_block_tables(meta: AttentionMetadata, spans: list[TokenSpan], tables: 
         table = np.asarray(block_ids, dtype=np.int64)
         slots.append(table[pos // bs] * bs + pos % bs)
         used_blocks = block_ids[:-(-(span.start_pos + n) // bs)]
-        if causal and runs_as_decode(n):
+        if runs_as_decode(n):
             decode_tables.extend([used_blocks] * n)
         else:
             chunk_blocks.append(torch.tensor(used_blocks, dtype=torch.long, device=device))

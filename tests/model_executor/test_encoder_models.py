@@ -3,7 +3,7 @@ sentence-transformers on tiny random checkpoints built with transformers' own cl
 >= 0.9999 per vector in float32), cross-encoder scores against transformers' sequence-classification forward (BERT's
 pair token types included), on the CPU backend (native kernels where they apply) and the PyTorch reference.
 Every prompt runs whole in one step (no chunked prefill, no prefix caching: attention is bidirectional), however
-small the configured token budget, and every KV block is back in the pool afterwards."""
+small the configured token budget, and keeps no KV cache: the engine allocates none, and no request holds a block."""
 from __future__ import annotations
 
 import pytest
@@ -33,16 +33,32 @@ def _engine(path, **kwargs) -> LLM:
     return LLM(str(path), **kwargs)
 
 
-def _assert_pool_is_free(llm: LLM) -> None:
-    kv = llm.llm_engine.kv_cache_manager
-    assert not llm.llm_engine.has_unfinished_requests()
-    assert kv.block_pool.num_used_blocks == 0 and kv.num_free_blocks == kv.num_blocks
+def _assert_no_kv_cache(llm: LLM) -> None:
+    """An encoder's K/V never outlive its step: no KV tensor, an empty pool (num_kv_blocks is ignored)."""
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache_config.num_blocks == 0 and engine.kv_cache_manager.num_blocks == 0
+    assert engine.runner.kv_caches == [] and engine.runner.model.kv_cache_groups == []
+
+
+def _record_block_tables(llm: LLM, monkeypatch) -> list[list[int]]:
+    """Every scheduled request's block table from now on (an encoder's must all be empty)."""
+    scheduler, tables = llm.llm_engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def recording(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        tables.extend(item.block_ids for item in out.scheduled)
+        return out
+
+    monkeypatch.setattr(scheduler, "schedule", recording)
+    return tables
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("arch, pooling, normalize", [("bert", "cls", True), ("bert", "mean", False),
                                                       ("xlm-roberta", "cls", False), ("xlm-roberta", "mean", True)])
-def test_embeddings_match_sentence_transformers(tmp_path, texts, arch, pooling, normalize, backend):
+def test_embeddings_match_sentence_transformers(tmp_path, texts, arch, pooling, normalize, backend, monkeypatch):
     from sentence_transformers import SentenceTransformer
 
     path = make_tiny_encoder_checkpoint(arch, tmp_path / arch, tokenizer=build_encoder_tokenizer(arch),
@@ -52,13 +68,15 @@ def test_embeddings_match_sentence_transformers(tmp_path, texts, arch, pooling, 
     config = llm.llm_engine.config
     assert config.pooler.pooling_type == pooling.upper()
     assert not config.scheduler.enable_chunked_prefill and not config.cache.enable_prefix_caching
+    tables = _record_block_tables(llm, monkeypatch)
     outs = llm.embed(texts, use_tqdm=False)
+    assert len(tables) == len(texts) and not any(tables)
     got = torch.tensor([o.outputs.embedding for o in outs])
     cos = F.cosine_similarity(got, want, dim=-1)
     assert bool((cos >= 0.9999).all()), cos
     if not normalize:
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
-    _assert_pool_is_free(llm)
+    _assert_no_kv_cache(llm)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -91,7 +109,7 @@ def test_cross_encoder_scores_match_hf(tmp_path, texts, arch):
     with torch.no_grad():
         logit = hf(**{k: v[:, -12:] for k, v in encoded.items()}).logits[0, 0]
     assert kept.outputs.score == pytest.approx(torch.sigmoid(logit).item(), abs=1e-5)
-    _assert_pool_is_free(llm)
+    _assert_no_kv_cache(llm)
 
 
 def test_classifier_with_labels_matches_hf(tmp_path, texts):
@@ -123,4 +141,4 @@ def test_encoder_limits(tmp_path, texts):
     with pytest.raises(InvalidRequestError, match="maximum context length"):
         llm.embed([list(range(3, 600))], use_tqdm=False)
     assert len(llm.embed([list(range(3, 515))], use_tqdm=False)[0].outputs.embedding) == 64  # 512 tokens
-    _assert_pool_is_free(llm)
+    _assert_no_kv_cache(llm)

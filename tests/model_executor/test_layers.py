@@ -1,10 +1,11 @@
 """The layers: Linear on each of its quantization methods (the unquantized GEMM backends agree with F.linear at
-every row count, on both sides of the MKL/oneDNN switch and of the native small GEMM / oneDNN switch; int8 within
-int8 noise), and the small ops with the CPU backend's fused kernels against PyTorch's."""
+every row count, on both sides of the MKL/oneDNN switch and of the native small GEMM / oneDNN switch, with a
+pointwise activation fused or not; int8 within int8 noise), and the small ops with the CPU backend's fused kernels against PyTorch's."""
 import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedserve.model_executor.layers.activation import POINTWISE_ACTIVATIONS
 from pagedserve.model_executor.layers.linear import Linear
 from pagedserve.model_executor.quantization.base import QuantizationConfig
 from pagedserve.model_executor.quantization.int8 import NATIVE_INT8_MAX_ROWS, Int8Config
@@ -51,6 +52,23 @@ def test_linear_backends_match_f_linear(backend, rows, dtype):
     layer, x, expected = _random_layer(100, 163, rows, dtype, UnquantizedConfig(backend))
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(layer(x).float(), expected, atol=tol * 10, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize("rows", [0, 3, NATIVE_GEMM_MAX_ROWS + 1])
+@pytest.mark.parametrize("act", sorted(POINTWISE_ACTIVATIONS))
+def test_linear_with_activation_matches_activation_of_f_linear(act, rows, backend, dtype):
+    """Linear(x, activation): on oneDNN (rows past the native small GEMM's) the activation is the GEMM's post-op,
+    elsewhere it follows the product; no rows: an empty product (no kernel call)."""
+    if backend != "torch" and not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    layer, x, expected = _random_layer(100, 163, rows, dtype, UnquantizedConfig(backend))
+    activation = POINTWISE_ACTIVATIONS[act]
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    got = layer(x, activation)
+    assert got.shape == (rows, 163) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), activation.fn(expected), atol=tol * 10, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -114,6 +114,30 @@ def test_bidirectional_prefill_span(backend):
     assert torch.allclose(out, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_encoder_attention_from_the_steps_qkv(backend, dtype):
+    """forward_encoder (an encoder keeps no KV cache): each span attends to its own tokens both ways, read straight
+    from the fused QKV projection's output (strided q/k/v), as SDPA per span; spans of odd lengths, one token too."""
+    from pagedserve.model_executor.attention.metadata import AttentionMetadata, PrefillSpan
+    from pagedserve.model_executor.attention.selector import get_attention_backend
+
+    attn = get_attention_backend(backend, torch.device("cpu"))
+    torch.manual_seed(0)
+    lens, h, d = [7, 1, 33, 18], 3, 32
+    t = sum(lens)
+    qkv = torch.randn(t, 3, h, d).to(dtype)
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    meta = AttentionMetadata(None, 0, None, None, 16, [PrefillSpan(s, n, n, None, None, causal=False)
+                                                      for s, n in zip(starts, lens)])
+    out = attn.forward_encoder(qkv[:, 0], qkv[:, 1], qkv[:, 2], meta, d ** -0.5)
+    for s, n in zip(starts, lens):
+        q, k, v = (qkv[s:s + n, i].float().transpose(0, 1) for i in range(3))
+        want = F.scaled_dot_product_attention(q, k, v).transpose(0, 1)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(out[s:s + n].float(), want, atol=tol, rtol=tol), (s, n)
+
+
 def test_runner_selection(tmp_path):
     """vLLM's --runner / --task: pooling architectures pool by themselves, a causal LM only when asked (embed)."""
     from pagedserve.model_executor.pooler import resolve_pooler_config

@@ -67,12 +67,12 @@ class AttentionBackend(ABC):
         sliding_window: each query attends only to the last this many positions (its own included).
         logits_soft_cap: scores become cap * tanh(scores / cap) before the softmax (Gemma 2)."""
 
-    def forward_encoder(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward_encoder(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                        scale: float) -> torch.Tensor:
         """An encoder's attention (models/bert.py): each prefill span is a whole prompt whose tokens attend to each
-        other both ways. By default PyTorch's SDPA per span from this step's q/k/v ([T, H, D], [T, KVH, D]), on any
-        device, the cache untouched (an encoder's K/V are never read again: no decode, no prefix caching; the
-        Triton prefill kernel is causal only)."""
+        other both ways, straight from this step's q/k/v ([T, H, D], [T, KVH, D]): an encoder keeps no KV cache
+        (its K/V are never read again: no decode, no prefix caching). By default PyTorch's SDPA per span, on any
+        device (the Triton prefill kernel is causal only)."""
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for span in meta.prefills:
             sl = slice(span.start, span.start + span.num_tokens)

@@ -9,8 +9,9 @@ views keep the common [num_blocks, block_size, num_kv_heads, head_dim] indexing 
   * decodes: a native kernel reads each row's blocks in place through its block table
     (q read in place from the QKV output, the output written in place);
   * prefill chunks: with AVX-512 (head_dim % 16 == 0), one native call per chunk reads the chunk's whole context,
-    its own new K/V included, from the cache through its block table (causal with an offset, or bidirectional for
-    an encoder's span; bfloat16 on AMX tiles where the CPU has them); elsewhere the reference SDPA per chunk.
+    its own new K/V included, from the cache through its block table (causal with an offset; bfloat16 on AMX tiles
+    where the CPU has them); elsewhere the reference SDPA per chunk;
+  * an encoder's spans (no KV cache): the same prefill kernel, bidirectional, over the step's own K/V in place.
 A sliding-window layer's decode rows run the native kernel from each row's window on; its prefill chunks, and
 every row of a soft-capped layer (Gemma 2), run the reference paths (the window's blocks and masks, the cap) over
 the natively written cache.
@@ -84,14 +85,24 @@ class CpuAttentionBackend(TorchSDPABackend):
                 self.prefill(q, k, v, k_cache, v_cache, span, scale, out, sliding_window)
         return out
 
-    def forward_encoder(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """The native prefill kernel with causal false, one call per span, over the K/V written to the cache first
-        (it reads the paged cache): several times faster than an SDPA call per span at an encoder's lengths."""
+    def forward_encoder(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                        scale: float) -> torch.Tensor:
+        """The native prefill kernel, bidirectional, one call per span, reading the span's K/V where the QKV
+        projection left them: viewed as a paged cache of one-token blocks (block i = the span's token i, any token
+        stride) with the table 0, 1, ..., so nothing is copied or written to a cache. Several times faster than an
+        SDPA call per span at an encoder's lengths."""
         kernels = self._native(q)
         if kernels is None or not kernels.native_prefill(q.shape[2]):
-            return super().forward_encoder(q, k, v, k_cache, v_cache, meta, scale)
-        return self.forward(q, k, v, k_cache, v_cache, meta, scale)
+            return super().forward_encoder(q, k, v, meta, scale)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if not meta.prefills:
+            return out
+        tokens = torch.arange(max(span.num_tokens for span in meta.prefills), device=q.device)
+        for span in meta.prefills:
+            sl = slice(span.start, span.start + span.num_tokens)
+            kernels.paged_prefill_attention(q[sl], k[sl].unsqueeze(1), v[sl].unsqueeze(1), tokens[:span.num_tokens],
+                                            0, scale, out[sl], False)
+        return out
 
     def fused_ops(self, x: torch.Tensor) -> ModuleType | None:
         """The compiled small ops (kernels/layer_ops.cpp) for float32 / bfloat16 on the CPU: at decode batch sizes

@@ -20,7 +20,7 @@ class PrefillSpan:
     start: int  # index of the chunk's first token in the flattened batch
     num_tokens: int  # new tokens in this chunk
     context_len: int  # tokens attended to by the chunk's last token (earlier context + the chunk)
-    block_ids: torch.Tensor  # [num_blocks_of_request] long
+    block_ids: torch.Tensor | None  # [num_blocks_of_request] long (None: an encoder's span, no KV cache)
     causal_mask: torch.Tensor | None  # [num_tokens, context_len] bool when context_len > num_tokens
     # False: bidirectional (an encoder's whole sequence in one chunk, no earlier context; pooling models)
     causal: bool = True
@@ -28,7 +28,8 @@ class PrefillSpan:
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] long (slot = block_id * block_size + offset; -1: write nothing)
+    # [num_tokens] long (slot = block_id * block_size + offset; -1: write nothing); None: an encoder's step (no KV)
+    slot_mapping: torch.Tensor | None
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long, padded with block 0
     decode_context_lens: torch.Tensor | None  # [num_decodes] long

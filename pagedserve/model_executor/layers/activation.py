@@ -1,10 +1,31 @@
-"""Gated activations of a fused [gate | up] projection."""
+"""Gated activations of a fused [gate | up] projection, and the pointwise ones a linear layer may fuse into its
+GEMM (Linear.forward's `activation`)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PointwiseActivation:
+    """An activation applied to a product's output: `fn` in PyTorch, and oneDNN's post-op (attr, algorithm) that
+    applies it inside the GEMM while the output tile is still in cache (one pass over [rows, out] less)."""
+    fn: Callable[[torch.Tensor], torch.Tensor]
+    onednn_attr: str
+    onednn_algorithm: str
+
+
+# Hugging Face's hidden_act names (BERT-style MLPs)
+POINTWISE_ACTIVATIONS = {
+    "gelu": PointwiseActivation(F.gelu, "gelu", "none"),  # erf
+    "gelu_new": PointwiseActivation(lambda x: F.gelu(x, approximate="tanh"), "gelu", "tanh"),
+    "gelu_pytorch_tanh": PointwiseActivation(lambda x: F.gelu(x, approximate="tanh"), "gelu", "tanh"),
+    "relu": PointwiseActivation(F.relu, "relu", ""),
+}
 
 
 def silu_and_mul(gate_up: torch.Tensor, ops: ModuleType | None) -> torch.Tensor:

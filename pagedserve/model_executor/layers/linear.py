@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.model_executor.layers.activation import PointwiseActivation
 from pagedserve.model_executor.quantization.base import (
     NativeLinearTensors,
     QuantizationConfig,
@@ -25,7 +26,12 @@ class Linear(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.linear_method.process_weights_after_loading(self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, activation: PointwiseActivation | None = None) -> torch.Tensor:
+        """x W^T (+ b), then `activation` (fused into the GEMM where the method can)."""
+        if not x.numel():  # no rows (a pooling step whose chunks pool none): the native small GEMM faults on M = 0
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        if activation is not None:
+            return self.linear_method.apply_activated(self, x, activation)
         return self.linear_method.apply(self, x)
 
     def native_decode_tensors(self) -> NativeLinearTensors | None:

@@ -6,8 +6,9 @@ Embeddings: word + absolute position + token type (registry's token types, token
 layer is post-norm: LayerNorm(x + attention(x)), LayerNorm(x + MLP(x)), with biases everywhere and a GELU MLP.
 Attention is bidirectional: the engine runs each prompt whole in one step (registry.is_encoder_only: no chunked
 prefill, no prefix caching) as one non-causal prefill span (PrefillSpan.causal False), attended by the backend's
-forward_encoder (the CPU backend: its native prefill kernel, bidirectional; elsewhere PyTorch's SDPA per span from
-the step's own K/V); the request's blocks are allocated and freed as for any pooling request.
+forward_encoder from the step's own K/V (the CPU backend: its native prefill kernel, bidirectional; elsewhere
+PyTorch's SDPA per span). No K/V outlives the step, so the model has no KV cache groups: the engine allocates no KV
+cache and no request holds a block.
 
 The forward returns the final hidden states of the rows the pooler reads (pooling_runner.py); `pooler_head` turns a
 pooled vector into the model's output: itself (an embedding model), or the classification head's logits (BERT:
@@ -19,12 +20,12 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.core.kv_cache_groups import layer_cache_slots, make_kv_cache_groups
+from pagedserve.core.kv_cache_groups import KVCacheGroup
 from pagedserve.model_executor.attention.backend import AttentionBackend, KVCache
 from pagedserve.model_executor.attention.metadata import AttentionMetadata
+from pagedserve.model_executor.layers.activation import POINTWISE_ACTIVATIONS
 from pagedserve.model_executor.layers.linear import Linear
 from pagedserve.model_executor.model_config import ModelConfig
 from pagedserve.model_executor.models.decoder_lm import iter_safetensors
@@ -33,8 +34,6 @@ from pagedserve.model_executor.pooler import num_labels
 from pagedserve.model_executor.quantization.base import QuantizationConfig
 from pagedserve.model_executor.token_types import split_token_types
 
-_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 # checkpoint module (after encoder.layer.{i}.) -> ours (after layers.{i}.); q/k/v go to one fused projection
 _LAYER_NAMES = {"attention.output.dense": "o_proj", "attention.output.LayerNorm": "attn_norm",
                 "intermediate.dense": "up_proj", "output.dense": "down_proj", "output.LayerNorm": "mlp_norm"}
@@ -56,18 +55,17 @@ class EncoderLayer(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, h, True, quant_config, f"{prefix}.down_proj")
         self.mlp_norm = nn.LayerNorm(h, eps)
         act = hf.get("hidden_act", "gelu")
-        if act not in _ACTIVATIONS:
+        if act not in POINTWISE_ACTIVATIONS:
             raise ValueError(f"hidden_act {act!r} is not supported for encoder models; supported: "
-                             f"{', '.join(_ACTIVATIONS)}.")
-        self.act = _ACTIVATIONS[act]
+                             f"{', '.join(POINTWISE_ACTIVATIONS)}.")
+        self.act = POINTWISE_ACTIVATIONS[act]  # fused into up_proj's GEMM where it runs on oneDNN
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t, h = x.shape
         qkv = self.qkv_proj(x).view(t, 3, self.num_heads, self.head_dim)
-        o = self.attn_backend.forward_encoder(qkv[:, 0], qkv[:, 1], qkv[:, 2], kv_cache[0], kv_cache[1], meta,
-                                              self.scale)
+        o = self.attn_backend.forward_encoder(qkv[:, 0], qkv[:, 1], qkv[:, 2], meta, self.scale)
         x = self.attn_norm(self.o_proj(o.reshape(t, h)).add_(x))
-        return self.mlp_norm(self.down_proj(self.act(self.up_proj(x))).add_(x))
+        return self.mlp_norm(self.down_proj(self.up_proj(x, self.act)).add_(x))
 
 
 class _Embeddings(nn.Module):
@@ -108,10 +106,9 @@ class BertEmbeddingModel(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(cfg, hf, attn_backend, quant_config, f"layers.{i}")
                                     for i in range(cfg.num_layers))
         self.fused_decode = None  # (the native whole-stack decode is the decoders')
-        # one KV cache group of full-attention layers (core/kv_cache_groups.py), each layer its own KV tensor
-        self.kv_cache_groups = make_kv_cache_groups([None] * cfg.num_layers)
-        slots = layer_cache_slots(self.kv_cache_groups)
-        self.layer_kv_slots = [slots[i] for i in range(cfg.num_layers)]
+        # no KV cache (core/kv_cache_groups.py): every layer attends to the step's own K/V only
+        self.kv_cache_groups: list[KVCacheGroup] = []
+        self.layer_kv_slots: list[tuple[int, int]] = []
 
     @staticmethod
     def position_offset(hf: dict) -> int:
@@ -120,10 +117,11 @@ class BertEmbeddingModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """The final hidden states [len(logits_indices), hidden] (model dtype) of the rows the pooler reads."""
+        """The final hidden states [len(logits_indices), hidden] (model dtype) of the rows the pooler reads.
+        kv_caches: empty (the runner's, for a model without KV cache groups)."""
         x = self.embeddings(input_ids, positions)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, kv_cache, meta)
+        for layer in self.layers:
+            x = layer(x, meta)
         return x[logits_indices]
 
     def pooler_head(self, pooled: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from pagedserve.model_executor.layers.activation import PointwiseActivation
     from pagedserve.model_executor.layers.linear import Linear
 
 
@@ -42,6 +43,10 @@ class LinearMethodBase(ABC):
     @abstractmethod
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """y = x W^T (+ b) for x [..., in_features]."""
+
+    def apply_activated(self, layer: Linear, x: torch.Tensor, activation: PointwiseActivation) -> torch.Tensor:
+        """activation(x W^T (+ b)): by default the product, then the activation (a GEMM backend may fuse it)."""
+        return activation.fn(self.apply(layer, x))
 
     def native_decode_tensors(self, layer: Linear) -> NativeLinearTensors | None:
         """The layer's tensors for the native whole-stack decode, or None when its products do not run on the
