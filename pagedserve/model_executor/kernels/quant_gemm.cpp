@@ -498,29 +498,38 @@ torch::Tensor gguf_repack(torch::Tensor raw, int64_t type, int64_t n, int64_t k)
   return packed;
 }
 
-torch::Tensor gguf_gemm(torch::Tensor x, std::vector<torch::Tensor> packed, std::vector<int64_t> types,
-                        std::vector<int64_t> widths, c10::optional<torch::Tensor> bias) {
+torch::Tensor gguf_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor layout,
+                        c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
               "gguf_gemm: x [M, K] float32 or bfloat16");
-  TORCH_CHECK(packed.size() == types.size() && types.size() == widths.size() && !packed.empty(),
-              "gguf_gemm: one type and width per packed weight");
+  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == 1 && packed.is_contiguous(),
+              "gguf_gemm: packed weight: the parts' repacked blocks one after another, flat uint8");
+  TORCH_CHECK(layout.scalar_type() == torch::kLong && layout.dim() == 2 && layout.size(1) == 2 && layout.size(0) > 0 &&
+                  layout.is_contiguous(), "gguf_gemm: layout [parts, 2] int64 (type, width)");
   x = x.contiguous();
-  const int64_t m_rows = x.size(0), k = x.size(1);
+  const int64_t m_rows = x.size(0), k = x.size(1), parts = layout.size(0);
   TORCH_CHECK(k % 32 == 0, "gguf_gemm: K must be a multiple of 32");
-  int64_t n_total = 0;
-  std::vector<int64_t> first_tile{0}, col0;
-  std::vector<TypeInfo> infos(types.size());
-  for (size_t s = 0; s < types.size(); ++s) {
-    TORCH_CHECK(type_info(types[s], &infos[s]) && k % infos[s].block == 0, "gguf_gemm: type ", types[s],
-                " with K=", k);
-    const int64_t tiles = (widths[s] + kTile - 1) / kTile;
-    TORCH_CHECK(packed[s].numel() == tiles * (k / infos[s].block) * infos[s].unit_bytes, "gguf_gemm: packed weight ",
-                s, " does not match its type, width and K");
+  const int64_t* part = layout.data_ptr<int64_t>();
+  int64_t n_total = 0, bytes = 0;
+  std::vector<int64_t> first_tile{0}, col0, offset;
+  std::vector<TypeInfo> infos(parts);
+  for (int64_t s = 0; s < parts; ++s) {
+    const int64_t type = part[2 * s], width = part[2 * s + 1];
+    TORCH_CHECK(type_info(type, &infos[s]) && k % infos[s].block == 0 && width > 0, "gguf_gemm: type ", type,
+                " with K=", k, " and width ", width);
+    const int64_t tiles = (width + kTile - 1) / kTile;
     col0.push_back(n_total);
-    n_total += widths[s];
+    offset.push_back(bytes);
+    n_total += width;
+    bytes += tiles * (k / infos[s].block) * infos[s].unit_bytes;
     first_tile.push_back(first_tile.back() + tiles);
   }
-  ActQ a;
+  TORCH_CHECK(packed.numel() == bytes, "gguf_gemm: packed weight of ", packed.numel(), " bytes does not match its "
+              "layout and K=", k, " (", bytes, " bytes)");
+  // reused (a decode step calls this for every projection of every layer); a reference, as the OpenMP threads below
+  // must read the calling thread's copy, not their own
+  thread_local ActQ reused;
+  ActQ& a = reused;
   ps::with_act_type(x.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     quantize_acts(ps::ptr<T>(x), m_rows, k, a);
@@ -534,6 +543,7 @@ torch::Tensor gguf_gemm(torch::Tensor x, std::vector<torch::Tensor> packed, std:
     bias_ptr = bias_f.data_ptr<float>();
   }
   const int64_t all_tiles = first_tile.back();
+  const uint8_t* weights = packed.data_ptr<uint8_t>();
   ps::with_act_type(x.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     T* o = ps::ptr<T>(out);
@@ -544,9 +554,9 @@ torch::Tensor gguf_gemm(torch::Tensor x, std::vector<torch::Tensor> packed, std:
       for (int64_t gt = 0; gt < all_tiles; ++gt) {
         const size_t s = std::upper_bound(first_tile.begin(), first_tile.end(), gt) - first_tile.begin() - 1;
         const int64_t t = gt - first_tile[s], units = k / infos[s].block;
-        run_tile(types[s], packed[s].data_ptr<uint8_t>() + t * units * infos[s].unit_bytes, units,
-                 infos[s].unit_bytes, a, m_rows, buf.data());
-        const int64_t c0 = t * kTile, cols = std::min<int64_t>(kTile, widths[s] - c0);
+        run_tile(part[2 * s], weights + offset[s] + t * units * infos[s].unit_bytes, units, infos[s].unit_bytes, a,
+                 m_rows, buf.data());
+        const int64_t c0 = t * kTile, cols = std::min<int64_t>(kTile, part[2 * s + 1] - c0);
         for (int64_t m = 0; m < m_rows; ++m)
           for (int64_t c = 0; c < cols; ++c) {
             const int64_t col = col0[s] + c0 + c;
