@@ -2,8 +2,9 @@
 template from the file's metadata; greedy output token for token with transformers opening the same file (which
 dequantizes it itself) in float32, for each tensor type and architecture.
 
-Q8_0/Q4_0/Q4_K/Q6_K linear weights run on the native block-quantized kernel (quantization/gguf.py), which quantizes
-the activations to int8 per block of 32 as llama.cpp does: on these tiny random models, whose top logits are often
+Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K linear weights run on the native block-quantized kernel
+(quantization/gguf.py), inside the native whole-stack decode on decode steps, which quantizes the activations to
+int8 per block of 32 as llama.cpp does: on these tiny random models, whose top logits are often
 within a few hundredths, that moves near ties, so there every divergence must be a near tie (top-2 both ways) and
 half the prompts identical; the kernel itself is checked exactly against its arithmetic in
 tests/model_executor/test_gguf_kernels.py. Without the native kernels (PAGEDSERVE_CPU_KERNELS=0) the same blocks are

@@ -102,7 +102,7 @@ def test_gguf_gemm_rejects_mismatched_weight():
     packed = ops.gguf_repack(torch.from_numpy(raw), NATIVE_TYPES["Q4_0"][0], 16, 64)
     with pytest.raises(RuntimeError, match="does not match"):
         ops.gguf_gemm(torch.randn(1, 128), packed, torch.tensor([[NATIVE_TYPES["Q4_0"][0], 16]]), None)
-    assert not ops.native_gguf_type(13)  # Q5_K: dequantized at load instead
+    assert not ops.native_gguf_type(11)  # Q3_K: dequantized at load instead
 
 
 def test_type_runs():

@@ -1,8 +1,8 @@
 """GGUF block-quantized linear weights kept as stored (quant_method "gguf", which the GGUF loader writes into the
-converted checkpoint's config.json: gguf_loader.py): Q8_0, Q4_0, Q5_0, Q4_K and Q6_K rows stay in their blocks and run on
-the native kernel (kernels/quant_gemm.cpp), which decodes the 4/6/8-bit values in registers and multiplies them
-against activations quantized to int8 per block of 32 - about a quarter (Q4) or half (Q8_0) of the bytes the int8
-path streams per decode step, an eighth / a quarter of float32's. The blocks are repacked once at load into the
+converted checkpoint's config.json: gguf_loader.py): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K rows stay in
+their blocks and run on the native kernel (kernels/quant_gemm.cpp), which decodes the 4/5/6/8-bit values in registers
+and multiplies them against activations quantized to int8 per block of 32 - about half (Q4) or all (Q8_0) of the
+bytes the int8 path streams per decode step, an eighth / a quarter of float32's. The blocks are repacked once at load into the
 kernel's tiles (same bits, reordered); the native whole-stack decode (layers/fused_decode.py) runs these layers
 too, the whole decode step in one native call. Other GGUF types are dequantized at conversion and run as float layers.
 
@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 
 # The types kept quantized: name -> (ggml type id, weights per block, bytes per block)
 NATIVE_TYPES: dict[str, tuple[int, int, int]] = {
-    "Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q5_0": (6, 32, 22), "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210)}
+    "Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24),
+    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
 _NAME_OF_ID = {type_id: name for name, (type_id, _, _) in NATIVE_TYPES.items()}
 
 
