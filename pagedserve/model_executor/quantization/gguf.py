@@ -1,10 +1,11 @@
 """GGUF block-quantized linear weights kept as stored (quant_method "gguf", which the GGUF loader writes into the
 converted checkpoint's config.json: gguf_loader.py): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K rows stay in
 their blocks and run on the native kernel (kernels/quant_gemm.cpp), which decodes the 4/5/6/8-bit values in registers
-and multiplies them against activations quantized to int8 per block of 32 - about half (Q4) or all (Q8_0) of the
-bytes the int8 path streams per decode step, an eighth / a quarter of float32's. The blocks are repacked once at load into the
-kernel's tiles (same bits, reordered); the native whole-stack decode (layers/fused_decode.py) runs these layers
-too, the whole decode step in one native call. Other GGUF types are dequantized at conversion and run as float layers.
+and multiplies them against activations quantized to int8 per block of 32 - about half (4-bit types) or as many
+(Q8_0) bytes per decode step as the int8 path streams, an eighth / a quarter of float32's. The blocks are repacked
+once at load into the kernel's tiles (same bits, reordered); the native whole-stack decode (layers/fused_decode.py)
+runs these layers too, the whole decode step in one native call. Other GGUF types are dequantized at conversion and
+run as float layers.
 
 Tensors per linear (N outputs, K inputs), as the loader writes them:
   qweight [N, row bytes] uint8 - each output row's GGUF blocks as stored (a fused q/k/v or gate/up layer's shards
