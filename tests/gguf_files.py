@@ -45,22 +45,24 @@ def _random_k_blocks(qtype, rows: int, cols: int, rng: np.random.Generator) -> n
 
 
 def make_tiny_gguf(arch: str, tensor_type: str, out_dir, *, seed: int = 0, quantize_head: bool = False,
-                   **overrides) -> Path:
+                   layer_types: dict[str, str] | None = None, **overrides) -> Path:
     """quantize_head: the LM head (`output`, or `token_embd` when tied) in `tensor_type` too, as llama.cpp writes it;
-    overrides: of the tiny checkpoint's config (tests/tiny_models.py)."""
+    layer_types: another type for some layer tensors (e.g. {"attn_v": "Q6_K"}: Q4_K_M's mix); overrides: of the tiny
+    checkpoint's config (tests/tiny_models.py)."""
     import gguf
     from safetensors.numpy import load_file
 
     out_dir = Path(out_dir)
-    widen = dict(hidden_size=256, intermediate_size=512, head_dim=64) if tensor_type in K_QUANTS else {}
+    layer_types = layer_types or {}
+    k_quant = {tensor_type, *layer_types.values()} & set(K_QUANTS)
+    widen = dict(hidden_size=256, intermediate_size=512, head_dim=64) if k_quant else {}
     ckpt = make_tiny_checkpoint(arch, out_dir / "hf", seed=seed, **widen, **overrides)
     cfg = json.loads((ckpt / "config.json").read_text())
     weights = load_file(str(ckpt / "model.safetensors"))
     tok = json.loads((ckpt / "tokenizer.json").read_text())
-    qtype = gguf.GGMLQuantizationType[tensor_type]
     rng = np.random.default_rng(seed)
 
-    path = out_dir / f"tiny-{arch}-{tensor_type}.gguf"
+    path = out_dir / f"tiny-{arch}-{'-'.join([tensor_type, *layer_types.values()])}.gguf"
     w = gguf.GGUFWriter(str(path), arch)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w.add_context_length(cfg["max_position_embeddings"])
@@ -89,11 +91,12 @@ def make_tiny_gguf(arch: str, tensor_type: str, out_dir, *, seed: int = 0, quant
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
 
-    def put(name: str, data: np.ndarray, quantize: bool) -> None:
+    def put(name: str, data: np.ndarray, quantize: bool, type_name: str = tensor_type) -> None:
         data = data.astype(np.float32)
+        qtype = gguf.GGMLQuantizationType[type_name]
         if not quantize or qtype == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, data)
-        elif tensor_type in K_QUANTS:
+        elif type_name in K_QUANTS:
             w.add_tensor(name, _random_k_blocks(qtype, *data.shape, rng), raw_dtype=qtype)
         else:
             w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
@@ -110,7 +113,7 @@ def make_tiny_gguf(arch: str, tensor_type: str, out_dir, *, seed: int = 0, quant
                     continue
                 if arch.startswith("llama") and gg in ("attn_q", "attn_k"):
                     t = _permute(t, heads if gg == "attn_q" else kv_heads)
-                put(f"blk.{i}.{gg}.{kind}", t, quantize=kind == "weight" and t.ndim == 2)
+                put(f"blk.{i}.{gg}.{kind}", t, kind == "weight" and t.ndim == 2, layer_types.get(gg, tensor_type))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -22,7 +22,7 @@ logger = logging.getLogger("pagedserve")
 
 _CACHE_ROOT = Path.home() / ".cache" / "pagedserve" / "gguf"
 _DONE = "pagedserve_gguf.json"  # written last: a directory without it is an interrupted conversion
-_FORMAT = "2"  # of the converted directory (2: quantized linears kept as blocks); part of the cache key
+_FORMAT = "3"  # of the converted directory (2: quantized linears kept as blocks, 3: Q4_1/Q5_1/Q5_K too); cache key
 
 # llama.cpp's per-layer linear tensors -> the checkpoint's module names; fused groups of our layers
 _LINEAR_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",

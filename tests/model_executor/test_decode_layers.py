@@ -22,6 +22,35 @@ def test_native_decode_loop_matches_python_layers(arch, dtype, quantization, tin
         pytest.skip("no native small GEMM for these weights in this build (the Python layers run every step)")
     llm = LLM(str(tiny_model_dir(arch)), dtype=dtype, quantization=quantization, num_threads=2, num_kv_blocks=128,
               max_model_len=256, enable_prefix_caching=False)  # the second run must prefill exactly as the first
+    _assert_stack_matches_python_layers(llm, monkeypatch)
+
+
+# what Q4_0 / Q8_0 / Q4_K_M / Q6_K files hold: every linear one type, or Q4_K with Q6_K v_proj and down_proj; qwen2:
+# q/k/v biases on the block kernel
+@pytest.mark.parametrize("arch,tensor_type,layer_types", [
+    ("llama", "Q4_0", None), ("llama", "Q8_0", None), ("qwen2", "Q6_K", None),
+    ("llama", "Q4_K", {"attn_v": "Q6_K", "ffn_down": "Q6_K"})], ids=["Q4_0", "Q8_0", "Q6_K", "Q4_K_M"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_decode_loop_matches_python_layers_gguf(arch, tensor_type, layer_types, dtype, tmp_path, monkeypatch):
+    """GGUF linears kept as blocks run inside the native stack (quant_gemm.cpp's kernel), as the Python layers do."""
+    pytest.importorskip("gguf")
+    from gguf_files import make_tiny_gguf
+
+    from pagedserve.model_executor import gguf_loader
+
+    if cpu_kernels() is None:
+        pytest.skip("no native kernels (the GGUF blocks are dequantized, the Python layers run every step)")
+    monkeypatch.setattr(gguf_loader, "_CACHE_ROOT", tmp_path / "gguf-cache")
+    path = make_tiny_gguf(arch, tensor_type, tmp_path, layer_types=layer_types)
+    llm = LLM(str(path), dtype=dtype, num_threads=2, num_kv_blocks=128, max_model_len=256,
+              enable_prefix_caching=False)
+    assert llm.llm_engine.runner.model.layers[0].self_attn.qkv_proj.gguf_parts is not None  # kept as blocks
+    _assert_stack_matches_python_layers(llm, monkeypatch)
+
+
+def _assert_stack_matches_python_layers(llm: LLM, monkeypatch) -> None:
+    """Greedy with logprobs: the decode steps on the native stack, then every step on the Python layers; bitwise
+    the same tokens and logprobs."""
     model = llm.llm_engine.runner.model
     assert model.fused_decode is not None  # the model opted in: CPU backend, one rank, native tensors everywhere
     prompts = [[3 + i, 40 + 7 * i, 90, 17 + i] * (2 + 3 * i) for i in range(3)]

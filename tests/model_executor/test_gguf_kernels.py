@@ -56,7 +56,7 @@ def _check_types(ops, dtype=torch.float32):
         packed = ops.gguf_repack(torch.from_numpy(raw), type_id, n, k)
         for m in (1, 4, 7):  # one pass of 4 rows, and the 1-3 row tails
             x = torch.randn(m, k).to(dtype)
-            y = ops.gguf_gemm(x, [packed], [type_id], [n], None)
+            y = ops.gguf_gemm(x, packed, torch.tensor([[type_id, n]]), None)
             assert y.dtype == dtype and y.shape == (m, n)
             exact = _int8_blocks(x) @ w.T
             tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -82,16 +82,16 @@ def test_gguf_gemm_mixed_parts_and_bias():
     """A fused layer's shards of different types (Q4_K_M's Q4_K q/k and Q6_K v) side by side, with a bias."""
     ops, rng = _ops(None), np.random.default_rng(1)
     k, parts = 256, [("Q4_K", 32), ("Q4_K", 16), ("Q6_K", 24)]
-    packed, types, ws = [], [], []
+    packed, ws = [], []
     for name, n in parts:
         raw, w = _blocks(name, n, k, rng)
         packed.append(ops.gguf_repack(torch.from_numpy(raw), NATIVE_TYPES[name][0], n, k))
-        types.append(NATIVE_TYPES[name][0])
         ws.append(w)
     w = torch.cat(ws)
     bias = torch.randn(w.shape[0])
     x = torch.randn(3, k)
-    y = ops.gguf_gemm(x, packed, types, [n for _, n in parts], bias)
+    layout = torch.tensor([[NATIVE_TYPES[name][0], n] for name, n in parts])
+    y = ops.gguf_gemm(x, torch.cat(packed), layout, bias)
     exact = _int8_blocks(x) @ w.T + bias.double()
     assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < 1e-5
 
@@ -101,8 +101,8 @@ def test_gguf_gemm_rejects_mismatched_weight():
     raw, _ = _blocks("Q4_0", 16, 64, np.random.default_rng(2))
     packed = ops.gguf_repack(torch.from_numpy(raw), NATIVE_TYPES["Q4_0"][0], 16, 64)
     with pytest.raises(RuntimeError, match="does not match"):
-        ops.gguf_gemm(torch.randn(1, 128), [packed], [NATIVE_TYPES["Q4_0"][0]], [16], None)
-    assert not ops.native_gguf_type(13)  # Q5_K: dequantized at load instead
+        ops.gguf_gemm(torch.randn(1, 128), packed, torch.tensor([[NATIVE_TYPES["Q4_0"][0], 16]]), None)
+    assert not ops.native_gguf_type(11)  # Q3_K: dequantized at load instead
 
 
 def test_type_runs():

@@ -56,11 +56,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "how many k steps ahead small_gemm calls of up to 8 rows prefetch their weights (a per-CPU default)");
   m.def("set_small_gemm_prefetch", &set_small_gemm_prefetch,
         "set that distance (0-64 k steps); returns small_gemm_prefetch()");
-  m.def("native_gguf_type", &native_gguf_type, "whether gguf_gemm runs this ggml type (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K)");
+  m.def("native_gguf_type", &native_gguf_type, "whether gguf_gemm runs this ggml type (Q8_0, Q4_0, Q4_1, Q5_0, "
+        "Q5_1, Q4_K, Q5_K, Q6_K)");
   m.def("gguf_repack", &gguf_repack, "a GGUF tensor's blocks ([N, row bytes] uint8 as stored) repacked for gguf_gemm",
         py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"));
-  m.def("gguf_gemm", &gguf_gemm, "x W^T (+ b) on GGUF block-quantized weights (one or more repacked parts side by "
-        "side along N, each of its type and width), x quantized to int8 per block of 32 on the fly", py::arg("x"),
-        py::arg("packed"), py::arg("types"), py::arg("widths"), py::arg("bias") = py::none());
+  m.def("gguf_gemm", &gguf_gemm, "x W^T (+ b) on GGUF block-quantized weights: `packed` the repacked parts (side "
+        "by side along N, e.g. a fused layer's shards) one after another, `layout` [parts, 2] int64 their (type, "
+        "width); x quantized to int8 per block of 32 on the fly", py::arg("x"), py::arg("packed"), py::arg("layout"),
+        py::arg("bias") = py::none());
   m.def("isa", &kernel_isa, "the instruction-set level this build targets");
 }

@@ -1,9 +1,9 @@
 // A decode step's decoder layers in one native call: the same ops, in the same order, as the Python layers
 // (models/llama.py), without the Python between them. At batch 1 that Python cost ~35 us per layer, about 1 ms of
 // a 9-15 ms SmolLM2 step. Only for steps whose every row is a decode and whose every product runs on the native
-// small GEMM (float32, bfloat16 or int8 weights, no tensor parallelism); the caller checks that and otherwise runs
-// the Python layers. With multi-LoRA adapters in the step, each product is followed by its LoRA layer's batched
-// delta (lora.cpp), as lora/layers.py runs it after the base product.
+// small GEMM (float32, bfloat16 or int8 weights) or the GGUF block kernel (quant_gemm.cpp), no tensor parallelism;
+// the caller checks that and otherwise runs the Python layers. With multi-LoRA adapters in the step, each product
+// is followed by its LoRA layer's batched delta (lora.cpp), as lora/layers.py runs it after the base product.
 #include "ops.h"
 
 #include <tuple>
@@ -19,9 +19,10 @@ c10::optional<torch::Tensor> present(const torch::Tensor& t) {  // an empty tens
 }
 
 // x times one product's weight, w = {packed, bias, column scales, column shifts} (the last two for int8 weights
-// only), n output columns: the op Linear.forward calls for this packed weight.
+// only; GGUF blocks, uint8: w[2] their parts' layout), n output columns: the op Linear.forward calls for it.
 torch::Tensor product(const torch::Tensor& x, const torch::Tensor* w, int64_t n) {
   if (w[0].scalar_type() == torch::kChar) return small_gemm_int8(x, w[0], w[2], w[3], n, present(w[1]));
+  if (w[0].scalar_type() == torch::kByte) return gguf_gemm(x, w[0], w[2], present(w[1]));
   return small_gemm(x, w[0], n, present(w[1]));
 }
 

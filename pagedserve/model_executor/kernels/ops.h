@@ -60,5 +60,4 @@ bool lora_bf16_pairs();
 // quant_gemm.cpp
 bool native_gguf_type(int64_t type);
 torch::Tensor gguf_repack(torch::Tensor raw, int64_t type, int64_t n, int64_t k);
-torch::Tensor gguf_gemm(torch::Tensor x, std::vector<torch::Tensor> packed, std::vector<int64_t> types,
-                        std::vector<int64_t> widths, c10::optional<torch::Tensor> bias);
+torch::Tensor gguf_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor layout, c10::optional<torch::Tensor> bias);

@@ -1,4 +1,5 @@
-// x W^T for weights in llama.cpp's block-quantized GGUF types (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K), read as 4/6/8-bit integers
+// x W^T for weights in llama.cpp's block-quantized GGUF types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), read as
+// 4/5/6/8-bit integers
 // and never dequantized to float in memory: the activations are quantized on the fly to int8 per block of 32 (one
 // float scale each, llama.cpp's Q8 trick), so every block product is an integer dot product (VPDPBUSD on
 // AVX512-VNNI, VPMADDUBSW + VPMADDWD on AVX-512 and AVX2, plain C++ at the generic level), scaled in float once per
@@ -8,15 +9,18 @@
 // columns, each a run of "units" along K (32 k for Q8_0/Q4_0, one 256-k super-block for the K-quants), so that a
 // 64-byte vector holds 4 consecutive k of each of the 16 columns: the layout VPDPBUSD multiplies against 4
 // activation bytes broadcast to every lane. Quantized values keep their bits (4-bit nibbles two a byte, Q6_K's low
-// nibbles and high 2 bits apart, Q8_0 bytes); scales stay float16 or 6-bit / int8 integers as stored. Bytes per
-// weight: Q8_0 8.5 bits, Q4_0 4.5, Q5_0 6.5, Q4_K 4.625, Q6_K 6.56 (GGUF: 8.5, 4.5, 5.5, 4.5, 6.56; Q5_0 keeps its
-// fifth bit in Q6_K's 2-bit planes, one unused).
+// nibbles and high 2 bits apart, Q8_0 bytes); scales stay float16 or 6-bit / int8 integers as stored. Bits per
+// weight: Q8_0 8.5, Q4_0 4.5, Q4_1 5, Q5_0 6.5, Q5_1 7, Q4_K 4.625, Q5_K 6.625, Q6_K 6.56 (GGUF: 8.5, 4.5, 5, 5.5, 6,
+// 4.5, 5.5, 6.56; the 5-bit types keep their fifth bit in Q6_K's 2-bit planes, one bit unused).
 //
 //   Q8_0 unit (32 k):  d[16] f16 | q[8 groups][16 cols][4] int8
 //   Q4_0 unit (32 k):  d[16] f16 | nib[4 chunks][16][4]: low nibbles group c, high nibbles group c + 4 (w = d (q - 8))
 //   Q5_0 unit (32 k):  Q4_0's | hi[2][16][4] as Q6_K's (bit 5 zero)  (w = d (q - 16))
+//   Q4_1 unit (32 k):  d[16] f16 | m[16] f16 | nib as Q4_0's  (w = d q + m)
+//   Q5_1 unit (32 k):  Q4_1's | hi[2][16][4] as Q5_0's  (w = d q + m)
 //   Q4_K unit (256 k): d[16] f16 | dmin[16] f16 | sc[8][16] u8 | m[8][16] u8 | 8 x nib[4][16][4]
 //                      (w = d sc_j q - dmin m_j in sub-block j of 32)
+//   Q5_K unit (256 k): Q4_K's header | 8 x (nib[4][16][4] | hi[2][16][4] as Q5_0's)  (as Q4_K, q 5-bit)
 //   Q6_K unit (256 k): d[16] f16 | sc[16][16] int8 | 8 x (nib[4][16][4] | hi[2][16][4]: bits 2s..2s+1 of chunk h
 //                      are the high 2 bits of group 4h + s)  (w = d sc_i (q - 32) in sub-block i of 16)
 #include "ops.h"
@@ -32,7 +36,8 @@
 namespace {
 
 constexpr int kTile = 16;  // output columns of a tile
-constexpr int kQ8_0 = 8, kQ4_0 = 2, kQ5_0 = 6, kQ4_K = 12, kQ6_K = 14;  // ggml_type ids
+constexpr int kQ8_0 = 8, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;  // ggml ids
+constexpr bool with_min(int type) { return type == kQ4_1 || type == kQ5_1; }  // 32-k blocks with an offset m
 
 struct TypeInfo {
   int block;       // k per GGUF block
@@ -45,7 +50,10 @@ bool type_info(int64_t type, TypeInfo* info) {
     case kQ8_0: *info = {32, 34, 32 + 512}; return true;
     case kQ4_0: *info = {32, 18, 32 + 256}; return true;
     case kQ5_0: *info = {32, 22, 32 + 256 + 128}; return true;
+    case kQ4_1: *info = {32, 20, 64 + 256}; return true;
+    case kQ5_1: *info = {32, 24, 64 + 256 + 128}; return true;
     case kQ4_K: *info = {256, 144, 32 + 32 + 128 + 128 + 8 * 256}; return true;
+    case kQ5_K: *info = {256, 176, 32 + 32 + 128 + 128 + 8 * 384}; return true;
     case kQ6_K: *info = {256, 210, 32 + 256 + 8 * 384}; return true;
     default: return false;
   }
@@ -69,20 +77,26 @@ inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
   }
 }
 
-// Value k (0..block) of a GGUF block as the packed layout keeps it: Q8_0 int8 bits, Q4_0 / Q4_K 0..15, Q6_K 0..63.
+// Value k (0..block) of a GGUF block as the packed layout keeps it: Q8_0 int8 bits, Q4_0/Q4_1/Q4_K 0..15,
+// Q5_0/Q5_1/Q5_K 0..31, Q6_K 0..63.
 inline uint8_t raw_value(int type, const uint8_t* blk, int k) {
   switch (type) {
     case kQ8_0: return blk[2 + k];
     case kQ4_0: return k < 16 ? blk[2 + k] & 0xF : blk[2 + k - 16] >> 4;
-    case kQ5_0: {  // d, qh[4] (bit k: value k's bit 4), qs[16]
+    case kQ4_1: return k < 16 ? blk[4 + k] & 0xF : blk[4 + k - 16] >> 4;  // d, m, qs[16]
+    case kQ5_0:  // d, qh[4] (bit k: value k's bit 4), qs[16]
+    case kQ5_1: {  // d, m, qh[4], qs[16]
+      const uint8_t* qh_at = blk + (type == kQ5_0 ? 2 : 4);
       uint32_t qh;
-      std::memcpy(&qh, blk + 2, 4);
-      return (k < 16 ? blk[6 + k] & 0xF : blk[6 + k - 16] >> 4) | (((qh >> k) & 1) << 4);
+      std::memcpy(&qh, qh_at, 4);
+      return (k < 16 ? qh_at[4 + k] & 0xF : qh_at[4 + k - 16] >> 4) | (((qh >> k) & 1) << 4);
     }
-    case kQ4_K: {
-      const uint8_t* qs = blk + 16 + (k / 64) * 32;
+    case kQ4_K:  // d, dmin, scales[12], qs[128]
+    case kQ5_K: {  // d, dmin, scales[12], qh[32] (bit k / 32 of byte k % 32: value k's bit 4), qs[128]
+      const uint8_t* qs = blk + (type == kQ4_K ? 16 : 48) + (k / 64) * 32;
       const int l = k % 32;
-      return (k % 64) < 32 ? qs[l] & 0xF : qs[l] >> 4;
+      const uint8_t low = (k % 64) < 32 ? qs[l] & 0xF : qs[l] >> 4;
+      return type == kQ4_K ? low : low | (((blk[16 + l] >> (k / 32)) & 1) << 4);
     }
     default: {  // Q6_K: ql[128] qh[64] scales[16] d
       const int half = k / 128, r = k % 128, l = r % 32, quarter = r / 32;
@@ -134,7 +148,18 @@ void pack_unit(int type, const uint8_t* const* blocks, uint8_t* out) {
       put16(0, [&](int c, uint8_t* o) { std::memcpy(o + 2 * c, blocks[c] ? blocks[c] : (const uint8_t*)"\0\0", 2); });
       pack32(type, blocks, 0, type != kQ8_0, type == kQ5_0, out + 32);
       return;
+    case kQ4_1:
+    case kQ5_1:
+      for (int c = 0; c < kTile; ++c) {  // d, then m
+        static const uint8_t zero[4] = {};
+        const uint8_t* b = blocks[c] ? blocks[c] : zero;
+        std::memcpy(out + 2 * c, b, 2);
+        std::memcpy(out + 32 + 2 * c, b + 2, 2);
+      }
+      pack32(type, blocks, 0, true, type == kQ5_1, out + 64);
+      return;
     case kQ4_K:
+    case kQ5_K:
       for (int c = 0; c < kTile; ++c) {
         static const uint8_t zero[16] = {};
         const uint8_t* b = blocks[c] ? blocks[c] : zero;
@@ -142,7 +167,10 @@ void pack_unit(int type, const uint8_t* const* blocks, uint8_t* out) {
         std::memcpy(out + 32 + 2 * c, b + 2, 2);
         for (int j = 0; j < 8; ++j) scale_min_k4(j, b + 4, out + 64 + j * 16 + c, out + 192 + j * 16 + c);
       }
-      for (int j = 0; j < 8; ++j) pack32(type, blocks, 32 * j, true, false, out + 320 + j * 256);
+      for (int j = 0; j < 8; ++j) {
+        if (type == kQ4_K) pack32(type, blocks, 32 * j, true, false, out + 320 + j * 256);
+        else pack32(type, blocks, 32 * j, true, true, out + 320 + j * 384);
+      }
       return;
     default:  // Q6_K
       for (int c = 0; c < kTile; ++c) {
@@ -358,7 +386,8 @@ void tile_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a
     for (int h = 0; h < H; ++h) {
       const int col4 = h * Vec::C * 4, col2 = h * Vec::C * 2, col1 = h * Vec::C;
       W w[8];
-      if constexpr (TYPE == kQ8_0 || TYPE == kQ4_0 || TYPE == kQ5_0) {
+      if constexpr (TYPE == kQ8_0 || TYPE == kQ4_0 || TYPE == kQ5_0 || with_min(TYPE)) {
+        constexpr int q_at = with_min(TYPE) ? 64 : 32;  // the values after d (and m)
         const F d = Vec::load_f16(p + col2);
         if constexpr (TYPE == kQ8_0) {
           for (int g = 0; g < 8; ++g) w[g] = Vec::load(p + 32 + g * 64 + col4);
@@ -366,12 +395,12 @@ void tile_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a
             for (int g = 0; g < 8; ++g) w[g] = Vec::flip(w[g]);  // w + 128, unsigned
         } else {
           for (int c = 0; c < 4; ++c) {
-            const W raw = Vec::load(p + 32 + c * 64 + col4);
+            const W raw = Vec::load(p + q_at + c * 64 + col4);
             w[c] = Vec::lo4(raw);
             w[c + 4] = Vec::hi4(raw);
           }
-          if constexpr (TYPE == kQ5_0) {
-            const W hi0 = Vec::load(p + 288 + col4), hi1 = Vec::load(p + 288 + 64 + col4);
+          if constexpr (TYPE == kQ5_0 || TYPE == kQ5_1) {
+            const W hi0 = Vec::load(p + q_at + 256 + col4), hi1 = Vec::load(p + q_at + 256 + 64 + col4);
             for (int c = 0; c < 4; ++c) {
               w[c] = Vec::or_(w[c], Vec::bits45(hi0, c));
               w[c + 4] = Vec::or_(w[c + 4], Vec::bits45(hi1, c));
@@ -390,21 +419,33 @@ void tile_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a
               s2 = Vec::dot_ss(s2, w[g + 1], Vec::bcast(x + 4 * g + 4));
             }
             s = Vec::add(s, s2);
+          } else if constexpr (with_min(TYPE)) {
+            s = dot_groups<8>(w, x);
           } else {
             s = Vec::sub(dot_groups<8>(w, x), (TYPE == kQ8_0 ? 128 : TYPE == kQ5_0 ? 16 : 8) * a.sum[b]);
           }
           acc[r][h] = Vec::fma(Vec::cvt(s), Vec::mul(d, Vec::set1(a.d[b])), acc[r][h]);
+          if constexpr (with_min(TYPE))  // + m times the block's activation sum
+            acc[r][h] = Vec::fma(Vec::load_f16(p + 32 + col2), Vec::set1(a.d[b] * static_cast<float>(a.sum[b])),
+                                 acc[r][h]);
         }
-      } else if constexpr (TYPE == kQ4_K) {
+      } else if constexpr (TYPE == kQ4_K || TYPE == kQ5_K) {
         const F d = Vec::load_f16(p + col2), dmin = Vec::load_f16(p + 32 + col2);
         for (int j = 0; j < 8; ++j) {
           const F dsc = Vec::mul(d, Vec::load_u8f(p + 64 + j * 16 + col1));
           const F dmn = Vec::mul(dmin, Vec::load_u8f(p + 192 + j * 16 + col1));
-          const uint8_t* nib = p + 320 + j * 256;
+          const uint8_t* nib = p + 320 + j * (TYPE == kQ4_K ? 256 : 384);
           for (int c = 0; c < 4; ++c) {
             const W raw = Vec::load(nib + c * 64 + col4);
             w[c] = Vec::lo4(raw);
             w[c + 4] = Vec::hi4(raw);
+          }
+          if constexpr (TYPE == kQ5_K) {
+            const W hi0 = Vec::load(nib + 256 + col4), hi1 = Vec::load(nib + 256 + 64 + col4);
+            for (int c = 0; c < 4; ++c) {
+              w[c] = Vec::or_(w[c], Vec::bits45(hi0, c));
+              w[c + 4] = Vec::or_(w[c + 4], Vec::bits45(hi1, c));
+            }
           }
           for (int r = 0; r < R; ++r) {
             const int64_t b = (m0 + r) * nb + u * 8 + j;
@@ -461,7 +502,10 @@ void run_tile(int64_t type, const uint8_t* tile, int64_t units, int unit_bytes, 
     case kQ8_0: return tile_all_rows<kQ8_0>(tile, units, unit_bytes, a, m_rows, out);
     case kQ4_0: return tile_all_rows<kQ4_0>(tile, units, unit_bytes, a, m_rows, out);
     case kQ5_0: return tile_all_rows<kQ5_0>(tile, units, unit_bytes, a, m_rows, out);
+    case kQ4_1: return tile_all_rows<kQ4_1>(tile, units, unit_bytes, a, m_rows, out);
+    case kQ5_1: return tile_all_rows<kQ5_1>(tile, units, unit_bytes, a, m_rows, out);
     case kQ4_K: return tile_all_rows<kQ4_K>(tile, units, unit_bytes, a, m_rows, out);
+    case kQ5_K: return tile_all_rows<kQ5_K>(tile, units, unit_bytes, a, m_rows, out);
     default: return tile_all_rows<kQ6_K>(tile, units, unit_bytes, a, m_rows, out);
   }
 }
@@ -498,29 +542,38 @@ torch::Tensor gguf_repack(torch::Tensor raw, int64_t type, int64_t n, int64_t k)
   return packed;
 }
 
-torch::Tensor gguf_gemm(torch::Tensor x, std::vector<torch::Tensor> packed, std::vector<int64_t> types,
-                        std::vector<int64_t> widths, c10::optional<torch::Tensor> bias) {
+torch::Tensor gguf_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor layout,
+                        c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
               "gguf_gemm: x [M, K] float32 or bfloat16");
-  TORCH_CHECK(packed.size() == types.size() && types.size() == widths.size() && !packed.empty(),
-              "gguf_gemm: one type and width per packed weight");
+  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == 1 && packed.is_contiguous(),
+              "gguf_gemm: packed weight: the parts' repacked blocks one after another, flat uint8");
+  TORCH_CHECK(layout.scalar_type() == torch::kLong && layout.dim() == 2 && layout.size(1) == 2 && layout.size(0) > 0 &&
+                  layout.is_contiguous(), "gguf_gemm: layout [parts, 2] int64 (type, width)");
   x = x.contiguous();
-  const int64_t m_rows = x.size(0), k = x.size(1);
+  const int64_t m_rows = x.size(0), k = x.size(1), parts = layout.size(0);
   TORCH_CHECK(k % 32 == 0, "gguf_gemm: K must be a multiple of 32");
-  int64_t n_total = 0;
-  std::vector<int64_t> first_tile{0}, col0;
-  std::vector<TypeInfo> infos(types.size());
-  for (size_t s = 0; s < types.size(); ++s) {
-    TORCH_CHECK(type_info(types[s], &infos[s]) && k % infos[s].block == 0, "gguf_gemm: type ", types[s],
-                " with K=", k);
-    const int64_t tiles = (widths[s] + kTile - 1) / kTile;
-    TORCH_CHECK(packed[s].numel() == tiles * (k / infos[s].block) * infos[s].unit_bytes, "gguf_gemm: packed weight ",
-                s, " does not match its type, width and K");
+  const int64_t* part = layout.data_ptr<int64_t>();
+  int64_t n_total = 0, bytes = 0;
+  std::vector<int64_t> first_tile{0}, col0, offset;
+  std::vector<TypeInfo> infos(parts);
+  for (int64_t s = 0; s < parts; ++s) {
+    const int64_t type = part[2 * s], width = part[2 * s + 1];
+    TORCH_CHECK(type_info(type, &infos[s]) && k % infos[s].block == 0 && width > 0, "gguf_gemm: type ", type,
+                " with K=", k, " and width ", width);
+    const int64_t tiles = (width + kTile - 1) / kTile;
     col0.push_back(n_total);
-    n_total += widths[s];
+    offset.push_back(bytes);
+    n_total += width;
+    bytes += tiles * (k / infos[s].block) * infos[s].unit_bytes;
     first_tile.push_back(first_tile.back() + tiles);
   }
-  ActQ a;
+  TORCH_CHECK(packed.numel() == bytes, "gguf_gemm: packed weight of ", packed.numel(), " bytes does not match its "
+              "layout and K=", k, " (", bytes, " bytes)");
+  // reused (a decode step calls this for every projection of every layer); a reference, as the OpenMP threads below
+  // must read the calling thread's copy, not their own
+  thread_local ActQ reused;
+  ActQ& a = reused;
   ps::with_act_type(x.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     quantize_acts(ps::ptr<T>(x), m_rows, k, a);
@@ -534,6 +587,7 @@ torch::Tensor gguf_gemm(torch::Tensor x, std::vector<torch::Tensor> packed, std:
     bias_ptr = bias_f.data_ptr<float>();
   }
   const int64_t all_tiles = first_tile.back();
+  const uint8_t* weights = packed.data_ptr<uint8_t>();
   ps::with_act_type(x.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     T* o = ps::ptr<T>(out);
@@ -544,9 +598,9 @@ torch::Tensor gguf_gemm(torch::Tensor x, std::vector<torch::Tensor> packed, std:
       for (int64_t gt = 0; gt < all_tiles; ++gt) {
         const size_t s = std::upper_bound(first_tile.begin(), first_tile.end(), gt) - first_tile.begin() - 1;
         const int64_t t = gt - first_tile[s], units = k / infos[s].block;
-        run_tile(types[s], packed[s].data_ptr<uint8_t>() + t * units * infos[s].unit_bytes, units,
-                 infos[s].unit_bytes, a, m_rows, buf.data());
-        const int64_t c0 = t * kTile, cols = std::min<int64_t>(kTile, widths[s] - c0);
+        run_tile(part[2 * s], weights + offset[s] + t * units * infos[s].unit_bytes, units, infos[s].unit_bytes, a,
+                 m_rows, buf.data());
+        const int64_t c0 = t * kTile, cols = std::min<int64_t>(kTile, part[2 * s + 1] - c0);
         for (int64_t m = 0; m < m_rows; ++m)
           for (int64_t c = 0; c < cols; ++c) {
             const int64_t col = col0[s] + c0 + c;

@@ -5,12 +5,12 @@ dispatch cost of each op, tens of microseconds per layer.
 A model opts in by building a FusedDecodeStack over its DecoderLayers once their weights are processed
 (`FusedDecodeStack.build`): there is one where the attention backend supports it (the CPU backend, its kernels
 built), the model runs on one tensor-parallel rank, and every linear's method hands over native tensors
-(quantization/base.py: the native small GEMM's packed weights, float or int8). Each step it runs only when every
-row is a decode row within the linears' row limit; otherwise, and for layers with forward hooks (the engine's
-fault injection, a user's, which must run), the Python layers do. A sliding-window layer's attention takes its window,
-and a hybrid model's layer its KV cache group's block table and slots (core/kv_cache_groups.py), as in Python. With
-multi-LoRA, the LoRA model manager hands it each step's adapter tensors and row slots (`set_lora`): the kernel adds
-each projection's batched delta after it.
+(quantization/base.py: the native small GEMM's packed weights, float or int8, or GGUF blocks for quant_gemm.cpp).
+Each step it runs only when every row is a decode row within the linears' row limit; otherwise, and for layers
+with forward hooks (the engine's fault injection, a user's, which must run), the Python layers do. A sliding-window
+layer's attention takes its window, and a hybrid model's layer its KV cache group's block table and slots
+(core/kv_cache_groups.py), as in Python. With multi-LoRA, the LoRA model manager hands it each step's adapter
+tensors and row slots (`set_lora`): the kernel adds each projection's batched delta after it.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class FusedDecodeStack:
         self.tensors = tensors  # per layer, in decode_layers' order
         self.widths = widths  # per layer: the QKV, o_proj and gate_up output widths
         self.max_rows = max_rows
-        self.weight_dtype = tensors[1].dtype  # the first QKV packed weight: the model dtype, or int8
+        self.weight_dtype = tensors[1].dtype  # the first QKV packed weight: the model dtype, int8, or uint8 (GGUF)
         attn = layers[0].self_attn
         self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim, rms_norm_eps, attn.scale)
         self.lora: list[torch.Tensor] = []  # the step's LoRA tensors (lora/layers.py), empty: no adapter row
@@ -55,8 +55,9 @@ class FusedDecodeStack:
 
         def product(lin: Linear) -> list[torch.Tensor]:
             t: NativeLinearTensors = native[lin]
+            scale = t.int8_scale if t.gguf_layout is None else t.gguf_layout  # GGUF blocks: the kernel's layout
             return [t.packed_weight, none if t.bias is None else t.bias,
-                    none if t.int8_scale is None else t.int8_scale, none if t.int8_shift is None else t.int8_shift]
+                    none if scale is None else scale, none if t.int8_shift is None else t.int8_shift]
 
         tensors: list[torch.Tensor] = []
         widths: list[int] = []
@@ -87,7 +88,7 @@ class FusedDecodeStack:
         """(hidden, residual) after every layer, or None when this step is not one the stack runs."""
         rows = x.shape[0]
         if meta.prefills or meta.num_decodes != rows or rows > self.max_rows \
-                or self.weight_dtype not in (x.dtype, torch.int8) \
+                or self.weight_dtype not in (x.dtype, torch.int8, torch.uint8) \
                 or any(layer._forward_pre_hooks or layer._forward_hooks for layer in self.layers):
             return None
         groups = [meta, *meta.group_metadata]

@@ -22,13 +22,15 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class NativeLinearTensors:
     """One linear's tensors as the native whole-stack decode reads them (kernels/decode_layers.cpp): the native
-    small GEMM's packed weight, the bias, and for int8 weights the per-column scales and shifts; `max_rows`: the
+    small GEMM's packed weight (or GGUF blocks repacked for kernels/quant_gemm.cpp, uint8), the bias, for int8
+    weights the per-column scales and shifts, for GGUF blocks their parts' (type, width) layout; `max_rows`: the
     most rows the native kernel takes for this weight (the stack runs only steps within it)."""
     packed_weight: torch.Tensor
     bias: torch.Tensor | None
     int8_scale: torch.Tensor | None
     int8_shift: torch.Tensor | None
     max_rows: int
+    gguf_layout: torch.Tensor | None = None
 
 
 class LinearMethodBase(ABC):

@@ -1,9 +1,11 @@
 """GGUF block-quantized linear weights kept as stored (quant_method "gguf", which the GGUF loader writes into the
-converted checkpoint's config.json: gguf_loader.py): Q8_0, Q4_0, Q5_0, Q4_K and Q6_K rows stay in their blocks and run on
-the native kernel (kernels/quant_gemm.cpp), which decodes the 4/6/8-bit values in registers and multiplies them
-against activations quantized to int8 per block of 32 - about a quarter (Q4) or half (Q8_0) of the bytes the int8
-path streams per decode step, an eighth / a quarter of float32's. The blocks are repacked once at load into the
-kernel's tiles (same bits, reordered). Other GGUF types are dequantized at conversion and run as float layers.
+converted checkpoint's config.json: gguf_loader.py): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K rows stay in
+their blocks and run on the native kernel (kernels/quant_gemm.cpp), which decodes the 4/5/6/8-bit values in registers
+and multiplies them against activations quantized to int8 per block of 32 - about half (4-bit types) or as many
+(Q8_0) bytes per decode step as the int8 path streams, an eighth / a quarter of float32's. The blocks are repacked
+once at load into the kernel's tiles (same bits, reordered); the native whole-stack decode (layers/fused_decode.py)
+runs these layers too, the whole decode step in one native call. Other GGUF types are dequantized at conversion and
+run as float layers.
 
 Tensors per linear (N outputs, K inputs), as the loader writes them:
   qweight [N, row bytes] uint8 - each output row's GGUF blocks as stored (a fused q/k/v or gate/up layer's shards
@@ -14,6 +16,7 @@ Without the native kernels (PAGEDSERVE_CPU_KERNELS=0, float16, another device) t
 """
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.model_executor.kernels import cpu_kernels
-from pagedserve.model_executor.quantization.base import LinearMethodBase
+from pagedserve.model_executor.quantization.base import LinearMethodBase, NativeLinearTensors
 from pagedserve.model_executor.quantization.packed import (
     FUSED_SHARDS,
     CheckpointQuantizationConfig,
@@ -34,7 +37,8 @@ if TYPE_CHECKING:
 
 # The types kept quantized: name -> (ggml type id, weights per block, bytes per block)
 NATIVE_TYPES: dict[str, tuple[int, int, int]] = {
-    "Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q5_0": (6, 32, 22), "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210)}
+    "Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24),
+    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
 _NAME_OF_ID = {type_id: name for name, (type_id, _, _) in NATIVE_TYPES.items()}
 
 
@@ -85,8 +89,9 @@ class GGUFLinearMethod(LinearMethodBase):
         runs = type_runs(layer.qtype.data)
         raw = layer.qweight.data
         if ops is not None and all(ops.native_gguf_type(t) for _, _, t in runs):
-            layer.gguf_parts = ([ops.gguf_repack(raw[a:a + n], t, n, layer.in_features) for a, n, t in runs],
-                                [t for _, _, t in runs], [n for _, n, _ in runs])
+            # the kernel's two tensors: every run's repacked blocks one after another, and the runs' (type, width)
+            layer.gguf_parts = (torch.cat([ops.gguf_repack(raw[a:a + n], t, n, layer.in_features) for a, n, t in runs]),
+                                torch.tensor([[t, n] for _, n, t in runs], dtype=torch.int64))
         else:
             w = torch.cat([dequantize_rows(raw[a:a + n], t, layer.in_features) for a, n, t in runs])
             layer.weight = nn.Parameter(w.to(dtype), requires_grad=False)
@@ -97,10 +102,15 @@ class GGUFLinearMethod(LinearMethodBase):
             if layer.weight is None:  # float16 activations on repacked blocks: not a path the engine takes
                 raise ValueError("quantization='gguf' runs float32 or bfloat16 activations.")
             return F.linear(x, layer.weight.to(x.dtype), layer.bias)
-        packed, types, widths = layer.gguf_parts
         rows = x.reshape(-1, x.shape[-1])
-        y = cpu_kernels().gguf_gemm(rows, packed, types, widths, layer.bias)
+        y = cpu_kernels().gguf_gemm(rows, *layer.gguf_parts, layer.bias)
         return y.view(*x.shape[:-1], layer.out_features)
+
+    def native_decode_tensors(self, layer: Linear) -> NativeLinearTensors | None:
+        if layer.gguf_parts is None:
+            return None
+        packed, layout = layer.gguf_parts
+        return NativeLinearTensors(packed, layer.bias, None, None, sys.maxsize, gguf_layout=layout)
 
 
 class GGUFConfig(CheckpointQuantizationConfig):
