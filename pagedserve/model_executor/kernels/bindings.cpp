@@ -9,10 +9,12 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("scale"), py::arg("out") = py::none(), py::arg("window") = 0);
+        py::arg("scale"), py::arg("out") = py::none(), py::arg("window") = 0, py::arg("soft_cap") = 0.0,
+        py::arg("sinks") = py::none());
   m.def("paged_prefill_attention", &paged_prefill_attention, "causal attention of one prefill chunk over its "
         "sequence's paged KV cache (CPU, AVX-512)", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("block_ids"), py::arg("first"), py::arg("scale"), py::arg("out"), py::arg("causal") = true);
+        py::arg("block_ids"), py::arg("first"), py::arg("scale"), py::arg("out"), py::arg("causal") = true,
+        py::arg("window") = 0, py::arg("soft_cap") = 0.0, py::arg("sinks") = py::none());
   m.def("native_prefill", &native_prefill, "whether paged_prefill_attention handles this head_dim in this build");
   m.def("write_kv", &write_kv, "write new K/V rows (float32 or bfloat16) into the paged cache at their slots");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row ([rows, n] or [T, heads, n]); with residual: residual += x in "

@@ -10,11 +10,13 @@
 // decode_attention.cpp
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     c10::optional<torch::Tensor> out, int64_t window);
+                                     c10::optional<torch::Tensor> out, int64_t window, double soft_cap = 0.0,
+                                     c10::optional<torch::Tensor> sinks = c10::nullopt);
 // prefill_attention.cpp
 bool native_prefill(int64_t head_dim);
 void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_ids,
-                             int64_t first, double scale, torch::Tensor out, bool causal);
+                             int64_t first, double scale, torch::Tensor out, bool causal, int64_t window,
+                             double soft_cap, c10::optional<torch::Tensor> sinks);
 // kv_write.cpp
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_mapping);
