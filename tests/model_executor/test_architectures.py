@@ -2,8 +2,8 @@
 in ARCHS), and the long-context RoPE scalings end to end: greedy token for token with transformers in float32.
 
   * chunked prefill (a 32-token budget) crossing the 32-token window, with prefix-cache hits on a shared 100-token
-    prefix, on the native CPU backend (soft-capped and windowed layers through its reference paths) and on the
-    PyTorch reference backend;
+    prefix, on the native CPU backend (windows and soft caps in its kernels; test_native_attention_extras.py checks
+    that no layer falls back) and on the PyTorch reference backend;
   * Gemma 3 from a hub-style (transformers 4) config.json: rope_theta / rope_local_base_freq / rope_scaling and
     sliding_window_pattern instead of layer_types and per-type rope_parameters;
   * Phi-4-mini's partial rotary (half the head rotates) with LongRoPE;
