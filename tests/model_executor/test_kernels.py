@@ -159,6 +159,20 @@ def test_silu_and_mul(ops, dtype, rows, n):
 
 @over_builds("")
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, n", [(1, 48), (5, 1536), (40, 37)])
+def test_gelu_tanh_and_mul(ops, dtype, rows, n):
+    """Gemma's GeGLU against PyTorch's tanh-approximated gelu, past float32's exp range at the extremes."""
+    g = torch.Generator().manual_seed(n)
+    gate_up = torch.randn(rows, 2 * n, generator=g) * 3
+    gate_up[0, :4] = torch.tensor([-1e4, -95.0, 95.0, 1e4])
+    gate_up = gate_up.to(dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expected = (F.gelu(gate, approximate="tanh") * up).to(dtype)
+    torch.testing.assert_close(ops.gelu_tanh_and_mul(gate_up), expected, **_tol(dtype))
+
+
+@over_builds("")
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cos_dtype", ["float32", "same"])
 @pytest.mark.parametrize("tokens, d", [(1, 64), (9, 128), (20, 32)])
 def test_rotary(ops, dtype, cos_dtype, tokens, d):

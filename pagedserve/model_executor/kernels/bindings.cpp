@@ -24,6 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "per expert) on packed stacks: act(rows W13^T + b13) W2^T + b2; int8 with scales and shifts; activation 0 silu, "
         "1 gpt-oss's clamped SwiGLU");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] projection (float32 or bfloat16)");
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul,
+        "gelu(gate, tanh approximation) * up of a fused [gate | up] projection (float32 or bfloat16)");
   m.def("rotary_inplace", &rotary_inplace, "Neox-style rotary embedding in place (float32 or bfloat16)");
   m.def("argmax_rows", &argmax_rows,
         "each row's argmax, the first index on ties (float32 or bfloat16 [rows, n], contiguous rows)");
@@ -41,7 +43,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("block_tables"), py::arg("context_lens"), py::arg("layer_groups"), py::arg("windows"),
         py::arg("num_heads"), py::arg("num_kv_heads"),
         py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("lora") = std::vector<torch::Tensor>(),
-        py::arg("lora_rows") = py::none());
+        py::arg("lora_rows") = py::none(), py::arg("soft_caps") = std::vector<double>(),
+        py::arg("sandwich_norms") = std::vector<torch::Tensor>(), py::arg("activation") = 0,
+        py::arg("extra_rope") = std::vector<torch::Tensor>(), py::arg("layer_rope") = std::vector<int64_t>());
   m.def("lora_add", &lora_add, "y += each row's LoRA adapter delta B[slot] (A[slot] x), in place, by the rows' slot "
         "index (-1: none); a [slots, in, S x R], b [slots, R, out] (float32 or bfloat16)", py::arg("y"), py::arg("x"),
         py::arg("a"), py::arg("b"), py::arg("row_slots"), py::arg("slices"));

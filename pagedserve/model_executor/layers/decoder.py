@@ -79,6 +79,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    activation = "silu"  # of the gate (SwiGLU); the native whole-stack decode runs "silu" and "gelu_tanh"
+
     def __init__(self, cfg: ModelConfig, parallel: ParallelState, attn_backend: AttentionBackend,
                  quant_config: QuantizationConfig, prefix: str) -> None:
         super().__init__()
