@@ -652,3 +652,26 @@ def test_attention_refuses_bad_extras(ops, op):
     for kwargs in (dict(window=-1), dict(soft_cap=-1.0)):
         with pytest.raises(RuntimeError, match="must be >= 0"):
             call(**kwargs)
+
+
+@pytest.mark.parametrize("q_dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 40, 300])
+@over_builds("amx", lambda caps: [(amx,) for amx in caps.amx_modes] if caps.prefill else [])
+def test_prefill_attention_same_bits_however_chunked(ops, q_dtype, window, amx):
+    """A row's output does not depend on how its prompt was cut into chunks (a draft model and its target, or a
+    prefix-cache hit, chunk the same prompt differently and must agree bitwise): one 150-token chunk after 200
+    cached tokens against the same rows as chunks of 37, 64 and 49."""
+    g = torch.Generator().manual_seed(window)
+    heads, kvh, d, bs, first, n = 4, 2, 64, 16, 200, 150
+    k_cache, v_cache = _kv_caches(-(-(first + n) // bs), bs, kvh, d, q_dtype, "heads", g)
+    block_ids = torch.arange(k_cache.shape[0])
+    q = torch.randn(n, heads, d, generator=g).to(q_dtype)
+    whole, parts = torch.empty_like(q), torch.empty_like(q)
+    with amx_tiles(ops, amx):
+        ops.paged_prefill_attention(q, k_cache, v_cache, block_ids, first, d ** -0.5, whole, window=window)
+        start = 0
+        for size in (37, 64, 49):
+            ops.paged_prefill_attention(q[start:start + size], k_cache, v_cache, block_ids, first + start, d ** -0.5,
+                                        parts[start:start + size], window=window)
+            start += size
+    assert torch.equal(whole, parts)

@@ -205,14 +205,17 @@ void transpose_chunks(const T* k_cache, const T* v_cache, const int64_t* table, 
 
 // Which of a prefill chunk's rows and keys an update of the keys [c0, c0 + keys) concerns: a window (x.window > 0)
 // hides each row's keys before position - window + 1. The chunk's first token is at position `first`; its token t
-// sees keys [lo(t), first + t] (causal) or all of the chunk's context.
+// sees keys [lo(t), first + t] (causal) or all of the chunk's context. Updates cover update_keys keys from a
+// multiple of update_keys (as without a window: from key 0), so that a row's softmax sums in the same order
+// however the prompt was chunked (a draft model and its target, a prefix-cache hit, must agree bitwise).
 struct PrefillRange {
   int64_t first, n, window;
   bool causal;
+  int64_t update_keys;  // a multiple of 2 kChunk
   int64_t lowest_key() const { return window > 0 ? std::max<int64_t>(0, first - window + 1) : 0; }
-  // the first key of a tile starting at token a, rounded down to a two-chunk step
+  // the first update's first key for a tile starting at token a
   int64_t tile_start(int64_t a) const {
-    return window > 0 ? std::max<int64_t>(0, first + a - window + 1) / (2 * kChunk) * (2 * kChunk) : 0;
+    return window > 0 ? std::max<int64_t>(0, first + a - window + 1) / update_keys * update_keys : 0;
   }
   int64_t tile_end(int64_t b) const { return causal ? first + b : first + n; }  // past the keys of a tile's last row
   // tokens [t_begin, t_end) of the tile [a, b) that see any key of [c0, c0 + keys)
@@ -240,7 +243,7 @@ void prefill_kernel(const TQ* q, int64_t q_stride, const T* k_cache, const T* v_
                     bool causal, const AttentionExtras& x) {
   const int64_t d = s.head_dim, group = s.num_heads / s.num_kv_heads;
   const int64_t max_rows = kPrefillTile * group, update_keys = kWideVecs * kChunk;
-  const PrefillRange range{first, n, x.window, causal};
+  const PrefillRange range{first, n, x.window, causal, update_keys};
   const int64_t base = range.tile_start(0);  // the keys laid out: [base, first + n)
   const int64_t steps = (first + n - base + 2 * kChunk - 1) / (2 * kChunk), head_floats = steps * 2 * kChunk * d;
   float* const keys_t = kept_buffer<float>(2 * s.num_kv_heads * head_floats);
@@ -435,7 +438,7 @@ void prefill_kernel_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, c
   const int64_t max_rows = (kPrefillTile * group + 15) / 16 * 16;  // whole tiles of 16 rows
   const bool tiles = ps::amx_tiles();
   const int64_t update_keys = (tiles ? 1 : kWideSteps) * 2 * kChunk;
-  const PrefillRange range{first, n, x.window, causal};
+  const PrefillRange range{first, n, x.window, causal, update_keys};
   const int64_t base = range.tile_start(0);  // the keys laid out: [base, first + n)
   const int64_t chunks = (first + n - base + kChunk - 1) / kChunk + 1;
   __m512i* const pairs = kept_buffer<__m512i>(s.num_kv_heads * chunks * d);
