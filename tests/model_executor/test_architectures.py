@@ -2,8 +2,8 @@
 in ARCHS), and the long-context RoPE scalings end to end: greedy token for token with transformers in float32.
 
   * chunked prefill (a 32-token budget) crossing the 32-token window, with prefix-cache hits on a shared 100-token
-    prefix, on the native CPU backend (soft-capped and windowed layers through its reference paths) and on the
-    PyTorch reference backend;
+    prefix, on the native CPU backend (windows and soft caps in its kernels; test_native_attention_extras.py checks
+    that no layer falls back) and on the PyTorch reference backend;
   * Gemma 3 from a hub-style (transformers 4) config.json: rope_theta / rope_local_base_freq / rope_scaling and
     sliding_window_pattern instead of layer_types and per-type rope_parameters;
   * Phi-4-mini's partial rotary (half the head rotates) with LongRoPE;
@@ -27,6 +27,7 @@ from test_correctness import (
 )
 
 from pagedserve import LLM
+from pagedserve.model_executor.kernels import cpu_kernels
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3"])
@@ -44,7 +45,11 @@ def test_gemma_layers_are_what_the_config_says(tiny_model_dir):
     attns = [layer.self_attn for layer in model.layers]
     assert [a.sliding_window for a in attns] == [32, None]
     assert all(a.logits_soft_cap == 10.0 and a.scale == 24 ** -0.5 for a in attns)
-    assert model.final_logit_soft_cap == 30.0 and model.fused_decode is None
+    assert model.final_logit_soft_cap == 30.0
+    ops = cpu_kernels()
+    if ops is not None and ops.native_small_gemm(torch.float32):  # the native decode stack runs Gemma's layer
+        stack = model.fused_decode
+        assert stack.soft_caps == [10.0, 10.0] and len(stack.sandwich_norms) == 4 and stack.activation == 1
     llm = LLM(str(tiny_model_dir("gemma3")), num_threads=1, dtype="float32", num_kv_blocks=16)
     model = llm.llm_engine.runner.model
     assert [layer.self_attn.sliding_window for layer in model.layers] == [32, 32, None]

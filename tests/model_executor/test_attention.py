@@ -170,9 +170,10 @@ def test_each_forward_builds_the_backend_metadata_once_and_every_layer_reads_it(
             self.built.append(super().build_metadata(common))
             return self.built[-1]
 
-        def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, logits_soft_cap=None):
+        def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, logits_soft_cap=None,
+                    sinks=None):
             self.seen.append(meta)
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap, sinks)
 
     cfg = ModelConfig.from_dir(tiny_model_dir("llama"))
     backend = Recording(torch.device("cpu"))

@@ -11,8 +11,9 @@ from pagedserve.model_executor.layers.fused_decode import FusedDecodeStack
 pytestmark = pytest.mark.slow
 
 
-# plain; q/k/v biases; q/k norms; every layer windowed (one KV cache group); full and windowed layers (two groups)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral-sw", "qwen2-sw"])
+# plain; q/k/v biases; q/k norms; every layer windowed (one KV cache group); full and windowed layers (two groups);
+# Gemma 2 (norms after attention and MLP, GeGLU, soft cap) and Gemma 3 (q/k norms, RoPE per layer type)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral-sw", "qwen2-sw", "gemma2", "gemma3"])
 @pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", None), ("float32", "int8"),
                                                ("bfloat16", "int8")])
 def test_native_decode_loop_matches_python_layers(arch, dtype, quantization, tiny_model_dir, monkeypatch):

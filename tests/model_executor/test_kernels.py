@@ -159,6 +159,20 @@ def test_silu_and_mul(ops, dtype, rows, n):
 
 @over_builds("")
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, n", [(1, 48), (5, 1536), (40, 37)])
+def test_gelu_tanh_and_mul(ops, dtype, rows, n):
+    """Gemma's GeGLU against PyTorch's tanh-approximated gelu, past float32's exp range at the extremes."""
+    g = torch.Generator().manual_seed(n)
+    gate_up = torch.randn(rows, 2 * n, generator=g) * 3
+    gate_up[0, :4] = torch.tensor([-1e4, -95.0, 95.0, 1e4])
+    gate_up = gate_up.to(dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expected = (F.gelu(gate, approximate="tanh") * up).to(dtype)
+    torch.testing.assert_close(ops.gelu_tanh_and_mul(gate_up), expected, **_tol(dtype))
+
+
+@over_builds("")
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cos_dtype", ["float32", "same"])
 @pytest.mark.parametrize("tokens, d", [(1, 64), (9, 128), (20, 32)])
 def test_rotary(ops, dtype, cos_dtype, tokens, d):
@@ -534,3 +548,130 @@ def test_rms_norm_per_head_in_place(ops, dtype):
     torch.testing.assert_close(q, expected_q, **_tol(dtype))
     torch.testing.assert_close(k, expected_k, **_tol(dtype))
     assert torch.equal(qkv[:, (heads + kv_heads) * d:], v_before)
+
+
+def _reference_attention(q, keys, values, positions, scale, window=0, soft_cap=0.0, sinks=None):
+    """q [n, H, D] at `positions` ([n]) over keys/values [ctx, H, D] (float32, GQA repeated): causal, each row's last
+    `window` positions only (0: all), scores soft-capped (0: not), with a sink logit per head in each softmax's
+    denominator (Hugging Face's eager order)."""
+    scores = torch.einsum("thd,shd->hts", q.float(), keys) * scale
+    if soft_cap:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    key_pos = torch.arange(keys.shape[0])[None, :]
+    visible = key_pos <= positions[:, None]
+    if window:
+        visible &= key_pos > positions[:, None] - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat((scores, sinks.view(-1, 1, 1).expand(-1, scores.shape[1], 1)), dim=-1)
+    probs = scores.softmax(-1)[..., :keys.shape[0]]
+    return torch.einsum("hts,shd->thd", probs, values)
+
+
+EXTRAS = [(0, 0.0, False), (40, 0.0, False), (0, 5.0, False), (0, 0.0, True), (40, 5.0, True), (16, 0.0, True)]
+
+
+@pytest.mark.parametrize("q_dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("window, soft_cap, sinks", EXTRAS)
+@pytest.mark.parametrize("n, first, threads", [(37, 0, 1), (70, 45, 2), (5, 300, 1), (300, 19, 2)])
+@pytest.mark.parametrize("heads, kvh, d, bs", [(4, 2, 64, 16), (5, 1, 32, 8), (4, 4, 16, 16)])
+@over_builds("amx", lambda caps: [(amx,) for amx in caps.amx_modes] if caps.prefill else [])
+def test_prefill_attention_window_soft_cap_sinks(ops, q_dtype, cache_dtype, window, soft_cap, sinks, n, first, threads,
+                                                 heads, kvh, d, bs, amx):
+    """Sliding windows (Gemma's and gpt-oss's sliding layers: 16 and 40 keys, so that chunks of 5-300 tokens after 0-300
+    cached ones cross the window's edge inside a chunk, at tile and update boundaries), Gemma 2's logit soft cap and
+    gpt-oss's sinks, alone and together, on the float32, bfloat16-pair and AMX paths, against the reference. The
+    blocks wholly behind the first row's window are NaN in the cache (a sliding layer's freed blocks): reading any
+    of them would poison the output."""
+    g = torch.Generator().manual_seed(n + first + window)
+    ctx = first + n
+    blocks = -(-ctx // bs) + 2
+    k_cache, v_cache = _kv_caches(blocks + 1, bs, kvh, d, cache_dtype, "heads", g)
+    block_ids = torch.randperm(blocks, generator=g)[:-(-ctx // bs)]
+    keys = k_cache[block_ids].reshape(-1, kvh, d)[:ctx].float().repeat_interleave(heads // kvh, dim=1)
+    values = v_cache[block_ids].reshape(-1, kvh, d)[:ctx].float().repeat_interleave(heads // kvh, dim=1)
+    if window and first - window + 1 >= bs:  # the blocks behind the window point at a poisoned block
+        k_cache[blocks], v_cache[blocks] = float("nan"), float("nan")
+        block_ids[:(first - window + 1) // bs] = blocks
+    q = torch.randn(n, heads, d, generator=g).to(q_dtype)
+    sink_logits = torch.randn(heads, generator=g) * 2 if sinks else None
+    out = torch.empty_like(q)
+    torch.set_num_threads(threads)
+    with amx_tiles(ops, amx):
+        ops.paged_prefill_attention(q, k_cache, v_cache, block_ids, first, d ** -0.5, out, window=window,
+                                    soft_cap=soft_cap, sinks=sink_logits)
+    expected = _reference_attention(q, keys, values, torch.arange(first, ctx), d ** -0.5, window, soft_cap,
+                                    sink_logits)
+    torch.testing.assert_close(out.float(), expected, **(_tol(q_dtype) if q_dtype != torch.float32 else
+                                                         dict(atol=1e-5, rtol=1e-4)))
+
+
+@pytest.mark.parametrize("q_dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                   (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("window, soft_cap, sinks", EXTRAS)
+@pytest.mark.parametrize("num_seqs, threads", [(3, 1), (1, 2)])
+@pytest.mark.parametrize("heads, kvh, d, bs", [(4, 2, 64, 16), (6, 2, 40, 8), (4, 4, 16, 16)])
+@over_builds("amx", lambda caps: [(amx,) for amx in caps.amx_modes])
+def test_decode_attention_window_soft_cap_sinks(ops, q_dtype, cache_dtype, window, soft_cap, sinks, num_seqs, threads,
+                                                heads, kvh, d, bs, amx):
+    """The same extras in decode attention, on every path (bfloat16 grouped / AMX, float32 chunks, head_dim 40's
+    portable loop) and with one long row split over two threads (its partial softmaxes merged with the sink)."""
+    g = torch.Generator().manual_seed(num_seqs + window + d)
+    blocks = 60
+    k_cache, v_cache = _kv_caches(blocks, bs, kvh, d, cache_dtype, "heads", g)
+    per_seq = blocks // num_seqs
+    lens = torch.randint(per_seq * bs // 2, per_seq * bs, (num_seqs,), generator=g)
+    tables = torch.randperm(blocks, generator=g)[:num_seqs * per_seq].view(num_seqs, per_seq)
+    q = torch.randn(num_seqs, heads, d, generator=g).to(q_dtype)
+    sink_logits = torch.randn(heads, generator=g) * 2 if sinks else None
+    torch.set_num_threads(threads)
+    with amx_tiles(ops, amx):
+        out = ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, d ** -0.5, window=window,
+                                         soft_cap=soft_cap, sinks=sink_logits)
+    for i in range(num_seqs):
+        keys = k_cache[tables[i]].reshape(-1, kvh, d)[:lens[i]].float().repeat_interleave(heads // kvh, dim=1)
+        values = v_cache[tables[i]].reshape(-1, kvh, d)[:lens[i]].float().repeat_interleave(heads // kvh, dim=1)
+        expected = _reference_attention(q[i:i + 1], keys, values, lens[i:i + 1] - 1, d ** -0.5, window, soft_cap,
+                                         sink_logits)
+        torch.testing.assert_close(out[i:i + 1].float(), expected, **(_tol(q_dtype) if q_dtype != torch.float32 else
+                                                                      dict(atol=1e-5, rtol=1e-4)))
+
+
+@over_builds("op", lambda caps: [("decode",)] + ([("prefill",)] if caps.prefill else []))
+def test_attention_refuses_bad_extras(ops, op):
+    """Sinks of the wrong length or dtype, a negative window or soft cap: a clear error, not a read past the sinks."""
+    k_cache, v_cache = _kv_caches(4, 16, 2, 64, torch.float32, "heads")
+    q = torch.randn(3, 4, 64)
+    call = (lambda **kw: ops.paged_decode_attention(q, k_cache, v_cache, torch.tensor([[0], [1], [2]]),
+                                                    torch.tensor([5, 9, 16]), 0.125, **kw)) if op == "decode" else \
+        (lambda **kw: ops.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0]), 0, 0.125,
+                                                  torch.empty_like(q), **kw))
+    for kwargs in (dict(sinks=torch.zeros(3)), dict(sinks=torch.zeros(4, dtype=torch.bfloat16))):
+        with pytest.raises(RuntimeError, match="sinks must be"):
+            call(**kwargs)
+    for kwargs in (dict(window=-1), dict(soft_cap=-1.0)):
+        with pytest.raises(RuntimeError, match="must be >= 0"):
+            call(**kwargs)
+
+
+@pytest.mark.parametrize("q_dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 40, 300])
+@over_builds("amx", lambda caps: [(amx,) for amx in caps.amx_modes] if caps.prefill else [])
+def test_prefill_attention_same_bits_however_chunked(ops, q_dtype, window, amx):
+    """A row's output does not depend on how its prompt was cut into chunks (a draft model and its target, or a
+    prefix-cache hit, chunk the same prompt differently and must agree bitwise): one 150-token chunk after 200
+    cached tokens against the same rows as chunks of 37, 64 and 49."""
+    g = torch.Generator().manual_seed(window)
+    heads, kvh, d, bs, first, n = 4, 2, 64, 16, 200, 150
+    k_cache, v_cache = _kv_caches(-(-(first + n) // bs), bs, kvh, d, q_dtype, "heads", g)
+    block_ids = torch.arange(k_cache.shape[0])
+    q = torch.randn(n, heads, d, generator=g).to(q_dtype)
+    whole, parts = torch.empty_like(q), torch.empty_like(q)
+    with amx_tiles(ops, amx):
+        ops.paged_prefill_attention(q, k_cache, v_cache, block_ids, first, d ** -0.5, whole, window=window)
+        start = 0
+        for size in (37, 64, 49):
+            ops.paged_prefill_attention(q[start:start + size], k_cache, v_cache, block_ids, first + start, d ** -0.5,
+                                        parts[start:start + size], window=window)
+            start += size
+    assert torch.equal(whole, parts)

@@ -29,9 +29,10 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: list[int],
                         positions: list[int], scale: float, window: int | None = None,
-                        soft_cap: float | None = None) -> torch.Tensor:
+                        soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [n, H, D] at `positions` of one request: softmax over its context up to each row's position (its last
-    `window` positions with a window; scores capped at soft_cap * tanh(scores / soft_cap) with a cap), float32."""
+    `window` positions with a window; scores capped at soft_cap * tanh(scores / soft_cap) with a cap; a sink logit
+    per head in each denominator with sinks), float32."""
     block_size, kvh, hd = k_cache.shape[1:]
     ctx = max(positions) + 1
     keys = k_cache[block_ids].reshape(-1, kvh, hd)[:ctx].float()
@@ -45,7 +46,9 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if window is not None:
         visible &= torch.arange(ctx)[None, :] > torch.tensor(positions)[:, None] - window
     scores = scores.masked_fill(~visible.to(scores.device)[None], float("-inf"))
-    return torch.einsum("hnc,chd->nhd", scores.softmax(-1), values)
+    if sinks is not None:
+        scores = torch.cat((scores, sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)), dim=-1)
+    return torch.einsum("hnc,chd->nhd", scores.softmax(-1)[..., :ctx], values)
 
 
 def random_cache(num_blocks: int, block_size: int, kvh: int, hd: int, dtype: torch.dtype, seed: int):
@@ -88,37 +91,44 @@ def test_decode_matches_reference(dtype, block_size, heads, kv_heads, head_dim):
         torch.testing.assert_close(out[i:i + 1].float(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("window, soft_cap", [(20, None), (40, 2.0), (None, 2.0), (1, None)])
-def test_decode_window_and_soft_cap_over_partitions(window, soft_cap):
-    """Sliding window and soft cap in the decode kernel: rows of 1-100 tokens over 32-token partitions, so whole
-    partitions lie before a row's window (they contribute nothing) and a window may start inside a tile."""
+@pytest.mark.parametrize("window, soft_cap, sinks", [(20, None, False), (40, 2.0, False), (None, 2.0, False),
+                                                     (1, None, False), (None, None, True), (20, None, True)])
+def test_decode_window_and_soft_cap_over_partitions(window, soft_cap, sinks):
+    """Sliding window, soft cap and sinks (gpt-oss: merged once with the partitions) in the decode kernel: rows of
+    1-100 tokens over 32-token partitions, so whole partitions lie before a row's window (they contribute nothing)
+    and a window may start inside a tile."""
     lens, block_size, kvh, hd = [1, 5, 37, 70, 100], 16, 2, 16
     k_cache, v_cache = random_cache(64, block_size, kvh, hd, torch.float32, seed=12)
     tables = random_tables(lens, block_size, 64, seed=13)
     width = max(map(len, tables))
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=DEVICE)
     q = torch.randn(len(lens), 4, hd, generator=torch.Generator().manual_seed(14)).to(DEVICE)
+    sink_logits = torch.randn(4, generator=torch.Generator().manual_seed(18)).mul(3).to(DEVICE) if sinks else None
     out = torch.empty_like(q)
     ta.decode_attention(q, k_cache, v_cache, bt, torch.tensor(lens, device=DEVICE), 0.5, out, partition=32,
-                        block_n=16, window=window, soft_cap=soft_cap)
+                        block_n=16, window=window, soft_cap=soft_cap, sinks=sink_logits)
     for i, n in enumerate(lens):
-        want = reference_attention(q[i:i + 1], k_cache, v_cache, tables[i], [n - 1], 0.5, window, soft_cap)
+        want = reference_attention(q[i:i + 1], k_cache, v_cache, tables[i], [n - 1], 0.5, window, soft_cap,
+                                   sink_logits)
         torch.testing.assert_close(out[i:i + 1], want, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("window, soft_cap", [(20, None), (5, 2.0), (None, 2.0)])
-def test_prefill_window_and_soft_cap(window, soft_cap):
+@pytest.mark.parametrize("window, soft_cap, sinks", [(20, None, False), (5, 2.0, False), (None, 2.0, False),
+                                                     (None, None, True), (20, None, True)])
+def test_prefill_window_and_soft_cap(window, soft_cap, sinks):
     """A chunk of 40 after 50 tokens and a first chunk of 37, 16-row query tiles: each tile starts at its first
-    row's window, each row keeps its own lower bound."""
+    row's window, each row keeps its own lower bound; with sinks (gpt-oss) each row's denominator has its head's."""
     block_size, kvh, hd = 8, 2, 16
     k_cache, v_cache = random_cache(40, block_size, kvh, hd, torch.float32, seed=15)
     for first, n in ((50, 40), (0, 37)):
         table = random_tables([first + n], block_size, 40, seed=16)[0]
         q = torch.randn(n, 4, hd, generator=torch.Generator().manual_seed(17)).to(DEVICE)
+        sink_logits = torch.randn(4, generator=torch.Generator().manual_seed(19)).mul(3).to(DEVICE) if sinks else None
         out = torch.empty_like(q)
         ta.prefill_attention(q, k_cache, v_cache, torch.tensor(table, device=DEVICE), first + n, 0.5, out,
-                             block_m=16, block_n=16, window=window, soft_cap=soft_cap)
-        want = reference_attention(q, k_cache, v_cache, table, list(range(first, first + n)), 0.5, window, soft_cap)
+                             block_m=16, block_n=16, window=window, soft_cap=soft_cap, sinks=sink_logits)
+        want = reference_attention(q, k_cache, v_cache, table, list(range(first, first + n)), 0.5, window, soft_cap,
+                                   sink_logits)
         torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
 
 
@@ -186,13 +196,14 @@ def test_write_kv_by_slot_mapping(kv_dtype):
     assert int((flat_k != 0).any(-1).any(-1).sum()) == 3  # nothing else written
 
 
-@pytest.mark.parametrize("window, soft_cap", [(None, None), (8, None), (None, 3.0), (8, 3.0)])
-def test_mixed_step_through_paged_attention(window, soft_cap):
+@pytest.mark.parametrize("window, soft_cap, sinks", [(None, None, False), (8, None, False), (None, 3.0, False),
+                                                     (8, 3.0, False), (8, None, True)])
+def test_mixed_step_through_paged_attention(window, soft_cap, sinks):
     """The backend's entry point on a step as the runner builds it: two decode rows, then a first prefill chunk
     and a later one, against the reference after the step's K/V are written, and against the PyTorch SDPA
     reference backend on a copy of the cache (same layout: both token-major). With a sliding window (8: the later
     chunk crosses its edge) or a logits soft cap (Gemma 2's), in the kernels, against the reference backend's
-    windowed masks and cap (tested in test_attention.py)."""
+    windowed masks and cap (tested in test_attention.py); with gpt-oss's sinks against its sink column."""
     block_size, kvh, hd, heads = 8, 2, 16, 4
     k_cache, v_cache = random_cache(30, block_size, kvh, hd, torch.float32, seed=9)
     # (earlier context, new tokens): two decodes, a first chunk, a chunk after 12 tokens
@@ -211,15 +222,18 @@ def test_mixed_step_through_paged_attention(window, soft_cap):
                              torch.tensor([21, 7], device=DEVICE), block_size, prefills)
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(start, h, hd, generator=g).to(DEVICE) for h in (heads, kvh, kvh))
+    sink_logits = torch.randn(heads, generator=g).mul(3).to(DEVICE) if sinks else None
     backend, reference = get_attention_backend("triton", DEVICE), get_attention_backend("torch", DEVICE)
     assert isinstance(backend, ta.TritonAttentionBackend)
     ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
-    out = backend.forward(q, k, v, k_cache, v_cache, backend.build_metadata(meta), 0.25, window, soft_cap)
+    out = backend.forward(q, k, v, k_cache, v_cache, backend.build_metadata(meta), 0.25, window, soft_cap,
+                          sink_logits)
     torch.testing.assert_close(out, reference.forward(q, k, v, ref_k_cache, ref_v_cache,
-                                                      reference.build_metadata(meta), 0.25, window, soft_cap),
+                                                      reference.build_metadata(meta), 0.25, window, soft_cap,
+                                                      sink_logits),
                                atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(k_cache, ref_k_cache, atol=0, rtol=0)
-    if window is not None or soft_cap is not None:
+    if window is not None or soft_cap is not None or sinks:
         return
     start = 0
     for (first, n), table in zip(spans, tables):
@@ -247,4 +261,4 @@ def test_kernels_compile_for_sm90():
     r = subprocess.run([sys.executable, script, "bf16", "fp32"], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     shared = [int(n) for n in re.findall(r"compiled for sm_90, (\d+) bytes", r.stdout)]
-    assert len(shared) == 26 and max(shared) <= H100_H200_MAX_SHARED, r.stdout  # 13 kernels x 2 dtypes
+    assert len(shared) == 30 and max(shared) <= H100_H200_MAX_SHARED, r.stdout  # 15 kernels x 2 dtypes

@@ -24,7 +24,8 @@ from pagedserve.lora import triton_ops as tlora  # noqa: E402
 HEAD_DIM, BLOCK_SIZE = 128, 16
 INDEX_ARGS = ("slot_ptr", "block_table_ptr", "context_lens_ptr", "block_ids_ptr", "sorted_ids_ptr",
               "block_expert_ptr", "slots_ptr", "y_offsets_ptr", "b_offsets_ptr", "sizes_ptr")  # int64 tensors
-PARTIAL_ARGS = ("part_out_ptr", "part_max_ptr", "part_sum_ptr", "topk_weight_ptr", "h_ptr")  # float32 workspace etc.
+PARTIAL_ARGS = ("part_out_ptr", "part_max_ptr", "part_sum_ptr", "topk_weight_ptr", "h_ptr",
+                "sinks_ptr")  # float32 workspace etc.
 
 
 def compile_kernel(kernel, dtype: str, target: GPUTarget, **constexprs) -> int:
@@ -58,7 +59,9 @@ def main(dtypes: list[str], arch: int = 90) -> None:
             "decode_window_cap": (ta._decode_partition_kernel, dict(
                 BLOCK_SIZE=BLOCK_SIZE, PARTITION=ta.DECODE_PARTITION, BLOCK_N=ta.DECODE_BLOCK_N, BLOCK_G=16,
                 BLOCK_D=HEAD_DIM, FP32_DOT=fp32, WINDOW=True, SOFT_CAP=True)),
-            "decode_reduce": (ta._decode_reduce_kernel, dict(BLOCK_P=4, BLOCK_D=HEAD_DIM)),
+            "decode_reduce": (ta._decode_reduce_kernel, dict(BLOCK_P=4, BLOCK_D=HEAD_DIM, SINKS=False)),
+            # gpt-oss's sinks in the merge
+            "decode_reduce_sinks": (ta._decode_reduce_kernel, dict(BLOCK_P=4, BLOCK_D=HEAD_DIM, SINKS=True)),
             "rms_norm": (tlo._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK_N=1024)),  # hidden 1024
             "rms_norm_heads": (tlo._rms_norm_kernel, dict(HAS_RESIDUAL=False, BLOCK_N=HEAD_DIM)),  # q/k norm
             "silu_and_mul": (tlo._silu_and_mul_kernel, dict(BLOCK=tlo.SILU_BLOCK)),
@@ -67,10 +70,14 @@ def main(dtypes: list[str], arch: int = 90) -> None:
             "lora_expand": (tlora._expand_kernel, dict(RANK=16, BLOCK=tlora.BLOCK_N)),
             "prefill": (ta._prefill_kernel, dict(
                 BLOCK_SIZE=BLOCK_SIZE, BLOCK_M=ta.PREFILL_BLOCK_M, BLOCK_N=ta.PREFILL_BLOCK_N, BLOCK_D=HEAD_DIM,
-                FP32_DOT=fp32, WINDOW=False, SOFT_CAP=False)),
+                FP32_DOT=fp32, WINDOW=False, SOFT_CAP=False, SINKS=False)),
             "prefill_window_cap": (ta._prefill_kernel, dict(
                 BLOCK_SIZE=BLOCK_SIZE, BLOCK_M=ta.PREFILL_BLOCK_M, BLOCK_N=ta.PREFILL_BLOCK_N, BLOCK_D=HEAD_DIM,
-                FP32_DOT=fp32, WINDOW=True, SOFT_CAP=True)),
+                FP32_DOT=fp32, WINDOW=True, SOFT_CAP=True, SINKS=False)),
+            # a gpt-oss sliding layer's variant: window and sinks
+            "prefill_window_sinks": (ta._prefill_kernel, dict(
+                BLOCK_SIZE=BLOCK_SIZE, BLOCK_M=ta.PREFILL_BLOCK_M, BLOCK_N=ta.PREFILL_BLOCK_N, BLOCK_D=HEAD_DIM,
+                FP32_DOT=fp32, WINDOW=True, SOFT_CAP=False, SINKS=True)),
             # the experts' down projection with biases and routing weights (gpt-oss)
             "fused_moe": (tmoe._grouped_gemm_kernel, dict(
                 GATHER_TOKENS=False, HAS_BIAS=True, MUL_WEIGHT=True, IEEE=fp32, BLOCK_M=tmoe.BLOCK_M,

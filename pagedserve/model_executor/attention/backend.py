@@ -62,10 +62,13 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] (this step's new tokens, written to the cache first). Returns [T, H, D].
         sliding_window: each query attends only to the last this many positions (its own included).
-        logits_soft_cap: scores become cap * tanh(scores / cap) before the softmax (Gemma 2)."""
+        logits_soft_cap: scores become cap * tanh(scores / cap) before the softmax (Gemma 2).
+        sinks: [H] float32, one learned logit per query head that joins each softmax's denominator and adds no
+        value (gpt-oss)."""
 
     def forward_encoder(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                         scale: float) -> torch.Tensor:

@@ -12,9 +12,9 @@ views keep the common [num_blocks, block_size, num_kv_heads, head_dim] indexing 
     its own new K/V included, from the cache through its block table (causal with an offset; bfloat16 on AMX tiles
     where the CPU has them); elsewhere the reference SDPA per chunk;
   * an encoder's spans (no KV cache): the same prefill kernel, bidirectional, over the step's own K/V in place.
-A sliding-window layer's decode rows run the native kernel from each row's window on; its prefill chunks, and
-every row of a soft-capped layer (Gemma 2), run the reference paths (the window's blocks and masks, the cap) over
-the natively written cache.
+A sliding-window layer's rows read only their windows (decode rows from each row's window on, a prefill chunk from
+its first row's window on: the blocks a sliding group has freed are never read); Gemma 2's logit soft cap and
+gpt-oss's sinks are applied inside both kernels.
 Any activation dtype the kernels do not read (float16), or a build without the kernels, runs the reference paths.
 """
 from __future__ import annotations
@@ -62,27 +62,28 @@ class CpuAttentionBackend(TorchSDPABackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         kernels = self._native(q)
         if kernels is None:
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap, sinks)
         kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if logits_soft_cap is not None:  # the native kernels have no soft cap: the reference's
-            return self.attend(q, k, v, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
+        extras = dict(window=sliding_window or 0, soft_cap=logits_soft_cap or 0.0,
+                      sinks=None if sinks is None else sinks.float())
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         d = meta.num_decodes
         if d:
             kernels.paged_decode_attention(q[:d], k_cache, v_cache, meta.decode_block_tables,
-                                           meta.decode_context_lens, scale, out[:d], sliding_window or 0)
-        # the native prefill attends to the whole context: a windowed chunk takes the reference's window
-        native_prefill = kernels.native_prefill(k.shape[2]) and sliding_window is None
+                                           meta.decode_context_lens, scale, out[:d], **extras)
+        native_prefill = kernels.native_prefill(k.shape[2])
         for span in meta.prefills:
             if native_prefill:  # reads the chunk's context (its own K/V included) from the cache in place
                 sl = slice(span.start, span.start + span.num_tokens)
                 kernels.paged_prefill_attention(q[sl], k_cache, v_cache, span.block_ids,
-                                                span.context_len - span.num_tokens, scale, out[sl], span.causal)
+                                                span.context_len - span.num_tokens, scale, out[sl], span.causal,
+                                                **extras)
             else:
-                self.prefill(q, k, v, k_cache, v_cache, span, scale, out, sliding_window)
+                self.prefill(q, k, v, k_cache, v_cache, span, scale, out, sliding_window, logits_soft_cap, sinks)
         return out
 
     def forward_encoder(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,

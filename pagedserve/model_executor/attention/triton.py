@@ -20,7 +20,8 @@ decode steps may be captured as CUDA graphs (cuda_graphs.py): the K/V write skip
   * sliding window (Mistral, Qwen2, Gemma's sliding layers: a query sees its last `window` positions): the decode
     partitions and the prefill tiles start at the window's first tile, so a windowed layer reads about a window
     of K/V whatever the context; a logits soft cap (Gemma 2: scores -> cap * tanh(scores / cap)) is applied to the
-    scores of each tile before the online softmax.
+    scores of each tile before the online softmax; attention sinks (gpt-oss: a logit per query head in each
+    softmax's denominator, with no value) join at the end, in the decode merge and after a prefill row's last tile.
 
 Without a GPU these kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before this module is imported):
 that is how CI checks them against a PyTorch reference (tests/model_executor/test_triton_attention.py).
@@ -86,6 +87,15 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_ptr, n, n_mas
     p = tl.exp(s - m_safe[:, None])
     v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + _dot(p.to(q.dtype), v, FP32_DOT)
+
+
+@triton.jit
+def _with_sink(m, total, sink):
+    """(factor, denominator) that fold a sink logit into a softmax of running max m and sum total (of exp(s - m)):
+    the output is acc * factor / denominator, both taken about max(m, sink) so that no exponent overflows."""
+    top = tl.maximum(m, sink)
+    factor = tl.exp(m - top)
+    return factor, total * factor + tl.exp(sink - top)
 
 
 @triton.jit
@@ -165,9 +175,9 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, c
 
 
 @triton.jit
-def _decode_reduce_kernel(part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, stride_ot, stride_oh,
+def _decode_reduce_kernel(part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, sinks_ptr, stride_ot, stride_oh,
                           num_heads, head_dim, num_partitions,
-                          BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+                          BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)
     p = tl.arange(0, BLOCK_P)
@@ -181,17 +191,23 @@ def _decode_reduce_kernel(part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, str
     total = tl.sum(tl.load(part_sum_ptr + base + p, mask=p_mask, other=0.0) * weight, axis=0)
     acc = tl.load(part_out_ptr + (base + p)[:, None] * head_dim + d[None, :],
                   mask=p_mask[:, None] & (d < head_dim)[None, :], other=0.0)
-    o = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    o = tl.sum(acc * weight[:, None], axis=0)
+    if SINKS:  # the head's sink joins the merged denominator once
+        factor, total = _with_sink(m_max, total, tl.load(sinks_ptr + head).to(tl.float32))
+        o = o * factor
+    o = o / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < head_dim)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, out: torch.Tensor,
                      partition: int = DECODE_PARTITION, block_n: int = DECODE_BLOCK_N,
-                     window: int | None = None, soft_cap: float | None = None) -> None:
+                     window: int | None = None, soft_cap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> None:
     """q, out: [R, H, D] (head_dim contiguous); block_tables [R, W]; context_lens [R] (0: a padding row, out 0).
     Partitions = ceil(W * block_size / partition): fixed by the table's width, not by the lengths' values.
-    window: each row sees its last this many positions; soft_cap: scores capped (both None: neither)."""
+    window: each row sees its last this many positions; soft_cap: scores capped; sinks: [H] logits in each
+    softmax's denominator (all None: none of them)."""
     if block_n < 16:  # the interpreter runs smaller tiles; the GPU compiler refuses them
         raise ValueError(f"decode tiles of {block_n} tokens: tl.dot needs K >= 16 on a GPU")
     rows, num_heads, head_dim = q.shape
@@ -211,16 +227,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, FP32_DOT=_fp32_dot(q.dtype),
         WINDOW=window is not None, SOFT_CAP=soft_cap is not None)
     _decode_reduce_kernel[(rows, num_heads)](
-        part_out, part_max, part_sum, out, out.stride(0), out.stride(1), num_heads, head_dim, num_partitions,
-        BLOCK_P=max(2, triton.next_power_of_2(num_partitions)), BLOCK_D=block_d)
+        part_out, part_max, part_sum, out, part_max if sinks is None else sinks, out.stride(0), out.stride(1),
+        num_heads, head_dim, num_partitions,
+        BLOCK_P=max(2, triton.next_power_of_2(num_partitions)), BLOCK_D=block_d, SINKS=sinks is not None)
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_ids_ptr, out_ptr, scale, window, soft_cap,
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_ids_ptr, out_ptr, sinks_ptr, scale, window, soft_cap,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
                     num_tokens, first_pos, head_dim, group_size,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    FP32_DOT: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr):
+                    FP32_DOT: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, SINKS: tl.constexpr):
     tile_m = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // group_size
@@ -248,6 +265,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_ids_ptr, out_ptr, sca
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_ids_ptr, n, n_mask,
                                      visible, kv_head, d, d_mask, scale, soft_cap,
                                      stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP32_DOT, SOFT_CAP)
+    if SINKS:  # the head's sink joins each row's denominator
+        factor, l_i = _with_sink(m_i, l_i, tl.load(sinks_ptr + head).to(tl.float32))
+        acc = acc * factor[:, None]
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a real row sees at least itself; a padding row may see nothing
     tl.store(out_ptr + m[:, None] * stride_ot + head * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & d_mask[None, :])
@@ -256,25 +276,26 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_ids_ptr, out_ptr, sca
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
                       context_len: int, scale: float, out: torch.Tensor,
                       block_m: int = PREFILL_BLOCK_M, block_n: int = PREFILL_BLOCK_N,
-                      window: int | None = None, soft_cap: float | None = None) -> None:
+                      window: int | None = None, soft_cap: float | None = None,
+                      sinks: torch.Tensor | None = None) -> None:
     """One chunk: q, out [n, H, D] at positions context_len - n .. context_len - 1 (their K/V already written);
-    block_ids: the request's block table (long); window, soft_cap as decode_attention's."""
+    block_ids: the request's block table (long); window, soft_cap, sinks as decode_attention's."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     _prefill_kernel[(triton.cdiv(num_tokens, block_m), num_heads)](
-        q, k_cache, v_cache, block_ids, out, scale, window or 0, soft_cap or 1.0,
+        q, k_cache, v_cache, block_ids, out, out if sinks is None else sinks, scale, window or 0, soft_cap or 1.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_tokens, context_len - num_tokens, head_dim, num_heads // num_kv_heads,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         # tl.dot needs every dimension >= 16
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), FP32_DOT=_fp32_dot(q.dtype),
-        WINDOW=window is not None, SOFT_CAP=soft_cap is not None)
+        WINDOW=window is not None, SOFT_CAP=soft_cap is not None, SINKS=sinks is not None)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, window: int | None = None,
-                    soft_cap: float | None = None) -> torch.Tensor:
+                    soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """AttentionBackend.forward's contract: q [T, H, D], k/v [T, KVH, D] (this step's new tokens), decode rows
     first. No host synchronisation: a decode-only step runs inside a CUDA graph."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -282,11 +303,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     d = meta.num_decodes
     if d:
         decode_attention(q[:d], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, out[:d],
-                         window=window, soft_cap=soft_cap)
+                         window=window, soft_cap=soft_cap, sinks=sinks)
     for span in meta.prefills:
         sl = slice(span.start, span.start + span.num_tokens)
         prefill_attention(q[sl], k_cache, v_cache, span.block_ids, span.context_len, scale, out[sl],
-                          window=window, soft_cap=soft_cap)
+                          window=window, soft_cap=soft_cap, sinks=sinks)
     return out
 
 
@@ -302,8 +323,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
-        return paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
+                sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap, sinks)
 
     def fused_ops(self, x: torch.Tensor) -> ModuleType | None:
         return triton_layer_ops if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else None

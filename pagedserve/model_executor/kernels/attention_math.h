@@ -1,6 +1,7 @@
 // The vector steps that decode and prefill attention share (AVX-512 builds): chunks of 16 keys, the online
 // softmax's weights and updates, the value sums in float32, and on AVX512-BF16 the value sums on bfloat16 pairs
-// (VDPBF16PS or AMX tiles).
+// (VDPBF16PS or AMX tiles); and on every build what a layer may add to plain attention (AttentionExtras: a sliding
+// window, Gemma 2's logit soft cap, gpt-oss's sinks).
 #pragma once
 
 #include "vec.h"
@@ -16,6 +17,35 @@ namespace ps {
 // inlined and specialised as before (as inline functions with external linkage, GCC left more of them as calls:
 // bfloat16 decode attention took 1.06-1.10x its time).
 namespace {
+
+// What a layer's attention adds to plain softmax attention (the default adds nothing).
+struct AttentionExtras {
+  int64_t window = 0;            // > 0: the query at position p sees keys p - window + 1 .. p only (a sliding layer)
+  float soft_cap = 0.f;          // > 0: each scaled score s becomes soft_cap tanh(s / soft_cap) (Gemma 2)
+  const float* sinks = nullptr;  // per query head: a logit in the softmax's denominator that adds no value (gpt-oss)
+};
+
+// The factor that turns query head h's value sum into its output, from its online softmax's max m (of the scaled
+// scores) and sum l of exp(score - m): 1 / l, or with a sink 1 / (l + exp(sink - m)), taken about max(m, sink) so
+// that neither exponent overflows.
+inline float output_factor(const AttentionExtras& x, int64_t h, float m, float l) {
+  if (x.sinks == nullptr) return 1.f / l;
+  const float top = std::max(m, x.sinks[h]), a = std::exp(m - top);
+  return a / (l * a + std::exp(x.sinks[h] - top));
+}
+
+// The extras of an attention call, checked: sinks (when given) one float32 logit per query head. Holds a pointer
+// into `sinks`: the caller keeps the tensor alive (contiguous) for the call.
+inline AttentionExtras attention_extras(int64_t window, double soft_cap, const c10::optional<torch::Tensor>& sinks,
+                                        int64_t num_heads) {
+  AttentionExtras x{window, static_cast<float>(soft_cap), nullptr};
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == torch::kFloat && sinks->dim() == 1 && sinks->size(0) == num_heads &&
+                sinks->is_contiguous(), "sinks must be a contiguous float32 [num_heads] tensor");
+    x.sinks = sinks->data_ptr<float>();
+  }
+  return x;
+}
 
 #if defined(__AVX512F__)
 constexpr int64_t kChunk = 16;      // tokens scored together: one score per lane
@@ -68,6 +98,22 @@ constexpr float kLog2e = 1.44269504088896341f;
 template <int Deg>
 inline __m512 softmax_weights(__m512 raw, float scale, float m_new) {
   return ps::exp2_16<Deg>(_mm512_fmsub_ps(raw, _mm512_set1_ps(scale * kLog2e), _mm512_set1_ps(m_new * kLog2e)));
+}
+
+// The soft cap on raw (unscaled) scores, kept in raw units: (cap / scale) tanh(raw scale / cap), so that the softmax
+// steps, which scale the scores themselves, see cap tanh(scaled / cap). tanh(y) = 1 - 2 / (e^2y + 1) (exp16 clamps:
+// no overflow at any score).
+inline __m512 cap_scores(__m512 raw, float scale, float cap) {
+  const __m512 e = ps::exp16(_mm512_mul_ps(raw, _mm512_set1_ps(2.f * scale / cap)));
+  const __m512 t = _mm512_sub_ps(_mm512_set1_ps(1.f), _mm512_div_ps(_mm512_set1_ps(2.f),
+                                                                    _mm512_add_ps(e, _mm512_set1_ps(1.f))));
+  return _mm512_mul_ps(t, _mm512_set1_ps(cap / scale));
+}
+
+// The lanes [lo, hi) of a 16-key chunk as a mask (lo, hi clamped to 0 .. 16).
+inline __mmask16 lanes_between(int64_t lo, int64_t hi) {
+  const auto below = [](int64_t n) { return (1u << std::clamp<int64_t>(n, 0, kChunk)) - 1; };
+  return static_cast<__mmask16>(below(hi) & ~below(lo));
 }
 
 // softmax_update over two chunks at once (their raw scores a and b, lanes outside va / vb ignored): one running

@@ -9,10 +9,12 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("scale"), py::arg("out") = py::none(), py::arg("window") = 0);
+        py::arg("scale"), py::arg("out") = py::none(), py::arg("window") = 0, py::arg("soft_cap") = 0.0,
+        py::arg("sinks") = py::none());
   m.def("paged_prefill_attention", &paged_prefill_attention, "causal attention of one prefill chunk over its "
         "sequence's paged KV cache (CPU, AVX-512)", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("block_ids"), py::arg("first"), py::arg("scale"), py::arg("out"), py::arg("causal") = true);
+        py::arg("block_ids"), py::arg("first"), py::arg("scale"), py::arg("out"), py::arg("causal") = true,
+        py::arg("window") = 0, py::arg("soft_cap") = 0.0, py::arg("sinks") = py::none());
   m.def("native_prefill", &native_prefill, "whether paged_prefill_attention handles this head_dim in this build");
   m.def("write_kv", &write_kv, "write new K/V rows (float32 or bfloat16) into the paged cache at their slots");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row ([rows, n] or [T, heads, n]); with residual: residual += x in "
@@ -22,6 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "per expert) on packed stacks: act(rows W13^T + b13) W2^T + b2; int8 with scales and shifts; activation 0 silu, "
         "1 gpt-oss's clamped SwiGLU");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] projection (float32 or bfloat16)");
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul,
+        "gelu(gate, tanh approximation) * up of a fused [gate | up] projection (float32 or bfloat16)");
   m.def("rotary_inplace", &rotary_inplace, "Neox-style rotary embedding in place (float32 or bfloat16)");
   m.def("argmax_rows", &argmax_rows,
         "each row's argmax, the first index on ties (float32 or bfloat16 [rows, n], contiguous rows)");
@@ -39,7 +43,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("block_tables"), py::arg("context_lens"), py::arg("layer_groups"), py::arg("windows"),
         py::arg("num_heads"), py::arg("num_kv_heads"),
         py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("lora") = std::vector<torch::Tensor>(),
-        py::arg("lora_rows") = py::none());
+        py::arg("lora_rows") = py::none(), py::arg("soft_caps") = std::vector<double>(),
+        py::arg("sandwich_norms") = std::vector<torch::Tensor>(), py::arg("activation") = 0,
+        py::arg("extra_rope") = std::vector<torch::Tensor>(), py::arg("layer_rope") = std::vector<int64_t>());
   m.def("lora_add", &lora_add, "y += each row's LoRA adapter delta B[slot] (A[slot] x), in place, by the rows' slot "
         "index (-1: none); a [slots, in, S x R], b [slots, R, out] (float32 or bfloat16)", py::arg("y"), py::arg("x"),
         py::arg("a"), py::arg("b"), py::arg("row_slots"), py::arg("slices"));

@@ -56,10 +56,11 @@ inline void softmax_rows(float* scores, int64_t heads, int64_t n, float* m, floa
 }
 
 // Unnormalised attention of all query heads of one sequence over its tokens [t0, t1): per head the max score m,
-// the sum l of exp(score - m) and acc = sum of exp(score - m) * value. An empty range gives l = 0.
+// the sum l of exp(score - m) and acc = sum of exp(score - m) * value. An empty range gives l = 0. qf: the queries
+// times the scale; cap > 0: the scores soft-capped.
 template <typename T>
 void attend(const float* qf, const T* k_cache, const T* v_cache, const int64_t* table, int64_t t0, int64_t t1,
-            const Shape& s, std::vector<float>& scores, float* acc, float* m, float* l) {
+            const Shape& s, float cap, std::vector<float>& scores, float* acc, float* m, float* l) {
   const int64_t heads = s.num_heads, d = s.head_dim, group = s.num_heads / s.num_kv_heads;
   const int64_t hs = s.cache.head_stride, n = t1 - t0;
   std::fill(acc, acc + heads * d, 0.f);
@@ -71,6 +72,8 @@ void attend(const float* qf, const T* k_cache, const T* v_cache, const int64_t* 
     const T* k_row = k_cache + cache_row(table, s, t, 0);
     for (int64_t h = 0; h < heads; ++h) scores[h * n + t - t0] = dot(qf + h * d, k_row + (h / group) * hs, d);
   }
+  if (cap > 0.f)
+    for (float& sc : scores) sc = cap * std::tanh(sc / cap);
   softmax_rows(scores.data(), heads, n, m, l);
   for (int64_t t = t0; t < t1; ++t) {
     const T* v_row = v_cache + cache_row(table, s, t, 0);
@@ -315,11 +318,12 @@ inline void softmax_update2_rows(__m512* a, const __mmask16* va, __m512* b, cons
 // Online softmax of one query head over the scores sc0 of the first n0 keys of a chunk and sc1 of the first n1 of
 // the chunk after it (none when n1 = 0): m, l and acc (d floats, the running sum of exp(score - m) * value) are
 // rescaled once for both and updated. v_rows: both chunks' value rows, the second's from index n0 (a first chunk
-// followed by a second one is full: n0 = kChunk).
+// followed by a second one is full: n0 = kChunk); cap > 0: the scores soft-capped first.
 template <typename TV>
 inline void attend_scored(__m512 sc0, __m512 sc1, const TV* const* v_rows, int64_t v_offset, int64_t d, int64_t n0,
-                          int64_t n1, float scale, float* acc, float& m, float& l) {
+                          int64_t n1, float scale, float cap, float* acc, float& m, float& l) {
   const __mmask16 valid0 = static_cast<__mmask16>((1u << n0) - 1);
+  if (cap > 0.f) sc0 = cap_scores(sc0, scale, cap), sc1 = cap_scores(sc1, scale, cap);
   float alpha;
   alignas(64) float p[2 * kChunk];
   if (n1 > 0) {
@@ -338,7 +342,7 @@ inline void attend_scored(__m512 sc0, __m512 sc1, const TV* const* v_rows, int64
 template <typename TQ, typename T, typename TV>
 inline void attend_chunks(const TQ* q, const float* qf, const T* const* k0, const T* const* k1, int64_t k_offset,
                           const TV* const* v_rows, int64_t v_offset, int64_t d, int64_t n0, int64_t n1, float scale,
-                          float* acc, float& m, float& l) {
+                          float cap, float* acc, float& m, float& l) {
   const auto score = [&](const T* const* k) {
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<TQ, bf16> && std::is_same_v<T, bf16>) {
@@ -347,15 +351,17 @@ inline void attend_chunks(const TQ* q, const float* qf, const T* const* k0, cons
 #endif
     return score_chunk(qf, k, k_offset, d);
   };
-  attend_scored(score(k0), n1 > 0 ? score(k1) : _mm512_setzero_ps(), v_rows, v_offset, d, n0, n1, scale, acc, m, l);
+  attend_scored(score(k0), n1 > 0 ? score(k1) : _mm512_setzero_ps(), v_rows, v_offset, d, n0, n1, scale, cap, acc, m,
+                l);
 }
 
 // `attend` for head_dim % 16 == 0 on AVX-512: one pass over the tokens in steps of two 16-token chunks with an
 // online softmax (one update per 32 keys). Each step's K/V rows (every KV head) are read from memory once and stay
 // in cache while all query heads use them; a query head's 16 scores per chunk come out of one reduction tree.
 template <typename TQ, typename T>
-void attend_avx512(const TQ* q, float scale, const T* k_cache, const T* v_cache, const int64_t* table, int64_t t0,
-                   int64_t t1, const Shape& s, RowPrefetch<T>& next, float* qf, float* acc, float* m, float* l) {
+void attend_avx512(const TQ* q, float scale, float cap, const T* k_cache, const T* v_cache, const int64_t* table,
+                   int64_t t0, int64_t t1, const Shape& s, RowPrefetch<T>& next, float* qf, float* acc, float* m,
+                   float* l) {
   const int64_t heads = s.num_heads, d = s.head_dim, group = s.num_heads / s.num_kv_heads, hs = s.cache.head_stride;
   for (int64_t i = 0; i < heads * d; ++i) qf[i] = to_float(q[i]);
   std::fill(acc, acc + heads * d, 0.f);
@@ -371,7 +377,7 @@ void attend_avx512(const TQ* q, float scale, const T* k_cache, const T* v_cache,
     if (two) std::copy(w.values(), w.values() + kChunk, values + kChunk);
     for (int64_t h = 0; h < heads; ++h, ahead.step(), next.step())
       attend_chunks(q + h * d, qf + h * d, first_keys, w.keys(), (h / group) * hs, values, (h / group) * hs, d, n0,
-                    n1, scale, acc + h * d, m[h], l[h]);
+                    n1, scale, cap, acc + h * d, m[h], l[h]);
     if (!two) break;
   }
 }
@@ -475,7 +481,8 @@ inline std::pair<const bf16*, int64_t> chunk_key_rows(const bf16* const* keys, i
 // reduction tree per chunk, or on AMX tiles with `tiles`), then its values are interleaved once per step and summed
 // for all G heads together - no value widened to float32 or read twice.
 template <int G>
-__attribute__((target("amx-tile,amx-bf16"))) void attend_bf16_grouped(const bf16* q, float scale, const bf16* k_cache,
+__attribute__((target("amx-tile,amx-bf16"))) void attend_bf16_grouped(const bf16* q, float scale, float cap,
+                                                                       const bf16* k_cache,
                                                                        const bf16* v_cache, const int64_t* table,
                                                                        int64_t t0, int64_t t1, const Shape& s,
                                                                        RowPrefetch<bf16>& next, bool tiles,
@@ -536,6 +543,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void attend_bf16_grouped(const bf16
         sc1[g] = !two ? _mm512_setzero_ps()
                : tiles ? score_column<G>(&scores[(2 * kv + 1) * kScores], g)
                        : score_chunk_bf16(q + h * d, w.keys(), kv * hs, d);
+        if (cap > 0.f) sc0[g] = cap_scores(sc0[g], scale, cap), sc1[g] = cap_scores(sc1[g], scale, cap);
         v0[g] = valid0, v1[g] = valid1;
         rows[g] = acc + h * d;
       }
@@ -559,14 +567,14 @@ __attribute__((target("amx-tile,amx-bf16"))) void attend_bf16_grouped(const bf16
 }
 
 // attend_bf16_grouped for this shape's group size; false when it does not apply (the caller takes another path).
-inline bool attend_bf16(const bf16* q, float scale, const bf16* k_cache, const bf16* v_cache, const int64_t* table,
-                        int64_t t0, int64_t t1, const Shape& s, RowPrefetch<bf16>& next, float* acc, float* m,
-                        float* l) {
+inline bool attend_bf16(const bf16* q, float scale, float cap, const bf16* k_cache, const bf16* v_cache,
+                        const int64_t* table, int64_t t0, int64_t t1, const Shape& s, RowPrefetch<bf16>& next,
+                        float* acc, float* m, float* l) {
   if (!bf16_path(s.head_dim)) return false;
   const bool tiles = ps::amx_tiles();
   switch (s.num_heads / s.num_kv_heads) {
 #define PS_GROUP(G) \
-  case G: attend_bf16_grouped<G>(q, scale, k_cache, v_cache, table, t0, t1, s, next, tiles, acc, m, l); return true;
+  case G: attend_bf16_grouped<G>(q, scale, cap, k_cache, v_cache, table, t0, t1, s, next, tiles, acc, m, l); return true;
     PS_GROUP(1) PS_GROUP(2) PS_GROUP(3) PS_GROUP(4) PS_GROUP(5) PS_GROUP(6) PS_GROUP(7) PS_GROUP(8)
 #undef PS_GROUP
     default: return false;
@@ -578,14 +586,14 @@ inline bool attend_bf16(const bf16* q, float scale, const bf16* k_cache, const b
 
 // Any other dtype pair or instruction set: the bfloat16 grouped path does not apply.
 template <typename TQ, typename T>
-inline bool attend_bf16(const TQ*, float, const T*, const T*, const int64_t*, int64_t, int64_t, const Shape&,
+inline bool attend_bf16(const TQ*, float, float, const T*, const T*, const int64_t*, int64_t, int64_t, const Shape&,
                         RowPrefetch<T>&, float*, float*, float*) {
   return false;
 }
 
 template <typename TQ, typename T>
 void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
-                   const int64_t* context_lens, TQ* out, Shape s, float scale, int64_t window) {
+                   const int64_t* context_lens, TQ* out, Shape s, float scale, const AttentionExtras& x) {
   const int64_t heads = s.num_heads, d = s.head_dim;
   // The work split: every context in parts of at most `span` tokens (a multiple of 16, the chunked kernels' step),
   // the tasks in sequence order, each thread a contiguous run of them holding ~1/threads of all the keys; a split
@@ -598,7 +606,7 @@ void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_
   std::vector<int64_t> first_key(s.num_seqs, 0);
   int64_t total = 0;
   for (int64_t i = 0; i < s.num_seqs; ++i) {
-    if (window > 0) first_key[i] = std::max<int64_t>(0, context_lens[i] - window);
+    if (x.window > 0) first_key[i] = std::max<int64_t>(0, context_lens[i] - x.window);
     total += context_lens[i] - first_key[i];
   }
   const int64_t span = std::max<int64_t>(4 * kAlign, (total / (4 * threads) + kAlign - 1) / kAlign * kAlign);
@@ -639,20 +647,20 @@ void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_
       // The chunked kernels on every row width: on Qwen3's rows (8 KV heads x 128, 2-4 KiB per token) they once
       // lost to the token-at-a-time pass below (AMD Zen 4, float32, before the two-chunk softmax steps); on an Intel
       // Xeon they now take 0.58-0.66x its time in bfloat16 and 0.80-0.89x in float32.
-      if (!attend_bf16(qs, scale, k_cache, v_cache, table, t0, t1, s, next, a, mm, ll)) {
+      if (!attend_bf16(qs, scale, x.soft_cap, k_cache, v_cache, table, t0, t1, s, next, a, mm, ll)) {
 #if defined(__AVX512F__)
         if (d % 16 == 0) {
-          attend_avx512(qs, scale, k_cache, v_cache, table, t0, t1, s, next, qf.data(), a, mm, ll);
+          attend_avx512(qs, scale, x.soft_cap, k_cache, v_cache, table, t0, t1, s, next, qf.data(), a, mm, ll);
         } else
 #endif
         {
           for (int64_t i = 0; i < heads * d; ++i) qf[i] = to_float(qs[i]) * scale;
-          attend(qf.data(), k_cache, v_cache, table, t0, t1, s, scores, a, mm, ll);
+          attend(qf.data(), k_cache, v_cache, table, t0, t1, s, x.soft_cap, scores, a, mm, ll);
         }
       }
       if (whole) {
         for (int64_t h = 0; h < heads; ++h) {
-          const float inv = 1.f / ll[h];
+          const float inv = output_factor(x, h, mm[h], ll[h]);
           TQ* o = out + (seq * heads + h) * d;
 #pragma omp simd
           for (int64_t i = 0; i < d; ++i) o[i] = from_float<TQ>(a[h * d + i] * inv);
@@ -671,7 +679,8 @@ void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_
         const int64_t i = t * heads + h;
         if (part_l[i] > 0.f && (!any || part_m[i] > mx)) mx = part_m[i], any = true;
       }
-      float denom = 0.f;
+      if (x.sinks != nullptr) mx = std::max(mx, x.sinks[h]);  // the sink joins the denominator once
+      float denom = x.sinks != nullptr ? std::exp(x.sinks[h] - mx) : 0.f;
       std::fill(o.begin(), o.end(), 0.f);
       for (int64_t t = first_task[seq]; t < first_task[seq + 1]; ++t) {
         const int64_t i = t * heads + h;
@@ -693,16 +702,20 @@ void decode_kernel(const TQ* q, const T* k_cache, const T* v_cache, const int64_
 // output); k_cache, v_cache: [num_blocks, block_size, KVH, D] float32, bfloat16 or float16 (layout_of: token- or
 // head-major blocks, any stride between blocks); block_tables:
 // [S, max_blocks] int64; context_lens: [S] int64; window > 0: each row attends to its last `window` positions
-// only (a sliding-window layer). Accumulates in float32; writes into `out` ([S, H, D], q's dtype, contiguous) when
-// given; returns it.
+// only (a sliding-window layer); soft_cap > 0: scores s become soft_cap tanh(s / soft_cap) (Gemma 2); sinks ([H]
+// float32): per-head logits in each softmax's denominator (gpt-oss). Accumulates in float32; writes into `out`
+// ([S, H, D], q's dtype, contiguous) when given; returns it.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     c10::optional<torch::Tensor> out_opt, int64_t window) {
+                                     c10::optional<torch::Tensor> out_opt, int64_t window, double soft_cap,
+                                     c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(ps::is_act_dtype(q.scalar_type()) && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be float32 or bfloat16 [S, H, D] with contiguous heads");
   const CacheLayout layout = layout_of(k_cache, v_cache);
   TORCH_CHECK(scale > 0, "scale must be positive (the softmax takes the max of the unscaled scores)");
+  TORCH_CHECK(window >= 0 && soft_cap >= 0, "window and soft_cap must be >= 0 (0: none)");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong);
+  const AttentionExtras extras = attention_extras(window, soft_cap, sinks, q.size(1));
   auto bt = block_tables.contiguous();
   auto lens = context_lens.contiguous();
   auto out = out_opt.has_value() ? *out_opt : torch::empty(q.sizes(), q.options());
@@ -717,7 +730,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     ps::with_cache_type(k_cache.scalar_type(), [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
       decode_kernel<TQ, T>(ps::ptr<TQ>(q), ps::ptr<T>(k_cache), ps::ptr<T>(v_cache), tp, lp, ps::ptr<TQ>(out), s, sc,
-                           window);
+                           extras);
     });
   });
   return out;

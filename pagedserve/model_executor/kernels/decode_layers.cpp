@@ -47,7 +47,11 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor x, c10::opt
                                                        std::vector<int64_t> windows, int64_t num_heads,
                                                        int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
                                                        std::vector<torch::Tensor> lora,
-                                                       c10::optional<torch::Tensor> lora_rows) {
+                                                       c10::optional<torch::Tensor> lora_rows,
+                                                       std::vector<double> soft_caps,
+                                                       std::vector<torch::Tensor> sandwich_norms, int64_t activation,
+                                                       std::vector<torch::Tensor> extra_rope,
+                                                       std::vector<int64_t> layer_rope) {
   const int64_t layers = static_cast<int64_t>(caches.size()) / 2;
   TORCH_CHECK(layers * 2 == static_cast<int64_t>(caches.size()) &&
                   static_cast<int64_t>(weights.size()) == layers * kPerLayer &&
@@ -57,6 +61,17 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor x, c10::opt
               "decode_layers: ", kPerLayer, " weight tensors, 3 widths, 2 caches, a group and a window per layer");
   for (int64_t g : layer_groups)
     TORCH_CHECK(g >= 0 && g < static_cast<int64_t>(block_tables.size()), "decode_layers: no block table for group ", g);
+  // Gemma's layer (each optional: empty for Llama's): per layer the attention's soft cap, its post-attention and
+  // post-MLP norms (two per layer), GeGLU (activation 1) and RoPE tables per layer type (layer_rope[i]: 0 cos/sin,
+  // j > 0 the pair extra_rope[2j - 2], [2j - 1])
+  TORCH_CHECK((soft_caps.empty() || static_cast<int64_t>(soft_caps.size()) == layers) &&
+                  (sandwich_norms.empty() || static_cast<int64_t>(sandwich_norms.size()) == 2 * layers) &&
+                  (activation == 0 || activation == 1) && extra_rope.size() % 2 == 0 &&
+                  (layer_rope.empty() || static_cast<int64_t>(layer_rope.size()) == layers),
+              "decode_layers: a soft cap, two sandwich norms and a RoPE table index per layer, or none; activation 0 "
+              "(silu) or 1 (gelu tanh)");
+  for (int64_t r : layer_rope)
+    TORCH_CHECK(r >= 0 && 2 * r <= static_cast<int64_t>(extra_rope.size()), "decode_layers: no RoPE table ", r);
   const bool with_lora = !lora.empty();
   TORCH_CHECK(!with_lora || (static_cast<int64_t>(lora.size()) == layers * kLoRAPerLayer && lora_rows.has_value()),
               "decode_layers: ", kLoRAPerLayer, " LoRA tensors per layer and the rows' slots, or none");
@@ -82,19 +97,23 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor x, c10::opt
       rms_norm(q, c10::nullopt, w[5], eps, q);
       rms_norm(k, c10::nullopt, w[6], eps, k);
     }
-    rotary_inplace(qk, cos, sin);
+    const int64_t rope = layer_rope.empty() ? 0 : layer_rope[i];
+    rotary_inplace(qk, rope == 0 ? cos : extra_rope[2 * rope - 2], rope == 0 ? sin : extra_rope[2 * rope - 1]);
     const int64_t g = layer_groups[i];
     write_kv(k, v, caches[2 * i], caches[2 * i + 1], slot_mappings[g]);
     const torch::Tensor o = paged_decode_attention(q, caches[2 * i], caches[2 * i + 1], block_tables[g], context_lens,
-                                                   scale, c10::nullopt, windows[i]);
+                                                   scale, c10::nullopt, windows[i],
+                                                   soft_caps.empty() ? 0.0 : soft_caps[i]);
     h = product(o.view({t, q_size}), w + 7, width[1]);
     if (with_lora) lora_add(h, o.view({t, q_size}), l[2], l[3], *lora_rows, {width[1]});
+    if (!sandwich_norms.empty()) h = rms_norm(h, c10::nullopt, sandwich_norms[2 * i], eps, c10::nullopt);
     h = rms_norm(h, residual, w[11], eps, c10::nullopt);
     const torch::Tensor gate_up = product(h, w + 12, width[2]);
     if (with_lora) lora_add(gate_up, h, l[4], l[5], *lora_rows, {width[2] / 2, width[2] / 2});
-    const torch::Tensor act = silu_and_mul(gate_up);
+    const torch::Tensor act = activation == 1 ? gelu_tanh_and_mul(gate_up) : silu_and_mul(gate_up);
     x = product(act, w + 16, x.size(1));
     if (with_lora) lora_add(x, act, l[6], l[7], *lora_rows, {x.size(1)});
+    if (!sandwich_norms.empty()) x = rms_norm(x, c10::nullopt, sandwich_norms[2 * i + 1], eps, c10::nullopt);
   }
   return {x, residual};
 }

@@ -83,6 +83,35 @@ void silu_mul_kernel(const T* gp, int64_t stride, T* op, int64_t rows, int64_t n
   });
 }
 
+// gelu(g, tanh approximation) * u per row: gelu_tanh(g) = g / (1 + e^(-2y)), y = sqrt(2/pi) (g + 0.044715 g^3)
+// (0.5 (1 + tanh y) = sigmoid(2y)), e^-2y clamped as exp16 clamps it.
+template <typename T>
+void gelu_tanh_mul_kernel(const T* gp, int64_t stride, T* op, int64_t rows, int64_t n) {
+  constexpr float kA = -2.f * 0.7978845608028654f, kB = -2.f * 0.7978845608028654f * 0.044715f;
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const T* g = gp + r * stride;
+      const T* u = g + n;
+      T* o = op + r * n;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= n; i += 16) {
+        const __m512 gv = ps::load16(g + i);
+        const __m512 z = _mm512_mul_ps(gv, _mm512_fmadd_ps(_mm512_mul_ps(gv, gv), _mm512_set1_ps(kB),
+                                                             _mm512_set1_ps(kA)));
+        const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), ps::exp16(z));
+        ps::store16(o + i, _mm512_mul_ps(_mm512_div_ps(gv, d), ps::load16(u + i)));
+      }
+#endif
+#pragma omp simd
+      for (int64_t j = i; j < n; ++j) {
+        const float gf = to_float(g[j]), z = gf * (kA + kB * gf * gf);
+        o[j] = from_float<T>(gf / (1.f + std::exp(std::min(z, 88.f))) * to_float(u[j]));
+      }
+    }
+  });
+}
+
 template <typename T, typename TC>
 void rotary_kernel(T* xp, int64_t x_stride, const TC* cp, const TC* sp, int64_t tokens, int64_t heads,
                    int64_t half) {
@@ -153,6 +182,18 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   ps::with_act_type(gate_up.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     silu_mul_kernel<T>(ps::ptr<T>(gate_up), gate_up.stride(0), ps::ptr<T>(out), rows, n);
+  });
+  return out;
+}
+
+// gate_up: [rows, 2 * n] (gate then up) -> gelu_tanh(gate) * up: [rows, n], same dtype (Gemma's GeGLU).
+torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
+  check_rows(gate_up, "gate_up");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, n}, gate_up.options());
+  ps::with_act_type(gate_up.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    gelu_tanh_mul_kernel<T>(ps::ptr<T>(gate_up), gate_up.stride(0), ps::ptr<T>(out), rows, n);
   });
   return out;
 }

@@ -10,11 +10,13 @@
 // decode_attention.cpp
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     c10::optional<torch::Tensor> out, int64_t window);
+                                     c10::optional<torch::Tensor> out, int64_t window, double soft_cap = 0.0,
+                                     c10::optional<torch::Tensor> sinks = c10::nullopt);
 // prefill_attention.cpp
 bool native_prefill(int64_t head_dim);
 void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_ids,
-                             int64_t first, double scale, torch::Tensor out, bool causal);
+                             int64_t first, double scale, torch::Tensor out, bool causal, int64_t window,
+                             double soft_cap, c10::optional<torch::Tensor> sinks);
 // kv_write.cpp
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_mapping);
@@ -22,6 +24,7 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps,
                        c10::optional<torch::Tensor> out);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up);
 void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor argmax_rows(torch::Tensor logits);
 const char* kernel_isa();
@@ -46,7 +49,11 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor x, c10::opt
                                                        std::vector<int64_t> windows, int64_t num_heads,
                                                        int64_t num_kv_heads, int64_t head_dim, double eps,
                                                        double scale, std::vector<torch::Tensor> lora,
-                                                       c10::optional<torch::Tensor> lora_rows);
+                                                       c10::optional<torch::Tensor> lora_rows,
+                                                       std::vector<double> soft_caps,
+                                                       std::vector<torch::Tensor> sandwich_norms, int64_t activation,
+                                                       std::vector<torch::Tensor> extra_rope,
+                                                       std::vector<int64_t> layer_rope);
 // moe_experts.cpp
 torch::Tensor fused_moe_experts(torch::Tensor rows, std::vector<int64_t> counts, torch::Tensor w13, torch::Tensor w2,
                                 int64_t n13, int64_t n2, c10::optional<torch::Tensor> scale13,

@@ -36,8 +36,11 @@ def silu_and_mul(gate_up: torch.Tensor, ops: ModuleType | None) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gelu(gate, tanh approximation) * up: GeGLU (Gemma's `gelu_pytorch_tanh`)."""
+def gelu_tanh_and_mul(gate_up: torch.Tensor, ops: ModuleType | None = None) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up: GeGLU (Gemma's `gelu_pytorch_tanh`); one kernel by
+    `ops.gelu_tanh_and_mul` where the backend's fused ops have it (the native CPU ones)."""
+    if ops is not None and hasattr(ops, "gelu_tanh_and_mul"):
+        return ops.gelu_tanh_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
 

@@ -51,6 +51,7 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.sliding_window = cfg.layer_sliding_window(int(prefix.split(".")[1]))  # prefix: layers.{i}.self_attn
         self.logits_soft_cap: float | None = None  # a family that caps attention scores sets it (Gemma 2)
+        self.sinks: torch.Tensor | None = None  # a family with attention sinks sets its per-head logits (gpt-oss)
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -74,10 +75,12 @@ class Attention(nn.Module):
                meta: AttentionMetadata) -> torch.Tensor:
         """The step's K/V into the cache and attention over it (a family with another attention overrides it)."""
         return self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
-                                         self.logits_soft_cap)
+                                         self.logits_soft_cap, self.sinks)
 
 
 class MLP(nn.Module):
+    activation = "silu"  # of the gate (SwiGLU); the native whole-stack decode runs "silu" and "gelu_tanh"
+
     def __init__(self, cfg: ModelConfig, parallel: ParallelState, attn_backend: AttentionBackend,
                  quant_config: QuantizationConfig, prefix: str) -> None:
         super().__init__()

@@ -10,7 +10,8 @@ Each step it runs only when every row is a decode row within the linears' row li
 with forward hooks (the engine's fault injection, a user's, which must run), the Python layers do. A sliding-window
 layer's attention takes its window, and a hybrid model's layer its KV cache group's block table and slots
 (core/kv_cache_groups.py), as in Python. With multi-LoRA, the LoRA model manager hands it each step's adapter
-tensors and row slots (`set_lora`): the kernel adds each projection's batched delta after it.
+tensors and row slots (`set_lora`): the kernel adds each projection's batched delta after it. Gemma 2/3's layer
+runs too: its norms after attention and MLP, GeGLU, the attention's soft cap, RoPE tables per layer type.
 """
 from __future__ import annotations
 
@@ -27,12 +28,22 @@ from pagedserve.model_executor.parallel_state import ParallelState
 from pagedserve.model_executor.quantization.base import NativeLinearTensors
 
 
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # an MLP's gate activation -> decode_layers' code
+
+
 class FusedDecodeStack:
     def __init__(self, layers: nn.ModuleList, kernels: ModuleType, tensors: list[torch.Tensor], widths: list[int],
-                 max_rows: int, rms_norm_eps: float, layer_groups: list[int]) -> None:
+                 max_rows: int, rms_norm_eps: float, layer_groups: list[int],
+                 sandwich_norms: list[torch.Tensor]) -> None:
         self.layers = layers
         self.layer_groups = layer_groups  # per layer: its KV cache group (its block table and slots)
         self.windows = [layer.self_attn.sliding_window or 0 for layer in layers]
+        # Gemma: the attention's soft cap, norms after attention and MLP (sandwich_norms: two per layer, or none),
+        # GeGLU, and RoPE per layer type (cos_sin a dict by type: each layer's index into it)
+        self.soft_caps = [layer.self_attn.logits_soft_cap or 0.0 for layer in layers]
+        self.sandwich_norms = sandwich_norms
+        self.activation = ACTIVATIONS[layers[0].mlp.activation]
+        self.layer_types = [getattr(layer, "layer_type", None) for layer in layers]
         self.kernels = kernels
         self.tensors = tensors  # per layer, in decode_layers' order
         self.widths = widths  # per layer: the QKV, o_proj and gate_up output widths
@@ -60,8 +71,11 @@ class FusedDecodeStack:
                     none if scale is None else scale, none if t.int8_shift is None else t.int8_shift]
 
         tensors: list[torch.Tensor] = []
+        sandwich_norms: list[torch.Tensor] = []
         widths: list[int] = []
         native: dict[Linear, NativeLinearTensors] = {}
+        if layers[0].mlp.activation not in ACTIVATIONS:
+            return None
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -71,12 +85,20 @@ class FusedDecodeStack:
                 native[lin] = t
             q_norm = none if attn.q_norm is None else attn.q_norm.weight
             k_norm = none if attn.k_norm is None else attn.k_norm.weight
+            # Gemma's layer: its pre-MLP norm takes the residual add (Llama's post-attention norm's place), its
+            # post-attention and post-MLP norms run on the attention's and the MLP's outputs
+            sandwich = hasattr(layer, "pre_feedforward_layernorm")
+            mlp_norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
+            if sandwich:
+                sandwich_norms += [layer.post_attention_layernorm.weight, layer.post_feedforward_layernorm.weight]
             tensors += [layer.input_layernorm.weight, *product(attn.qkv_proj), q_norm, k_norm,
-                        *product(attn.o_proj), layer.post_attention_layernorm.weight,
+                        *product(attn.o_proj), mlp_norm.weight,
                         *product(mlp.gate_up_proj), *product(mlp.down_proj)]
             widths += [attn.qkv_proj.out_features, attn.o_proj.out_features, mlp.gate_up_proj.out_features]
+        if sandwich_norms and len(sandwich_norms) != 2 * len(layers):
+            return None  # a mix of layer kinds
         return cls(layers, kernels, tensors, widths, min(t.max_rows for t in native.values()), rms_norm_eps,
-                   layer_groups)
+                   layer_groups, sandwich_norms)
 
     def set_lora(self, tensors: list[torch.Tensor], row_slots: torch.Tensor | None) -> None:
         """The next steps' LoRA: per layer lora_a and lora_b of QKV, o, gate/up and down, and each row's slot (-1:
@@ -92,7 +114,16 @@ class FusedDecodeStack:
                 or any(layer._forward_pre_hooks or layer._forward_hooks for layer in self.layers):
             return None
         groups = [meta, *meta.group_metadata]
+        layer_rope: list[int] = []
+        if isinstance(cos_sin, dict):  # per layer type (Gemma 3): the first type's tables, then the others'
+            kinds = list(cos_sin)
+            layer_rope = [kinds.index(kind) for kind in self.layer_types]
+            cos_sin, extra_rope = cos_sin[kinds[0]], [t for kind in kinds[1:] for t in cos_sin[kind]]
+        else:
+            extra_rope = []
         return self.kernels.decode_layers(x, residual, self.tensors, self.widths, [t for kv in kv_caches for t in kv],
                                           *cos_sin, [m.slot_mapping for m in groups],
                                           [m.decode_block_tables for m in groups], meta.decode_context_lens,
-                                          self.layer_groups, self.windows, *self.shape, self.lora, self.lora_rows)
+                                          self.layer_groups, self.windows, *self.shape, self.lora, self.lora_rows,
+                                          self.soft_caps, self.sandwich_norms, self.activation, extra_rope,
+                                          layer_rope)

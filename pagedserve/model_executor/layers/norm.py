@@ -43,11 +43,12 @@ class RMSNorm(nn.Module):
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the checkpoint stores w, the norm multiplies by (1 + w), in float32 as Hugging Face does.
-    Folded once after loading (`fold_weight`) into a float32 weight, so the forward is RMSNorm's; activations of
-    another dtype (bfloat16) take PyTorch's float32 path rather than a fused op that reads the weight in theirs."""
+    Folded once after loading (`fold_weight`) into a float32 weight, so the forward is RMSNorm's. Activations of
+    another dtype (bfloat16) take the native CPU op, which reads a float32 weight beside them (as the native
+    whole-stack decode does), or elsewhere PyTorch's float32 path."""
 
     def fold_weight(self) -> None:
         self.weight = nn.Parameter(1.0 + self.weight.detach().float(), requires_grad=False)
 
     def _ops(self, x: torch.Tensor):
-        return super()._ops(x) if x.dtype == self.weight.dtype else None
+        return super()._ops(x) if x.dtype == self.weight.dtype or x.device.type == "cpu" else None

@@ -71,6 +71,8 @@ class DecoderForCausalLM(nn.Module):
         self.kv_cache_groups = groups
         slots = layer_cache_slots(groups)
         self.layer_kv_slots = [slots[i] for i in self.layer_range]  # per local layer: (group, KV tensor)
+        if getattr(self, "fused_decode", None) is not None:  # regrouped after loading (a draft model)
+            self.fused_decode.layer_groups = [g for g, _ in self.layer_kv_slots]
 
     def decoder_options(self, cfg: ModelConfig) -> DecoderOptions:
         """What this family sets on the shared decoder layer (a subclass overrides it)."""

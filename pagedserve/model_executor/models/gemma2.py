@@ -3,8 +3,8 @@ before and after both attention and MLP, embeddings scaled by sqrt(hidden_size) 
 transformers does), attention scale query_pre_attn_scalar ** -0.5, attention-logit and final-logit soft-capping,
 and sliding/full layers from config.json's layer_types (older configs: every even layer slides).
 
-Soft-capped attention runs the reference attention paths (attention/torch_sdpa.py's explicit matmuls) whatever the
-backend: the native CPU and Triton kernels have no cap. The native whole-stack decode runs Llama's layer only.
+The attention's soft cap and windows run in every backend's kernels. On CPU the native whole-stack decode
+(layers/fused_decode.py) runs this layer too: its norms after attention and MLP, GeGLU, the soft cap per layer.
 Gemma 3 (models/gemma3.py) is this layer with q/k norms and per-layer-type RoPE bases.
 """
 from __future__ import annotations
@@ -27,8 +27,12 @@ from pagedserve.model_executor.quantization.base import QuantizationConfig
 
 
 class GemmaMLP(MLP):
+    activation = "gelu_tanh"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.parallel.all_reduce(self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x))))
+        gate_up = self.gate_up_proj(x)
+        return self.parallel.all_reduce(self.down_proj(gelu_tanh_and_mul(gate_up,
+                                                                         self.attn_backend.fused_ops(gate_up))))
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -67,7 +71,6 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class Gemma2ForCausalLM(DecoderForCausalLM):
-    supports_fused_decode = False  # the native decode stack runs Llama's layer
     norm_class = GemmaRMSNorm
     sliding_window_pattern = 2  # older configs without layer_types: every this-many-th layer attends to all
 
@@ -91,7 +94,9 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
         return x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)
 
     def process_weights_after_loading(self) -> None:
-        super().process_weights_after_loading()
-        for module in self.modules():
+        dtype = self.layers[0].input_layernorm.weight.dtype
+        for module in self.modules():  # before the native decode stack takes the norms' weights
             if isinstance(module, GemmaRMSNorm):
                 module.fold_weight()
+        super().process_weights_after_loading()
+        self.hidden_dtype = dtype  # the model dtype (the folded norms' weights are float32)

@@ -3,8 +3,8 @@ per head in each softmax's denominator), sliding and full attention layers alter
 RoPE, and in every layer an MoE MLP: a biased router whose top-k logits are softmaxed over the k, and biased experts
 with a clamped SwiGLU, (up + 1) * gate * sigmoid(alpha * gate), gate clamped to <= limit and up to [-limit, limit].
 
-Attention with sinks runs the reference paths (attention/torch_sdpa.py: explicit matmuls with a sink column) over
-the cache the model's backend wrote: neither the native CPU kernels nor the Triton ones take a sink logit yet.
+Attention with sinks runs on the model's backend like any layer's (the sinks passed with each call): the native CPU
+kernels and the Triton ones add each head's sink to the softmax's denominator, the reference an extra score column.
 
 Checkpoint: transformers' layout, experts stacked as gate_up_proj [E, H, 2I] with gate and up interleaved along 2I,
 down_proj [E, I, H], and their biases; they are de-interleaved and transposed into FusedMoE's [E, 2I, H] (gate | up)
@@ -22,9 +22,6 @@ import json
 import torch
 from torch import nn
 
-from pagedserve.model_executor.attention.backend import KVCache
-from pagedserve.model_executor.attention.metadata import AttentionMetadata
-from pagedserve.model_executor.attention.torch_sdpa import TorchSDPABackend
 from pagedserve.model_executor.layers.activation import SwigluOAI
 from pagedserve.model_executor.layers.decoder import Attention, DecoderLayer, DecoderOptions
 from pagedserve.model_executor.layers.fused_moe import FusedMoE
@@ -43,12 +40,6 @@ class GptOssAttention(Attention):
         super().__init__(cfg, parallel, attn_backend, quant_config, options, prefix)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, True, quant_config, f"{prefix}.o_proj")
         self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)  # this rank's heads
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-               meta: AttentionMetadata) -> torch.Tensor:
-        self.attn_backend.write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
-        return TorchSDPABackend.attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
-                                       sinks=self.sinks)
 
 
 class GptOssMoeBlock(nn.Module):
