@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The test suite as CI runs it (.ci/run), in two tiers: the fast tier first (no server processes, no builds beyond
 # the default kernels, nothing marked slow: about two minutes), stopping at its first failure, then the rest. Each
-# prints its 25 slowest tests and writes a JUnit file under test-results/.
+# prints its 25 slowest tests and writes a JUnit file under test-results/. The rest runs in PYTEST_WORKERS (3)
+# pytest-xdist workers, each test file in one worker (--dist loadfile: a module's servers and fixtures stay in one
+# process): most of its time is spent waiting on server and engine subprocesses, so three workers keep two cores busy.
 #   scripts/test.sh                  both tiers
 #   scripts/test.sh fast|rest        one tier
 #   scripts/test.sh thorough ...     the same with hypothesis drawing new, more examples (HYPOTHESIS_PROFILE)
@@ -20,5 +22,6 @@ if [ "$tier" != rest ]; then
   python -m pytest -x -m "$FAST" --durations=25 --junitxml=test-results/fast.xml "$@"
 fi
 if [ "$tier" != fast ]; then
-  python -m pytest -m "not ($FAST)" --durations=25 --junitxml=test-results/rest.xml "$@"
+  python -m pytest -m "not ($FAST)" -n "${PYTEST_WORKERS:-3}" --dist loadfile --durations=25 \
+    --junitxml=test-results/rest.xml "$@"
 fi

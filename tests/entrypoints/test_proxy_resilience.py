@@ -152,12 +152,12 @@ def test_in_flight_is_counted_at_dispatch_so_concurrent_requests_spread():
         assert all(w["in_flight"] == 0 for w in workers(url))
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", RELAYS)
 def test_requests_in_flight_are_not_capped_by_a_default_pool(kind):
     """150 concurrent requests to one upstream all reach it at once (its pool is sized by the flag, not httpx's
     default 100), and the relay's /workers shows them in flight while they are: the upstream holds every request
-    until the test has read /workers (no timing window on a loaded machine)."""
+    until the test has read /workers (no timing window on a loaded machine: the watch waits for all 150 to arrive,
+    however long; a capped pool never gets there and fails on the suite's timeout)."""
     with standins("hold") as (upstream,), \
             relay_process(kind, [upstream.url], "--api-key", KEY, "--max-connections-per-upstream", "200") \
             as (_, url):
@@ -168,9 +168,7 @@ def test_requests_in_flight_are_not_capped_by_a_default_pool(kind):
                                          headers=auth_headers(KEY)) as client:
                 async def watch() -> None:
                     try:
-                        deadline = time.monotonic() + 60
-                        while (await client.get(upstream.url + "/stats")).json()["in_flight"] < 150 \
-                                and time.monotonic() < deadline:
+                        while (await client.get(upstream.url + "/stats")).json()["in_flight"] < 150:
                             await asyncio.sleep(0.05)
                         seen_in_flight.append(max(w["in_flight"]
                                                   for w in (await client.get(url + "/workers")).json()))

@@ -77,6 +77,7 @@ def test_last_token_pooling_of_short_prompts(tmp_path, tiny_tokenizer):
     _assert_pool_is_free(llm)
 
 
+@pytest.mark.slow  # ~21 s in the fast tier at load ~5 (its longest test): the slow tier
 def test_chunked_and_preempted_prefills_pool_the_whole_prompt(tmp_path, tiny_tokenizer, texts):
     """MEAN pooling sums every chunk; a KV pool too small for all prompts at once preempts some mid-prefill, and
     their partial sums start again with them."""
