@@ -278,15 +278,20 @@ def _draft(model_dir, k: int = 3) -> dict:
 @pytest.mark.parametrize("arch, config", [("qwen3", "default"), ("qwen3", "budget-16-chunked"),
                                           ("qwen3", "pool-fits-longest-only"), ("mistral-sw", "budget-16-chunked"),
                                           ("gemma3", "budget-16-chunked")])
-def test_draft_model_identical_to_the_target_accepts_every_draft(arch, config, tiny_model_dir, tiny_tokenizer):
-    """Draft = target: greedy drafts are exactly the target's tokens, so every one is accepted, whatever the
+def test_draft_model_identical_to_the_target_accepts_its_drafts(arch, config, tiny_model_dir, tiny_tokenizer):
+    """Draft = target: greedy drafts are the target's tokens, so all but near-ties are accepted, whatever the
     batch, chunking or preemption did to the draft's own KV cache."""
     model_dir = tiny_model_dir(arch)
     prompts = mixed_prompts(tiny_tokenizer, n=6, lengths=(6, 120))
     kwargs = {"default": dict(num_kv_blocks=512), **_configs(prompts)}[config]
     llm, ours = generate(model_dir, prompts, speculative_config=_draft(model_dir), **kwargs)
     stats = llm.llm_engine.scheduler.spec_stats
-    assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens, stats
+    # The draft proposes through the decode kernel and catches up on accepted tokens through the prefill kernel,
+    # whose sums run in another order (~3e-7 apart, native windowed prefill vs decode): on these random tiny
+    # models that flips a near-tie now and then (2 of 103 drafts, mistral-sw). A wrong KV block, the failure this
+    # test is for, rejects most drafts after it.
+    rejected = stats.num_draft_tokens - stats.num_accepted_tokens
+    assert stats.num_drafts > 0 and rejected <= stats.num_draft_tokens // 25, stats
     _, plain = generate(model_dir, prompts, num_kv_blocks=512)
     assert [o.token_ids for o in ours] == [o.token_ids for o in plain]
     check_engine_drained(llm)
