@@ -355,16 +355,17 @@ def _check_prefill_attention(ops, q_dtype, cache_dtype, n, first, threads, layou
                                                          dict(atol=1e-5, rtol=1e-4)))
 
 
-@pytest.mark.parametrize("rows, n, k", [(1, 163, 100), (1, 1536, 576), (3, 5, 32), (8, 64, 34), (9, 49, 2),
-                                        (13, 200, 64), (16, 200, 576), (20, 97, 1040), (40, 33, 96)])
+@pytest.mark.parametrize("rows, n, k", [(0, 200, 576), (1, 163, 100), (1, 1536, 576), (3, 5, 32), (8, 64, 34),
+                                        (9, 49, 2), (13, 200, 64), (16, 200, 576), (20, 97, 1040), (40, 33, 96)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("chunks", [True, False])
 @over_builds("dtype", lambda caps: [(d,) for d in DTYPES if d in caps.gemm_dtypes])
 def test_small_gemm(ops, dtype, rows, n, k, bias, chunks):
-    """Every row tile (1-8 rows, 8-row tiles then a tail), 1-3 column blocks per task and a partial last block; 9-20
-    rows take K in chunks of 64 k steps (K = 576 and 1040: several chunks, a partial last one, several groups) with
-    chunks=True, whatever this CPU's default (small_gemm_chunks). Generated for the dtypes the build runs natively
-    (elsewhere the Linear stays on oneDNN: test_layers)."""
+    """No rows (a pooled step's last MLP can have none), every row tile (1-8 rows, 8-row tiles then a tail), 1-3
+    column blocks per task and a partial last block; 9-20 rows take K in chunks of 64 k steps (K = 576 and 1040:
+    several chunks, a partial last one, several groups) with chunks=True, whatever this CPU's default
+    (small_gemm_chunks). Generated for the dtypes the build runs natively (elsewhere the Linear stays on oneDNN:
+    test_layers)."""
     with small_gemm_chunks(ops, chunks):
         _check_small_gemm(ops, dtype, rows, n, k, bias)
 
@@ -456,8 +457,9 @@ def _quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows, n, k", [(1, 163, 100), (1, 1536, 576), (3, 5, 32), (8, 64, 36), (9, 49, 4),
-                                        (13, 200, 64), (40, 33, 96), (20, 1536, 576), (16, 97, 1040), (40, 70, 128)])
+@pytest.mark.parametrize("rows, n, k", [(0, 200, 576), (1, 163, 100), (1, 1536, 576), (3, 5, 32), (8, 64, 36),
+                                        (9, 49, 4), (13, 200, 64), (40, 33, 96), (20, 1536, 576), (16, 97, 1040),
+                                        (40, 70, 128)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("chunks", [True, False])
 @over_builds("amx", lambda caps: [(amx,) for amx in caps.amx_modes] if torch.int8 in caps.gemm_dtypes else [])

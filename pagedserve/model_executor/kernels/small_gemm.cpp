@@ -307,6 +307,7 @@ void thread_groups(const typename Packed<W>::X* x, int64_t rows, const W* w, con
 template <typename W, typename Out>
 void small_gemm_kernel(const typename Packed<W>::X* x, int64_t rows, const W* w, const Out& out, int64_t n,
                        int64_t k) {
+  if (rows == 0) return;  // the K chunks' cursor divides by the row tiles: none for an empty input
   const int64_t blocks = (n + kBlock - 1) / kBlock, groups = (blocks + kGroup - 1) / kGroup;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) { thread_groups<W>(x, rows, w, out, n, k, g0, g1); });
 }
