@@ -7,11 +7,13 @@
 #include <torch/csrc/utils/pybind.h>
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)",
+  m.def("paged_decode_attention", &paged_decode_attention, py::call_guard<py::gil_scoped_release>(),
+        "decode attention over a paged KV cache (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("scale"), py::arg("out") = py::none(), py::arg("window") = 0, py::arg("soft_cap") = 0.0,
         py::arg("sinks") = py::none());
-  m.def("paged_prefill_attention", &paged_prefill_attention, "causal attention of one prefill chunk over its "
+  m.def("paged_prefill_attention", &paged_prefill_attention, py::call_guard<py::gil_scoped_release>(),
+        "causal attention of one prefill chunk over its "
         "sequence's paged KV cache (CPU, AVX-512)", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_ids"), py::arg("first"), py::arg("scale"), py::arg("out"), py::arg("causal") = true,
         py::arg("window") = 0, py::arg("soft_cap") = 0.0, py::arg("sinks") = py::none());
@@ -32,12 +34,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("native_small_gemm", &native_small_gemm, "whether small_gemm runs this dtype (and K; 0: any) natively in "
         "this build", py::arg("dtype"), py::arg("k") = 0);
   m.def("pack_small_gemm_weight", &pack_small_gemm_weight, "a [N, K] weight packed for small_gemm");
-  m.def("small_gemm", &small_gemm, "x W^T (+ b) for a few rows x on a weight packed by pack_small_gemm_weight",
+  m.def("small_gemm", &small_gemm, py::call_guard<py::gil_scoped_release>(),
+        "x W^T (+ b) for a few rows x on a weight packed by pack_small_gemm_weight",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
-  m.def("small_gemm_int8", &small_gemm_int8, "x W^T (+ b) on an int8 weight packed by pack_small_gemm_weight, x "
+  m.def("small_gemm_int8", &small_gemm_int8, py::call_guard<py::gil_scoped_release>(),
+        "x W^T (+ b) on an int8 weight packed by pack_small_gemm_weight, x "
         "quantized per row on the fly", py::arg("x"), py::arg("packed"), py::arg("col_scale"), py::arg("col_shift"),
         py::arg("n"), py::arg("bias") = py::none());
-  m.def("decode_layers", &decode_layers, "a decode step's decoder layers in one call (the Python layers' ops, in "
+  m.def("decode_layers", &decode_layers, py::call_guard<py::gil_scoped_release>(),
+        "a decode step's decoder layers in one call (the Python layers' ops, in "
         "their order); returns (hidden, residual)", py::arg("x"), py::arg("residual"), py::arg("weights"),
         py::arg("widths"), py::arg("caches"), py::arg("cos"), py::arg("sin"), py::arg("slot_mappings"),
         py::arg("block_tables"), py::arg("context_lens"), py::arg("layer_groups"), py::arg("windows"),
