@@ -58,8 +58,29 @@ void rms_norm_kernel(const T* xp, Rows xr_, T* rp, int64_t r_stride, const TW* w
   });
 }
 
-template <typename T>
-void silu_mul_kernel(const T* gp, int64_t stride, T* op, int64_t rows, int64_t n) {
+// The gated activations of the form act(g) = g / (1 + e^z(g)), z clamped at 88 as exp16 clamps it (e^89 = inf made
+// NaN under -ffast-math): silu, z = -g; gelu with the tanh approximation, z = -2y with y = sqrt(2/pi) (g + 0.044715
+// g^3) (0.5 (1 + tanh y) = sigmoid(2y)).
+struct Silu {
+  static float z(float g) { return -g; }
+#if defined(__AVX512F__)
+  static __m512 z(__m512 g) { return _mm512_sub_ps(_mm512_setzero_ps(), g); }
+#endif
+};
+
+struct GeluTanh {
+  static constexpr float kA = -2.f * 0.7978845608028654f, kB = kA * 0.044715f;
+  static float z(float g) { return g * (kA + kB * g * g); }
+#if defined(__AVX512F__)
+  static __m512 z(__m512 g) {
+    return _mm512_mul_ps(g, _mm512_fmadd_ps(_mm512_mul_ps(g, g), _mm512_set1_ps(kB), _mm512_set1_ps(kA)));
+  }
+#endif
+};
+
+// act(gate) * up per row of a fused [gate | up] projection.
+template <typename Act, typename T>
+void gated_mul_kernel(const T* gp, int64_t stride, T* op, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const T* g = gp + r * stride;
@@ -70,46 +91,30 @@ void silu_mul_kernel(const T* gp, int64_t stride, T* op, int64_t rows, int64_t n
       // exp16, not std::exp: under `omp simd` GCC calls libmvec's expf, ~2.5 G elements/s per core
       for (; i + 16 <= n; i += 16) {
         const __m512 gv = ps::load16(g + i);
-        const __m512 e = ps::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-        ps::store16(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), ps::load16(u + i)));
-      }
-#endif
-#pragma omp simd
-      for (int64_t j = i; j < n; ++j) {
-        const float gf = to_float(g[j]);  // e^-x clamped as exp16 clamps it: e^89 = inf made NaN (-ffast-math)
-        o[j] = from_float<T>(gf / (1.f + std::exp(std::min(-gf, 88.f))) * to_float(u[j]));
-      }
-    }
-  });
-}
-
-// gelu(g, tanh approximation) * u per row: gelu_tanh(g) = g / (1 + e^(-2y)), y = sqrt(2/pi) (g + 0.044715 g^3)
-// (0.5 (1 + tanh y) = sigmoid(2y)), e^-2y clamped as exp16 clamps it.
-template <typename T>
-void gelu_tanh_mul_kernel(const T* gp, int64_t stride, T* op, int64_t rows, int64_t n) {
-  constexpr float kA = -2.f * 0.7978845608028654f, kB = -2.f * 0.7978845608028654f * 0.044715f;
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const T* g = gp + r * stride;
-      const T* u = g + n;
-      T* o = op + r * n;
-      int64_t i = 0;
-#if defined(__AVX512F__)
-      for (; i + 16 <= n; i += 16) {
-        const __m512 gv = ps::load16(g + i);
-        const __m512 z = _mm512_mul_ps(gv, _mm512_fmadd_ps(_mm512_mul_ps(gv, gv), _mm512_set1_ps(kB),
-                                                             _mm512_set1_ps(kA)));
-        const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), ps::exp16(z));
+        const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), ps::exp16(Act::z(gv)));
         ps::store16(o + i, _mm512_mul_ps(_mm512_div_ps(gv, d), ps::load16(u + i)));
       }
 #endif
 #pragma omp simd
       for (int64_t j = i; j < n; ++j) {
-        const float gf = to_float(g[j]), z = gf * (kA + kB * gf * gf);
-        o[j] = from_float<T>(gf / (1.f + std::exp(std::min(z, 88.f))) * to_float(u[j]));
+        const float gf = to_float(g[j]);
+        o[j] = from_float<T>(gf / (1.f + std::exp(std::min(Act::z(gf), 88.f))) * to_float(u[j]));
       }
     }
   });
+}
+
+// gate_up: [rows, 2 * n] (gate then up) -> act(gate) * up: [rows, n], same dtype.
+template <typename Act>
+torch::Tensor gated_and_mul(const torch::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, n}, gate_up.options());
+  ps::with_act_type(gate_up.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    gated_mul_kernel<Act, T>(ps::ptr<T>(gate_up), gate_up.stride(0), ps::ptr<T>(out), rows, n);
+  });
+  return out;
 }
 
 template <typename T, typename TC>
@@ -175,28 +180,10 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, t
 }
 
 // gate_up: [rows, 2 * n] (gate then up) -> silu(gate) * up: [rows, n], same dtype.
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
-  check_rows(gate_up, "gate_up");
-  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
-  auto out = torch::empty({rows, n}, gate_up.options());
-  ps::with_act_type(gate_up.scalar_type(), [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    silu_mul_kernel<T>(ps::ptr<T>(gate_up), gate_up.stride(0), ps::ptr<T>(out), rows, n);
-  });
-  return out;
-}
+torch::Tensor silu_and_mul(torch::Tensor gate_up) { return gated_and_mul<Silu>(gate_up); }
 
-// gate_up: [rows, 2 * n] (gate then up) -> gelu_tanh(gate) * up: [rows, n], same dtype (Gemma's GeGLU).
-torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
-  check_rows(gate_up, "gate_up");
-  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
-  auto out = torch::empty({rows, n}, gate_up.options());
-  ps::with_act_type(gate_up.scalar_type(), [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    gelu_tanh_mul_kernel<T>(ps::ptr<T>(gate_up), gate_up.stride(0), ps::ptr<T>(out), rows, n);
-  });
-  return out;
-}
+// The same with gelu_tanh(gate) (Gemma's GeGLU).
+torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) { return gated_and_mul<GeluTanh>(gate_up); }
 
 // Neox-style rotary embedding, in place: x is [T, heads, D] (any row stride, heads and D contiguous), float32 or
 // bfloat16; cos and sin are [T, D/2], float32 or x's dtype. Each head (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
