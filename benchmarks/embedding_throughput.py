@@ -113,11 +113,16 @@ def main() -> int:
         med = statistics.median(ts)
         print(f"| {name} | {BATCH / med:.1f} | {num_tokens / med:.0f} | "
               f"{1000 * statistics.median(cpu_times[name]) / BATCH:.2f} |")
-    for label, ts in (("wall", times), ("CPU", cpu_times)):
-        ratios = [s / p for p, s in zip(ts["pagedserve"], ts["sentence-transformers"])]
-        print(f"pagedserve / sentence-transformers per round ({label} time): median {statistics.median(ratios):.2f}x "
-              f"[{min(ratios):.2f}-{max(ratios):.2f}]")
+    print_paired_ratios({"wall": times, "CPU": cpu_times}, "sentence-transformers")
     return 0
+
+
+def print_paired_ratios(times_by_clock: dict[str, dict[str, list[float]]], peer: str) -> None:
+    """pagedserve's speed over `peer`'s, round by round (each round ran both), per clock: median [min-max]."""
+    for label, times in times_by_clock.items():
+        ratios = [v / p for p, v in zip(times["pagedserve"], times[peer])]
+        print(f"pagedserve / {peer} per round ({label} time): median {statistics.median(ratios):.2f}x "
+              f"[{min(ratios):.2f}-{max(ratios):.2f}]")
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ def main() -> int:
     sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(HERE)]
     import torch
     import torch.nn.functional as F
-    from embedding_throughput import BATCH, make_benchmark_inputs, max_model_len
+    from embedding_throughput import BATCH, make_benchmark_inputs, max_model_len, print_paired_ratios
 
     path, sentences, num_tokens = make_benchmark_inputs(args.shape, args.tokens)
     sentences_file = path / "benchmark_sentences.json"
@@ -133,10 +133,7 @@ def main() -> int:
     for name in workers:
         print(f"| {name} | {BATCH / statistics.median(wall[name]):.1f} | "
               f"{1000 * statistics.median(cpu[name]) / BATCH:.2f} |")
-    for label, times in (("wall", wall), ("CPU", cpu)):
-        ratios = [v / p for p, v in zip(times["pagedserve"], times["vllm"])]
-        print(f"pagedserve / vLLM per round ({label} time): median {statistics.median(ratios):.2f}x "
-              f"[{min(ratios):.2f}-{max(ratios):.2f}]")
+    print_paired_ratios({"wall": wall, "CPU": cpu}, "vllm")
     return 0
 
 
