@@ -55,7 +55,9 @@ def _check_types(ops, dtype=torch.float32):
         raw, w = _blocks(name, n, k, rng)
         packed = ops.gguf_repack(torch.from_numpy(raw), type_id, n, k)
         for m in (1, 4, 7):  # one pass of 4 rows, and the 1-3 row tails
-            x = torch.randn(m, k).to(dtype)
+            # seeded: an unseeded x now and then lands a value on a rounding tie of the int8 activation quantization,
+            # which the kernel (float) and the reference (double) break differently: one step of 1/127, ~5e-4
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(type_id * 10 + m)).to(dtype)
             y = ops.gguf_gemm(x, packed, torch.tensor([[type_id, n]]), None)
             assert y.dtype == dtype and y.shape == (m, n)
             exact = _int8_blocks(x) @ w.T
@@ -88,8 +90,9 @@ def test_gguf_gemm_mixed_parts_and_bias():
         packed.append(ops.gguf_repack(torch.from_numpy(raw), NATIVE_TYPES[name][0], n, k))
         ws.append(w)
     w = torch.cat(ws)
-    bias = torch.randn(w.shape[0])
-    x = torch.randn(3, k)
+    gen = torch.Generator().manual_seed(1)  # seeded, as in _check_types
+    bias = torch.randn(w.shape[0], generator=gen)
+    x = torch.randn(3, k, generator=gen)
     layout = torch.tensor([[NATIVE_TYPES[name][0], n] for name, n in parts])
     y = ops.gguf_gemm(x, torch.cat(packed), layout, bias)
     exact = _int8_blocks(x) @ w.T + bias.double()
