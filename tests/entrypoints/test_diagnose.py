@@ -58,16 +58,18 @@ class Scenario:
 TINY_KV_POOL = Scenario(
     {}, dict(num_kv_blocks=24, block_size=4, max_model_len=256, max_num_batched_tokens=64, enable_prefix_caching=False),
     {0: [(f"r{i}", prompt(30, i), 50) for i in range(10)]}, "kv_memory", ("--kv-cache-memory", "--max-num-seqs"))
-# Eight requests decode; 700-token prompts arrive now and then and, under a 2048-token budget, each is computed in
-# one step with the decodes: those steps take many decode steps' time. The live test times the later arrivals by
-# the first request's streamed chunks, and a lagging client gets merged chunks, so chunk 40 may come after the
-# 60th token (a CI run once read "none" with no ITL spike at all, as if the long prompts had missed the decodes):
-# they arrive by chunk 25 of 60.
+# Eight requests decode; long prompts arrive now and then and, under a 2048-token budget, each is computed in one
+# step with the decodes: those steps take many decode steps' time. The live test times the later arrivals by the
+# first request's streamed chunks, and a lagging client gets merged chunks, so chunk 40 may come after the 60th
+# token (a CI run once read "none" with no ITL spike at all, as if the long prompts had missed the decodes): they
+# arrive by chunk 25 of 60. A stall must outlast two slow (p90) decode steps, and on a loaded CI machine (two
+# runs at once) the p90 decode step once reached half of a 700-token mixed step's 8 ms: 1500-token prompts.
+LONG_PROMPT_TOKENS = 1500
 LONG_PROMPTS_AMONG_DECODES = Scenario(
-    dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4),
-    dict(num_kv_blocks=512, block_size=16, max_model_len=1024, max_num_batched_tokens=2048),
+    dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, max_position_embeddings=2048),
+    dict(num_kv_blocks=512, block_size=16, max_model_len=2048, max_num_batched_tokens=2048),
     {0: [(f"d{i}", prompt(8, i), 60) for i in range(8)],
-     **{step: [(f"long{k}", prompt(700, 100 + k), 4)] for k, step in enumerate((5, 15, 25))}},
+     **{step: [(f"long{k}", prompt(LONG_PROMPT_TOKENS, 100 + k), 4)] for k, step in enumerate((5, 15, 25))}},
     "token_budget", ("--max-num-batched-tokens", "--long-prefill-token-threshold"))
 # Two seats: the verdict needs decode batches below B_sat (where step time starts to grow with the batch). B_sat
 # comes from a line fitted to the step times of each batch size, which a loaded machine can skew; with 4 seats a
@@ -118,7 +120,7 @@ def test_tiny_kv_pool_is_kv_memory_bound(tiny_model_dir, tmp_path):
 
 def test_long_prompts_among_decodes_are_token_budget_bound(tiny_model_dir):
     _, result = run_offline(tiny_model_dir, LONG_PROMPTS_AMONG_DECODES)
-    assert result.stats.stall_steps >= 2 and result.stats.max_prefill_tokens_in_mixed_step >= 700
+    assert result.stats.stall_steps >= 2 and result.stats.max_prefill_tokens_in_mixed_step >= LONG_PROMPT_TOKENS
 
 
 def test_few_seats_saturated_decode_is_batch_size_bound(tiny_model_dir):
