@@ -179,3 +179,27 @@ def stops_ending_with_last_token(text_before: str, text: str) -> list[str]:
     if len(text) <= cut:
         return []
     return [text[i:] for i in range(cut - 1, -1, -1) if text.find(text[i:]) == i and text[i:].strip()]
+
+
+def start_replay(trace: str | Path, *args: str) -> tuple[subprocess.Popen, str]:
+    """`pagedserve replay TRACE --speed 0 ARGS` on a free port; returns it and its URL once /dashboard is 200. Its
+    output goes to a temporary file (a pipe nobody reads could fill and stall it), shown if it never answers."""
+    port = free_port()
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", "replay", str(trace), "--port",
+                             str(port), "--speed", "0", *args], cwd=str(REPO_ROOT), stdout=log,
+                            stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url + "/dashboard", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            proc.wait()
+            log.seek(0)
+            raise AssertionError(f"replay did not start on {url}:\n{log.read()}")
+        time.sleep(0.2)

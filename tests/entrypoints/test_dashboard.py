@@ -16,7 +16,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from server_helpers import API_KEY, REPO_ROOT, auth_headers, free_port
+from server_helpers import API_KEY, REPO_ROOT, auth_headers, start_replay
 
 from pagedserve import SamplingParams
 from pagedserve.config import EngineArgs
@@ -111,21 +111,8 @@ def test_replay_serves_a_recorded_trace(tiny_model_dir, tmp_path):
     engine.events.close()
     recorded = [json.loads(line) for line in trace.read_text().splitlines()]
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", "replay", str(trace), "--port",
-                             str(port), "--speed", "0"], cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc, url = start_replay(trace)
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/dashboard", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()
-            time.sleep(0.2)
         with httpx.stream("GET", url + "/v1/events", timeout=30) as resp:  # ends with the trace
             data = [json.loads(line[5:]) for line in resp.iter_lines() if line.startswith("data:")]
         assert data[0] == {"v": 1, "type": "hello", "mode": "replay", "source": "trace.jsonl",

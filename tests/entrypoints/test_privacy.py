@@ -9,8 +9,6 @@ import json
 import os
 import socket
 import stat
-import subprocess
-import sys
 import threading
 import time
 
@@ -18,7 +16,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from server_helpers import API_KEY, REPO_ROOT, ServerProcess, auth_headers, free_port
+from server_helpers import API_KEY, REPO_ROOT, ServerProcess, auth_headers, start_replay
 from test_dashboard import EventReader
 
 from pagedserve.config import EngineArgs, KVCacheConfig
@@ -118,20 +116,8 @@ def test_dashboard_and_events_refuse_foreign_host_headers(private_server):
 
 def test_replay_answers_allowed_hosts_only(private_server, trace_path):
     _run_secret_request(private_server.url)  # the trace has a step to replay
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", "replay", str(trace_path), "--port",
-                             str(port), "--speed", "0", "--allowed-hosts", "dash.internal"], cwd=str(REPO_ROOT))
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_replay(trace_path, "--allowed-hosts", "dash.internal")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/dashboard", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, "replay did not start"
-            time.sleep(0.2)
         assert httpx.get(url + "/v1/events", headers={"Host": "dash.internal"}, timeout=30).status_code == 200
         assert httpx.get(url + "/v1/events", headers={"Host": "other.example"}, timeout=30).status_code == 403
     finally:
