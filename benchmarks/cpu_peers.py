@@ -1,4 +1,4 @@
-"""pagedserve vs vLLM's CPU backend vs OpenVINO GenAI, side by side, in three precision groups (issue 12, part 1).
+"""pagedserve vs vLLM's CPU backend vs OpenVINO GenAI vs llama.cpp, side by side, in three precision groups (issue 12, part 1).
 
     python benchmarks/cpu_peers.py --model /work/peers/models/smollm2-135m \\
         --vllm-venv /work/peers/vllm --openvino-venv /work/peers/openvino \\
@@ -27,6 +27,10 @@ set would turn every later run's prefills into prefix-cache hits); the largest C
               script turns them into the `bench serve` result JSON with the same code (pagedserve/benchmarks/
               metrics.py).  The IR is exported once per weight format with `optimum-cli export openvino`
               (cached in --ov-cache-dir).
+  llama.cpp   `llama-server -m GGUF -np C -c C*max_model_len -t T -tb T -b BUDGET` (one server per C; the GGUF of the
+              same checkpoint per precision group from --gguf PRECISION=PATH, e.g. BF16 for bf16 and Q8_0 for int8;
+              KV bf16 in the bf16 group, f32 otherwise), loaded by the same `bench serve` command.  Skipped, with a
+              message, when llama-server or the group's GGUF is missing.
   pagedserve  (engine "pagedserve-engine", like for like with OpenVINO's driver) benchmarks/peers/
   engine      pagedserve_engine_driver.py: pagedserve's LLMEngine in-process, the same closed loop and output
               format as the OpenVINO driver, with the `pagedserve serve` engine flags of the group. No HTTP, SSE or
@@ -71,11 +75,11 @@ for p in (REPO, HERE):
 
 import side_by_side as sbs  # (Server, free_port, pagedserve_cmd, subprocess_env, dataset_flags, ...)
 
-ENGINES = ("pagedserve", "pagedserve-engine", "vllm", "openvino")
+ENGINES = ("pagedserve", "pagedserve-engine", "vllm", "openvino", "llamacpp")
 OURS = ("pagedserve", "pagedserve-engine")
-SERVED = ("pagedserve", "vllm")  # behind an HTTP server, loaded by `bench serve`
+SERVED = ("pagedserve", "vllm", "llamacpp")  # behind an HTTP server, loaded by `bench serve`
 LABELS = {"pagedserve": "pagedserve", "pagedserve-engine": "pagedserve engine (in-process)", "vllm": "vLLM CPU",
-          "openvino": "OpenVINO GenAI CB"}
+          "openvino": "OpenVINO GenAI CB", "llamacpp": "llama.cpp server"}
 PRECISIONS = ("fp32", "bf16", "int8")
 KV_BYTES = {"fp32": 4, "bf16": 2, "int8": 4}  # KV element size per group (int8 = int8 weights, fp32 KV)
 VLLM_WRAPPER = os.path.join(HERE, "peers", "vllm_cpu_cli.py")
@@ -83,6 +87,8 @@ OV_DRIVER = os.path.join(HERE, "peers", "openvino_cb_driver.py")
 ENGINE_DRIVER = os.path.join(HERE, "peers", "pagedserve_engine_driver.py")
 DEFAULT_VLLM_VENV = "/work/peers/vllm"
 DEFAULT_OV_VENV = "/work/peers/openvino"
+DEFAULT_LLAMA_SERVER = "/work/peers/llamacpp/build/bin/llama-server"
+LLAMA_KV = {"fp32": "f32", "bf16": "bf16", "int8": "f32"}  # llama-server --cache-type-k/v per group, as ours
 
 
 def log(msg: str = "") -> None:
@@ -126,6 +132,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="where the exported OpenVINO IRs live (default: next to --model, MODEL-ov-<format>)")
     p.add_argument("--ov-int8-hint", default="f32", choices=["f32", "bf16"],
                    help="OpenVINO INFERENCE_PRECISION_HINT in the int8 group (f32 = pagedserve's int8 activations)")
+    p.add_argument("--llama-server", default=DEFAULT_LLAMA_SERVER, help="llama.cpp's llama-server binary")
+    p.add_argument("--gguf", action="append", default=[], metavar="PRECISION=PATH",
+                   help="llama.cpp's model for a precision group, the same checkpoint converted to GGUF (e.g. "
+                        "bf16=M-bf16.gguf, int8=M-q8_0.gguf; repeat the flag); a group without one skips llama.cpp")
     p.add_argument("--structured-output", default=None, choices=["json_schema", "regex", "choice"],
                    help="also run every workload constrained (bench serve --structured-output), right after the free "
                         "run on the same server, with fresh prompts (seed + 1000; give --random-range-ratio 0 for the "
@@ -158,6 +168,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [x for x in args.precision_list if x not in PRECISIONS]
     if bad:
         p.error(f"--precisions: unknown {bad}; choose from {','.join(PRECISIONS)}")
+    args.gguf_by_precision = {}
+    for spec in args.gguf:
+        prec, sep, path = spec.partition("=")
+        if not sep or prec not in PRECISIONS or not path:
+            p.error(f"--gguf {spec!r}: want PRECISION=PATH with PRECISION one of {','.join(PRECISIONS)}")
+        args.gguf_by_precision[prec] = path
     return args
 
 
@@ -272,6 +288,12 @@ def engine_flags(engine: str, precision: str, args) -> tuple[list[str] | dict | 
                 "bf16": (["--dtype", "bfloat16"], "--dtype bfloat16 (KV bf16)"),
                 "int8": (["--dtype", "float32", "--quantization", "int8"],
                          "--quantization int8 (weight-only int8, fp32 activations and KV)")}[precision]
+    if engine == "llamacpp":
+        gguf = args.gguf_by_precision.get(precision)
+        if gguf is None:
+            return None, f"no --gguf {precision}=PATH given"
+        kv = LLAMA_KV[precision]
+        return ["-m", gguf, "--cache-type-k", kv, "--cache-type-v", kv], f"{os.path.basename(gguf)}, KV {kv}"
     if engine == "vllm":
         if precision == "int8":
             return None, "vLLM CPU has no weight-only int8 for an unquantized checkpoint (it needs a pre-quantized one)"
@@ -433,6 +455,39 @@ def run_vllm(args, precision: str, workloads: dict, out_dir: str, rows: list, sk
         srv.stop()
 
 
+def run_llamacpp(args, precision: str, workloads: dict, out_dir: str, rows: list, skipped: dict) -> None:
+    """llama-server, one per C (its -np C slots each hold one request of up to --max-model-len tokens), loaded by the
+    same `bench serve` command as ours."""
+    flags, note = engine_flags("llamacpp", precision, args)
+    if flags is None or not os.path.isfile(flags[1]):
+        why = note if flags is None else f"GGUF {flags[1]} not found"
+        log(f"SKIP llama.cpp {precision}: {why}")
+        skipped[f"llama.cpp {precision}"] = why
+        return
+    name = f"llamacpp-{os.path.basename(os.path.normpath(args.model))}-{precision}"
+    for c in args.concurrencies:
+        port = sbs.free_port()
+        cmd = [args.llama_server, *flags, "--host", "127.0.0.1", "--port", str(port), "--alias", name,
+               "-np", str(c), "-cb", "-c", str(c * args.max_model_len), "-t", str(args.threads), "-tb",
+               str(args.threads), "-b", str(args.max_num_batched_tokens), "--no-webui"]
+        srv = sbs.Server(f"llama.cpp {precision} C={c}", cmd, port,
+                         os.path.join(out_dir, f"llamacpp-{precision}-c{c}-server.log"))
+        try:
+            srv.start(args.startup_timeout)
+            res = run_bench_serve("llamacpp", precision, srv.base_url, name, c, args, out_dir)
+            if res is None:
+                skipped[f"llama.cpp {precision} C={c}"] = "bench serve failed"
+            else:
+                rows.append(make_row("llamacpp", precision, c, res, workloads[c],
+                                     notes=f"{note}; -np {c} -c {c * args.max_model_len} -b "
+                                           f"{args.max_num_batched_tokens}"))
+        except RuntimeError as e:
+            log(str(e))
+            skipped[f"llama.cpp {precision} C={c}"] = str(e).splitlines()[0]
+        finally:
+            srv.stop()
+
+
 def ov_ir_dir(args, weight_format: str) -> str:
     base = os.path.basename(os.path.normpath(args.model))
     root = args.ov_cache_dir or os.path.dirname(os.path.abspath(os.path.normpath(args.model)))
@@ -554,7 +609,7 @@ def run_pagedserve_engine(args, precision: str, workloads: dict, out_dir: str, r
 
 
 RUNNERS = {"pagedserve": run_pagedserve, "pagedserve-engine": run_pagedserve_engine, "vllm": run_vllm,
-           "openvino": run_openvino}
+           "openvino": run_openvino, "llamacpp": run_llamacpp}
 
 
 def round_dir(out_dir: str, k: int, rounds: int) -> str:
@@ -749,6 +804,11 @@ def main(argv=None) -> int:
         else:
             versions[LABELS[engine]] = ", ".join(f"{k} {x}" for k, x in v.items())
 
+    if "llamacpp" in args.engine_list and not os.access(args.llama_server, os.X_OK):
+        why = f"no llama-server at {args.llama_server!r}"
+        log(f"SKIP {LABELS['llamacpp']}: {why}")
+        skipped[LABELS["llamacpp"]] = why
+        args.engine_list.remove("llamacpp")
     workloads, described = build_workloads(args)
     if len(set(described.values())) == 1:
         workload = next(iter(described.values()))

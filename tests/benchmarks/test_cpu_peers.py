@@ -37,13 +37,13 @@ def tiny(tmp_path_factory):
 def test_parse_args(cp):
     a = cp.parse_args(["--model", "m"])
     assert a.concurrencies == [1, 16, 32] and a.precision_list == ["fp32", "bf16", "int8"]
-    assert a.engine_list == ["pagedserve", "pagedserve-engine", "vllm", "openvino"]
+    assert a.engine_list == ["pagedserve", "pagedserve-engine", "vllm", "openvino", "llamacpp"]
     assert a.dataset == "mixed" and a.threads == 2
     a = cp.parse_args(["--model", "m", "--concurrency", "32,1,32", "--precisions", "bf16", "--engines", "openvino"])
     assert a.concurrencies == [1, 32] and a.precision_list == ["bf16"] and a.engine_list == ["openvino"]
-    assert cp.parse_args(["--model", "m", "--through-server"]).engine_list == ["pagedserve", "vllm"]
+    assert cp.parse_args(["--model", "m", "--through-server"]).engine_list == ["pagedserve", "vllm", "llamacpp"]
     for bad in (["--engines", "tgi"], ["--precisions", "fp8"], ["--concurrency", "0"],
-                ["--engines", "openvino", "--through-server"]):
+                ["--engines", "openvino", "--through-server"], ["--gguf", "m.gguf"], ["--gguf", "q8=m.gguf"]):
         with pytest.raises(SystemExit):
             cp.parse_args(["--model", "m", *bad])
 
@@ -285,3 +285,47 @@ def test_report_only_reads_every_round(cp, tiny, tmp_path):
     cp.collect_results(a, w, str(tmp_path), rows, skipped)
     assert [(r["engine"], r["round"]) for r in rows] == [("openvino", 1)]
     assert list(skipped) == ["OpenVINO GenAI CB fp32 C=2 round 0"]
+
+
+def test_llamacpp_one_server_per_concurrency(cp, tiny, tmp_path, monkeypatch):
+    """llama.cpp: the group's GGUF and KV type, -np C slots of --max-model-len each, the shared token budget, one
+    server per C loaded by the same `bench serve` path as ours; a group without a GGUF is a skip, not a failure."""
+    gguf = tmp_path / "m-q8_0.gguf"
+    gguf.write_bytes(b"")
+    a = cp.parse_args(["--model", tiny, "--num-prompts", "2", "--concurrency", "1,4", "--precisions", "int8,bf16",
+                       "--engines", "llamacpp", "--gguf", f"int8={gguf}", "--gguf", "bf16=/nowhere-bf16.gguf",
+                       "--max-model-len", "64", "--max-num-batched-tokens", "512", "--dataset", "random",
+                       "--random-input-len", "8", "--random-output-len", "4", "--output-dir", str(tmp_path)])
+    assert a.gguf_by_precision == {"int8": str(gguf), "bf16": "/nowhere-bf16.gguf"}
+    assert cp.engine_flags("llamacpp", "fp32", a)[0] is None
+    assert cp.engine_flags("llamacpp", "bf16", a)[0][2:] == ["--cache-type-k", "bf16", "--cache-type-v", "bf16"]
+    started = []
+
+    class FakeServer:
+        def __init__(self, name, cmd, port, log_path, env=None):
+            self.cmd, self.base_url = cmd, f"http://127.0.0.1:{port}"
+
+        def start(self, timeout):
+            started.append(self.cmd)
+
+        def stop(self):
+            pass
+
+    w, _ = cp.build_workloads(a)
+    res = {c: {"duration": 1.0, "completed": 2, "failed": 0, "errors": ["", ""], "output_lens": [4, 4],
+               "input_lens": [8, 8], "total_input_tokens": 16, "total_output_tokens": 8, "median_ttft_ms": 1.0,
+               "p99_ttft_ms": 2.0, "median_itl_ms": 1.0, "p99_itl_ms": 2.0} for c in (1, 4)}
+    monkeypatch.setattr(cp.sbs, "Server", FakeServer)
+    monkeypatch.setattr(cp, "run_bench_serve", lambda engine, prec, url, name, c, *rest: res[c])
+    rows, skipped = [], {}
+    cp.run_llamacpp(a, "int8", w, str(tmp_path), rows, skipped)
+    cp.run_llamacpp(a, "bf16", w, str(tmp_path), rows, skipped)
+    assert list(skipped) == ["llama.cpp bf16"] and "not found" in skipped["llama.cpp bf16"]
+    assert [(r["engine"], r["precision"], r["concurrency"]) for r in rows] == [("llamacpp", "int8", 1),
+                                                                              ("llamacpp", "int8", 4)]
+    for c, cmd in zip((1, 4), started):
+        def flag(name):
+            return cmd[cmd.index(name) + 1]
+
+        assert cmd[0] == a.llama_server and flag("-m") == str(gguf) and flag("--cache-type-k") == "f32"
+        assert flag("-np") == str(c) and flag("-c") == str(c * 64) and flag("-b") == "512" and flag("-t") == "2"

@@ -15,6 +15,7 @@ from pagedserve.model_executor.quantization.unquantized import (
     NATIVE_GEMM_MAX_ROWS,
     ONEDNN_MIN_ROWS,
     UnquantizedConfig,
+    onednn_takes,
 )
 
 
@@ -82,11 +83,27 @@ def test_native_backend_packs_where_the_kernel_runs(dtype):
         pytest.fail("the native CPU kernels (and oneDNN) are needed here")
     layer = _linear(64, 40, dtype, UnquantizedConfig("native"))
     assert (layer.native_decode_tensors() is not None) == ops.native_small_gemm(dtype)
-    assert layer.weight.numel() == (0 if ops.native_small_gemm(dtype) else 64 * 40)  # one float copy, not two
+    one_copy = ops.native_small_gemm(dtype) and onednn_takes(dtype)  # one float copy, not two
+    assert layer.weight.numel() == (0 if one_copy else 64 * 40)
     odd = _linear(33, 8, dtype, UnquantizedConfig("native"))
     assert (odd.native_decode_tensors() is not None) == (ops.native_small_gemm(dtype) and dtype == torch.float32)
     onednn = _linear(64, 40, dtype, UnquantizedConfig("onednn"))
     assert onednn.native_decode_tensors() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["onednn", "native"])
+def test_linear_without_onednn_for_the_dtype_keeps_the_weight(backend, dtype, monkeypatch):
+    """Where oneDNN cannot pack the dtype (bfloat16 on an AVX2-only CPU: its reorder raises) the layer loads, keeps
+    its float weight and runs the rows the small GEMM does not take on F.linear."""
+    from pagedserve.model_executor.quantization import unquantized
+
+    monkeypatch.setattr(unquantized, "onednn_takes", lambda dt: False)
+    for rows in (1, NATIVE_GEMM_MAX_ROWS + 1):
+        layer, x, expected = _random_layer(100, 163, rows, dtype, UnquantizedConfig(backend))
+        assert layer.onednn_weight is None and layer.weight.numel() == 100 * 163
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(layer(x).float(), expected, atol=tol * 10, rtol=tol)
 
 
 @pytest.mark.parametrize("amx", [False, True])

@@ -55,6 +55,13 @@ def native_gemm_max_rows(dtype: torch.dtype) -> int:
     return NATIVE_BF16_AMX_MAX_ROWS if ops is not None and ops.amx_tiles() else NATIVE_BF16_NO_TILES_MAX_ROWS
 
 
+def onednn_takes(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack a weight of this dtype here: its bfloat16 path needs AVX-512 (BW/VL/DQ) or
+    AVX-NE-CONVERT, and on an AVX2-only CPU the reorder raises (products above the small GEMM's rows go to
+    F.linear there)."""
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 class UnquantizedLinearMethod(LinearMethodBase):
     def __init__(self, backend: str) -> None:
         if backend not in LINEAR_BACKENDS[1:]:
@@ -69,14 +76,16 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if self.backend == "torch":
             return
         w = layer.weight.detach()
-        layer.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        if onednn_takes(w.dtype):
+            layer.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(w, None)
         ops = cpu_kernels() if self.backend == "native" and w.dtype in (torch.float32, torch.bfloat16) else None
         if ops is not None and ops.native_small_gemm(w.dtype, w.shape[1]):
             layer.small_gemm_weight = ops.pack_small_gemm_weight(w)
             layer.native_max_rows = native_gemm_max_rows(w.dtype)
-            # every product now reads a packed copy (the small GEMM's up to its row limit, oneDNN's above): the
-            # float weight would only double the model's memory (a tied LM head lets go of its reference only)
-            layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+            if layer.onednn_weight is not None:
+                # every product now reads a packed copy (the small GEMM's up to its row limit, oneDNN's above): the
+                # float weight would only double the model's memory (a tied LM head lets go of its reference only)
+                layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 and layer.small_gemm_weight is not None:  # the native kernel takes [rows, K]
