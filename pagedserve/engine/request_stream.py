@@ -2,7 +2,9 @@
 
 The engine thread delivers outputs with `loop.call_soon_threadsafe`; DELTA outputs are merged while the
 consumer lags (like vLLM's RequestOutputCollector), so a slow SSE client gets fewer, larger chunks instead of
-an unbounded queue, and `get()` never blocks the engine.
+an unbounded queue, and `get()` never blocks the engine. A streamed response can take its outputs in the delivery
+callback itself (`push_to`): one loop callback per engine step writes every stream's chunk, no task is woken per
+token.
 """
 from __future__ import annotations
 
@@ -68,6 +70,14 @@ class RequestStream:
         self.accepted: asyncio.Future = loop.create_future()  # result: None or the rejection exception
         self.closed = False  # the engine side is done with it (finished, failed or aborted)
         self.finished = False  # the consumer has seen the final output (or the error)
+        self._sink: Callable[[RequestOutput], bool] | None = None
+        self._parked = False  # the consumer waits in get() (everything it took before is handled)
+
+    def push_to(self, sink: Callable[[RequestOutput], bool]) -> None:
+        """Hand outputs to `sink` inside the delivery callback instead of waking the consumer, while the consumer is
+        parked in `get()` with nothing pending (so order is kept). Final outputs and errors still wake the consumer;
+        `sink` returns False to decline an output (it is queued as before). An exception in `sink` fails the stream."""
+        self._sink = sink
 
     # ---- called (via call_soon_threadsafe) by the engine thread
     def _accept(self, error: BaseException | None = None) -> None:
@@ -79,6 +89,13 @@ class RequestStream:
     def _put(self, out: RequestOutput) -> None:
         if self.closed:
             return
+        if self._sink is not None and self._parked and self._pending is None and not out.finished:
+            try:
+                if self._sink(out):
+                    return
+            except Exception as exc:
+                self._fail(exc)
+                return
         if self._pending is None or self.output_kind != RequestOutputKind.DELTA:
             self._pending, self._pending_owned = out, False
         else:
@@ -109,7 +126,11 @@ class RequestStream:
         """The next (merged) output; raises the request's error once the outputs before it are taken."""
         while self._pending is None and self._error is None:
             self._event.clear()
-            await self._event.wait()
+            self._parked = True
+            try:
+                await self._event.wait()
+            finally:
+                self._parked = False
         if self._pending is not None:
             out, self._pending = self._pending, None
             if out.finished:

@@ -47,10 +47,10 @@ def uvicorn_server(step_sleep: float = 0.002):
         sock.close()
 
 
-def post(port: int, body: dict, version: str = "1.1") -> socket.socket:
+def post(port: int, body: dict, version: str = "1.1", path: str = "/v1/completions") -> socket.socket:
     data = json.dumps(body).encode()
     s = socket.create_connection(("127.0.0.1", port), timeout=60)
-    s.sendall(f"POST /v1/completions HTTP/{version}\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(f"POST {path} HTTP/{version}\r\nHost: x\r\nContent-Type: application/json\r\n"
               f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return s
 

@@ -15,10 +15,16 @@ as before.
 """
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any, Callable
 
 import h11
 from fastapi import FastAPI
+
+if TYPE_CHECKING:
+    from pagedserve.engine.request_stream import RequestStream
+    from pagedserve.metrics.server_profile import ServerProfile
+    from pagedserve.outputs import RequestOutput
 
 try:  # h11's own chunked writer: which framing h11 chose for this response (a private name: guarded)
     from h11._writers import ChunkedWriter
@@ -51,10 +57,17 @@ class BodyWriter:
         self._chunked = ChunkedWriter is not None and isinstance(getattr(self._conn, "_writer", None), ChunkedWriter)
 
     async def write(self, data: bytes) -> None:
-        cycle = self._cycle
-        if self._flow.write_paused and not cycle.disconnected:
+        if self._flow.write_paused and not self._cycle.disconnected:
             await self._flow.drain()  # a slow reader: wait as uvicorn's send would
-        if cycle.disconnected or not data or self._transport.is_closing():
+        self.write_now(data)
+
+    def ready(self) -> bool:
+        """Whether `write_now` would put bytes on the wire now: the client is there and its buffer is not full."""
+        return not (self._flow.write_paused or self._cycle.disconnected or self._transport.is_closing())
+
+    def write_now(self, data: bytes) -> None:
+        """Frame and write `data` without waiting (the caller checked `ready`, or `write` drained first)."""
+        if self._cycle.disconnected or not data or self._transport.is_closing():
             return  # an empty chunk would end a chunked body
         if self._chunked:
             self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
@@ -71,3 +84,38 @@ def body_writer(scope: dict) -> BodyWriter | None:
             or not all(hasattr(cycle, name) for name in ("transport", "flow", "disconnected"))):
         return None
     return BodyWriter(cycle)
+
+
+class ChunkPush:
+    """Writes a stream's SSE chunks from the engine's per-step delivery callback (`RequestStream.push_to`).
+
+    Through the response's task, every token of every stream cost a task wake-up, the async generators between the
+    output and the write and a loop iteration of its own; at batch 1 that was most of the event loop's ~0.2 ms per
+    token, and every loop iteration lets go of the GIL (the selector's poll), so the rest of the work waited for the
+    engine thread's next GIL-free forward and ran inside it. Pushed, one callback per step renders and writes all of
+    that step's chunks. The response's task still writes what comes before the first output and the end (the final
+    output, usage, [DONE]), and takes over whenever the writer cannot write at once (a slow reader: merged outputs
+    are waited for as before) or the client is gone. Set up by SSEResponse (the writer exists once the response
+    start went out) and used by the response's generator (it owns the rendering state)."""
+
+    def __init__(self, profile: "ServerProfile") -> None:
+        self.writer: BodyWriter | None = None  # None: not uvicorn's h11 (or not started): the task writes everything
+        self._profile = profile
+
+    def attach(self, stream: "RequestStream", render: Callable[["RequestOutput"], list[str]]) -> None:
+        """Push `stream`'s outputs, rendered to SSE events by `render`, while the writer can take them. Call from the
+        response's generator, between its yields (everything it yielded before is written by then)."""
+        writer, profile = self.writer, self._profile
+        if writer is None:
+            return
+
+        def sink(out: "RequestOutput") -> bool:
+            if not writer.ready():
+                return False
+            for data in render(out):
+                t = time.perf_counter()
+                writer.write_now(data.encode())
+                profile.record_send(time.perf_counter() - t)
+            return True
+
+        stream.push_to(sink)

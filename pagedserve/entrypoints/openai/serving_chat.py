@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from pagedserve.engine.request_stream import RequestStream
+from pagedserve.entrypoints.openai.direct_write import ChunkPush
 from pagedserve.entrypoints.openai.errors import BadRequest, exception_to_openai, sse_error
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionLogProbs, ChatCompletionRequest,
                                                     ChatCompletionResponse, ChatCompletionResponseChoice,
@@ -27,6 +28,7 @@ from pagedserve.entrypoints.openai.tool_calls import (ToolPlan, extract_tool_cal
                                                       template_tools)
 from pagedserve.errors import InvalidRequestError
 from pagedserve.metrics.server_profile import ServerProfile
+from pagedserve.outputs import RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -38,20 +40,22 @@ class OpenAIServingChat(OpenAIServing):
         self.constrain_reasoning = constrain_reasoning  # vLLM's enable_in_reasoning: constraints hold from token one
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request | None = None):
-        result = await self.generate_chat(req, raw_request, encoded_text_chunks=True)
+        push = ChunkPush(self.engine_client.profile)
+        result = await self.generate_chat(req, raw_request, encoded_text_chunks=True, push=push)
         if isinstance(result, ChatCompletionResponse):
             return JSONResponse(result.model_dump())
         chunks, close = result
         return SSEResponse(sse_chunks(chunks, self.engine_client.profile), on_close=close,
-                           profile=self.engine_client.profile)
+                           profile=self.engine_client.profile, push=push)
 
     async def generate_chat(self, req: ChatCompletionRequest, raw_request: Request | None = None,
-                            encoded_text_chunks: bool = False
+                            encoded_text_chunks: bool = False, push: ChunkPush | None = None
                             ) -> ChatCompletionResponse | tuple[AsyncIterator[ChatCompletionStreamResponse | str],
                                                                 Callable[[], None]]:
         """The whole response, or with stream (chunks, a callback that aborts the request however the stream
         ends): what /v1/chat/completions sends and /v1/responses translates. With encoded_text_chunks, a chunk
-        of content alone comes as its SSE line (sse.py), without a pydantic model."""
+        of content alone comes as its SSE line (sse.py), without a pydantic model; with push, the chunks after the
+        first output may be written from the engine's delivery callback (direct_write.ChunkPush)."""
         lora_request = self.check_model(req.model)
         if req.use_beam_search:
             check_beam_search_request(req)
@@ -98,7 +102,8 @@ class OpenAIServingChat(OpenAIServing):
         streams = await self.submit(request_id, [prompt], params, req, prompt_param="messages",
                                     lora_request=lora_request)
         if req.stream:
-            return (self._stream(req, plan, request_id, created, model, prompt, streams[0], encoded_text_chunks),
+            return (self._stream(req, plan, request_id, created, model, prompt, streams[0], encoded_text_chunks,
+                                 push),
                     lambda: self.abort_streams(streams))
         return await run_unless_disconnected(raw_request, self._full(req, plan, request_id, created, model, prompt,
                                                                       streams[0]),
@@ -179,8 +184,8 @@ class OpenAIServingChat(OpenAIServing):
                                       prompt_logprobs=vllm_prompt_logprobs(self.tokenizer, prompt_logprobs))
 
     async def _stream(self, req: ChatCompletionRequest, plan: ToolPlan, request_id: str, created: int, model: str,
-                      prompt: list[int], stream: RequestStream, encoded_text_chunks: bool = False
-                      ) -> AsyncIterator[ChatCompletionStreamResponse | str]:
+                      prompt: list[int], stream: RequestStream, encoded_text_chunks: bool = False,
+                      push: ChunkPush | None = None) -> AsyncIterator[ChatCompletionStreamResponse | str]:
         """Content and tool calls stream as the text grows, through the same parser as the non-streamed answer
         (tool_calls.py), so the concatenated deltas always equal it: a named or required call's arguments stream
         piece by piece (the first piece carries id and name); an "auto" call goes out whole once closed."""
@@ -206,52 +211,61 @@ class OpenAIServingChat(OpenAIServing):
                                        total_tokens=len(prompt) + done)
             return resp
 
+        def render(out: RequestOutput) -> list[ChatCompletionStreamResponse | str]:
+            """The chunks of one output (and the choices' state after it)."""
+            nonlocal prompt_logprobs, cached
+            chunks: list[ChatCompletionStreamResponse | str] = []
+            if out.prompt_logprobs is not None:
+                prompt_logprobs = vllm_prompt_logprobs(self.tokenizer, out.prompt_logprobs)
+            for c in out.outputs:
+                st = states[c.index]
+                st.token_ids.extend(c.token_ids)
+                st.text += c.text
+                if c.finish_reason is not None:
+                    st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
+                reasoning, text = "", c.text
+                if (reasoner := reasoners[c.index]) is not None:  # reasoning first; the rest is content
+                    split = reasoner.feed(c.text, final=c.finish_reason is not None)
+                    reasoning, text = split.reasoning, split.content
+                deltas = parsers[c.index].feed(text)
+                if c.finish_reason is not None:
+                    deltas += parsers[c.index].finish()
+                if not deltas.content and not deltas.calls and not reasoning and c.finish_reason is None \
+                        and not (req.logprobs and c.token_ids):
+                    continue
+                finish = c.finish_reason
+                if finish == "stop" and parsers[c.index].num_calls:
+                    finish = "tool_calls"
+                if encoded_text_chunks and not (req.logprobs or continuous or deltas.calls or reasoning
+                                                or prompt_logprobs):  # content alone: no models
+                    t = time.perf_counter()
+                    chunks.append(encoder.chat(st.index, deltas.content or None, finish, c.stop_reason))
+                    profile.record_chunk(time.perf_counter() - t)
+                    continue
+                logprobs = None
+                if req.logprobs:
+                    logprobs = ChatCompletionLogProbs(
+                        content=chat_logprobs(self.tokenizer, c.token_ids, c.logprobs or [], num_top))
+                calls = [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
+                                       function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
+                         for d in deltas.calls]
+                chunks.append(chunk(ChatCompletionStreamChoice(
+                    index=st.index, delta=DeltaMessage(content=deltas.content or None, reasoning_content=reasoning or None,
+                                                  tool_calls=calls or None),
+                    logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason)))
+            if out.finished:
+                cached = out.num_cached_tokens or 0
+            return chunks
+
         try:
             # OpenAI's first chunk per choice: the role, empty content.
             for st in states:
                 yield chunk(ChatCompletionStreamChoice(index=st.index, delta=DeltaMessage(role="assistant", content="")))
+            if push is not None:
+                push.attach(stream, lambda out: [sse_event(c, profile) for c in render(out)])
             async for _, out in merge_streams([stream]):
-                if out.prompt_logprobs is not None:
-                    prompt_logprobs = vllm_prompt_logprobs(self.tokenizer, out.prompt_logprobs)
-                for c in out.outputs:
-                    st = states[c.index]
-                    st.token_ids.extend(c.token_ids)
-                    st.text += c.text
-                    if c.finish_reason is not None:
-                        st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
-                    reasoning, text = "", c.text
-                    if (reasoner := reasoners[c.index]) is not None:  # reasoning first; the rest is content
-                        split = reasoner.feed(c.text, final=c.finish_reason is not None)
-                        reasoning, text = split.reasoning, split.content
-                    deltas = parsers[c.index].feed(text)
-                    if c.finish_reason is not None:
-                        deltas += parsers[c.index].finish()
-                    if not deltas.content and not deltas.calls and not reasoning and c.finish_reason is None \
-                            and not (req.logprobs and c.token_ids):
-                        continue
-                    finish = c.finish_reason
-                    if finish == "stop" and parsers[c.index].num_calls:
-                        finish = "tool_calls"
-                    if encoded_text_chunks and not (req.logprobs or continuous or deltas.calls or reasoning
-                                                    or prompt_logprobs):  # content alone: no models
-                        t = time.perf_counter()
-                        data = encoder.chat(st.index, deltas.content or None, finish, c.stop_reason)
-                        profile.record_chunk(time.perf_counter() - t)
-                        yield data
-                        continue
-                    logprobs = None
-                    if req.logprobs:
-                        logprobs = ChatCompletionLogProbs(
-                            content=chat_logprobs(self.tokenizer, c.token_ids, c.logprobs or [], num_top))
-                    calls = [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
-                                           function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
-                             for d in deltas.calls]
-                    yield chunk(ChatCompletionStreamChoice(
-                        index=st.index, delta=DeltaMessage(content=deltas.content or None, reasoning_content=reasoning or None,
-                                                      tool_calls=calls or None),
-                        logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason))
-                if out.finished:
-                    cached = out.num_cached_tokens or 0
+                for c in render(out):
+                    yield c
             if include_usage:
                 completion_tokens = sum(len(s.token_ids) for s in states)
                 final = ChatCompletionStreamResponse(
@@ -270,16 +284,20 @@ async def sse_chunks(chunks: AsyncIterator[ChatCompletionStreamResponse | str],
     failure or shutdown mid-stream becomes an error event (the status line went out as 200)."""
     try:
         async for chunk in chunks:
-            if isinstance(chunk, str):
-                yield chunk
-                continue
-            t = time.perf_counter()
-            data = f"data: {chunk.model_dump_json()}\n\n"
-            profile.record_chunk(time.perf_counter() - t)
-            yield data
+            yield sse_event(chunk, profile)
         yield SSE_DONE
     except Exception as exc:
         yield sse_error(exception_to_openai(exc))
         yield SSE_DONE
     finally:
         await chunks.aclose()
+
+
+def sse_event(chunk: ChatCompletionStreamResponse | str, profile: ServerProfile) -> str:
+    """One chat chunk as its SSE event (a chunk already encoded passes as it is)."""
+    if isinstance(chunk, str):
+        return chunk
+    t = time.perf_counter()
+    data = f"data: {chunk.model_dump_json()}\n\n"
+    profile.record_chunk(time.perf_counter() - t)
+    return data

@@ -13,11 +13,13 @@ from pagedserve.errors import InvalidRequestError
 from pagedserve.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                                     CompletionResponseChoice, CompletionStreamChoice,
                                                     CompletionStreamResponse, PromptTokensDetails, UsageInfo)
+from pagedserve.entrypoints.openai.direct_write import ChunkPush
 from pagedserve.entrypoints.openai.sse import StreamChunkEncoder
 from pagedserve.entrypoints.openai.serving_engine import (SSE_DONE, ChoiceState, OpenAIServing, SSEResponse,
                                                           completion_logprobs, merge_streams, new_request_id,
                                                           run_unless_disconnected, vllm_prompt_logprobs)
 from pagedserve.engine.request_stream import RequestStream
+from pagedserve.outputs import RequestOutput
 from pagedserve.entrypoints.openai.serving_beam_search import (check_beam_search_request, plan_beam_search,
                                                                run_beam_search)
 
@@ -84,8 +86,10 @@ class OpenAIServingCompletion(OpenAIServing):
         model = req.model if lora_request is not None else self.served_model_name
         streams = await self.submit(request_id, prompts, params, req, lora_request=lora_request)
         if req.stream:
-            gen = self._stream(req, request_id, created, model, texts, prompts, streams)
-            return SSEResponse(gen, on_close=lambda: self.abort_streams(streams), profile=self.engine_client.profile)
+            push = ChunkPush(self.engine_client.profile)
+            gen = self._stream(req, request_id, created, model, texts, prompts, streams, push)
+            return SSEResponse(gen, on_close=lambda: self.abort_streams(streams), profile=self.engine_client.profile,
+                               push=push)
         return await run_unless_disconnected(
             raw_request, self._full(req, request_id, created, model, texts, prompts, streams),
             lambda: self.abort_streams(streams))
@@ -182,7 +186,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     # ------------------------------------------------------------------------------------ streaming
     async def _stream(self, req: CompletionRequest, request_id: str, created: int, model: str, texts: list[str],
-                      prompts: list[list[int]], streams: list[RequestStream]) -> AsyncIterator[str]:
+                      prompts: list[list[int]], streams: list[RequestStream],
+                      push: ChunkPush | None = None) -> AsyncIterator[str]:
         n = req.n
         states = [ChoiceState(index=i) for i in range(len(prompts) * n)]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -194,50 +199,59 @@ class OpenAIServingCompletion(OpenAIServing):
         encoder = StreamChunkEncoder("text_completion", request_id, created, model)
         # chunks of text alone (no logprobs or usage in them) skip the pydantic models
         text_only = req.logprobs is None and req.prompt_logprobs is None and not continuous
-        try:
-            async for idx, out in merge_streams(streams):
-                if out.prompt_logprobs is not None:
-                    prompt_lps[idx] = out.prompt_logprobs
-                for c in out.outputs:
-                    st = states[idx * n + c.index]
-                    if req.max_tokens == 0:  # echo only: the one sampled token is not part of the answer
-                        c = dataclasses.replace(c, text="", token_ids=[], logprobs=[])
-                    delta = c.text
-                    first = req.echo and not st.started
-                    if first:
-                        delta = texts[idx] + delta
-                    st.token_ids.extend(c.token_ids)
-                    if c.finish_reason is not None:
-                        st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
-                    if not delta and c.finish_reason is None and not (req.logprobs is not None and c.token_ids):
-                        continue  # nothing to say yet (e.g. text held back while matching a stop string)
-                    t = time.perf_counter()
-                    st.started = True
-                    if text_only:
-                        data = encoder.completion(st.index, delta, c.finish_reason, c.stop_reason)
-                        profile.record_chunk(time.perf_counter() - t)
-                        yield data
-                        continue
-                    logprobs = None
-                    if req.logprobs is not None:
-                        logprobs, st.text_offset = self._logprobs(
-                            req, prompts[idx] if first else None, prompt_lps[idx], c.token_ids, c.logprobs or [],
-                            st.text_offset)
-                    choice = CompletionStreamChoice(index=st.index, text=delta, logprobs=logprobs,
-                                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                    if req.prompt_logprobs is not None and prompt_lps[idx] is not None and not st.sent_prompt:
-                        choice.prompt_logprobs = vllm_prompt_logprobs(self.tokenizer, prompt_lps[idx])
-                        st.sent_prompt = True
-                    chunk = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
-                    if continuous:
-                        done = sum(len(s.token_ids) for s in states)
-                        chunk.usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=done,
-                                                total_tokens=prompt_tokens + done)
-                    data = f"data: {chunk.model_dump_json()}\n\n"
+
+        def render(idx: int, out: RequestOutput) -> list[str]:
+            """The SSE events of one output of prompt `idx` (and the choices' state after it)."""
+            nonlocal cached
+            events = []
+            if out.prompt_logprobs is not None:
+                prompt_lps[idx] = out.prompt_logprobs
+            for c in out.outputs:
+                st = states[idx * n + c.index]
+                if req.max_tokens == 0:  # echo only: the one sampled token is not part of the answer
+                    c = dataclasses.replace(c, text="", token_ids=[], logprobs=[])
+                delta = c.text
+                first = req.echo and not st.started
+                if first:
+                    delta = texts[idx] + delta
+                st.token_ids.extend(c.token_ids)
+                if c.finish_reason is not None:
+                    st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
+                if not delta and c.finish_reason is None and not (req.logprobs is not None and c.token_ids):
+                    continue  # nothing to say yet (e.g. text held back while matching a stop string)
+                t = time.perf_counter()
+                st.started = True
+                if text_only:
+                    events.append(encoder.completion(st.index, delta, c.finish_reason, c.stop_reason))
                     profile.record_chunk(time.perf_counter() - t)
+                    continue
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs, st.text_offset = self._logprobs(
+                        req, prompts[idx] if first else None, prompt_lps[idx], c.token_ids, c.logprobs or [],
+                        st.text_offset)
+                choice = CompletionStreamChoice(index=st.index, text=delta, logprobs=logprobs,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                if req.prompt_logprobs is not None and prompt_lps[idx] is not None and not st.sent_prompt:
+                    choice.prompt_logprobs = vllm_prompt_logprobs(self.tokenizer, prompt_lps[idx])
+                    st.sent_prompt = True
+                chunk = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
+                if continuous:
+                    done = sum(len(s.token_ids) for s in states)
+                    chunk.usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=done,
+                                            total_tokens=prompt_tokens + done)
+                events.append(f"data: {chunk.model_dump_json()}\n\n")
+                profile.record_chunk(time.perf_counter() - t)
+            if out.finished:
+                cached += out.num_cached_tokens or 0
+            return events
+
+        try:
+            if push is not None and len(streams) == 1:  # several prompts: their outputs merge in this task
+                push.attach(streams[0], lambda out: render(0, out))
+            async for idx, out in merge_streams(streams):
+                for data in render(idx, out):
                     yield data
-                if out.finished:
-                    cached += out.num_cached_tokens or 0
             if include_usage:
                 completion_tokens = sum(len(s.token_ids) for s in states)
                 usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,

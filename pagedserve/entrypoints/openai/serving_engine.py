@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 from pagedserve.engine.request_stream import RequestStream
 from pagedserve.engine.input_processor import render_chat
 from pagedserve.engine.protocol import EngineClient
-from pagedserve.entrypoints.openai.direct_write import body_writer
+from pagedserve.entrypoints.openai.direct_write import ChunkPush, body_writer
 from pagedserve.entrypoints.openai.errors import OpenAIError
 from pagedserve.entrypoints.openai.tool_calls import template_message
 from pagedserve.entrypoints.openai.protocol import (ChatLogProb, ChatLogProbsContent, CompletionLogProbs,
@@ -43,15 +43,17 @@ class SSEResponse(StreamingResponse):
 
     The generator's own `finally` covers cancellation mid-stream; this also covers a client that
     disconnects before the generator was first iterated (an unstarted generator has no finally to run).
-    Under uvicorn's h11 protocol the body's chunks go straight to the connection (direct_write.py); the start and
-    the end of the response go through ASGI send.
+    Under uvicorn's h11 protocol the body's chunks go straight to the connection (direct_write.py), with `push`
+    from the engine's delivery callback while the client keeps up; the start and the end go through ASGI send.
     """
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], profile: ServerProfile) -> None:
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], profile: ServerProfile,
+                 push: ChunkPush | None = None) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._on_close = on_close
         self._profile = profile
+        self._push = push  # given: the generator may write its chunks from the engine's delivery (ChunkPush)
         self._scope: dict = {}
 
     async def __call__(self, scope, receive, send) -> None:
@@ -65,6 +67,8 @@ class SSEResponse(StreamingResponse):
         profile = self._profile
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         writer = body_writer(self._scope)
+        if self._push is not None:
+            self._push.writer = writer
         async for chunk in self.body_iterator:
             data = chunk.encode() if isinstance(chunk, str) else chunk
             t = time.perf_counter()  # each chunk's HTTP framing and socket write
