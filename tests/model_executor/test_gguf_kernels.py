@@ -81,6 +81,38 @@ def test_gguf_gemm_types_other_levels(isa):
     _check_types(_ops(isa))
 
 
+# Each type's quantized-value bytes (block byte range) set to all ones: every weight at its type's largest value.
+_VALUE_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_0": (2, 22), "Q5_1": (4, 24), "Q4_K": (16, 144),
+                "Q5_K": (16, 176), "Q6_K": (0, 192)}
+
+
+def _check_largest_values(ops):
+    """The largest weights (15 / 31 / 63) against full-scale activations (+-127 after quantization), where the
+    non-VNNI levels' int16 sums of VPMADDUBSW pairs come nearest to overflowing: exact, not saturated."""
+    rng = np.random.default_rng(3)
+    n, k = 24, 512
+    for name, (start, end) in _VALUE_BYTES.items():
+        type_id, block, size = NATIVE_TYPES[name]
+        raw, _ = _blocks(name, n, k, rng)
+        blocks = raw.reshape(n, k // block, size)
+        blocks[:, :, start:end] = 0xFF
+        w = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name])).double()
+        packed = ops.gguf_repack(torch.from_numpy(raw), type_id, n, k)
+        x = torch.tensor([[1.0] * k, [-1.0] * k, [1.0, -1.0] * (k // 2)])
+        y = ops.gguf_gemm(x, packed, torch.tensor([[type_id, n]]), None)
+        exact = x.double() @ w.T
+        assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < 1e-5, name
+
+
+def test_gguf_gemm_largest_values_default_level():
+    _check_largest_values(_ops(None))
+
+
+@pytest.mark.parametrize("isa", OTHER_LEVELS)
+def test_gguf_gemm_largest_values_other_levels(isa):
+    _check_largest_values(_ops(isa))
+
+
 def test_gguf_gemm_bfloat16_activations():
     _check_types(_ops(None), torch.bfloat16)
 

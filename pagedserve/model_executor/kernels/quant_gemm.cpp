@@ -217,6 +217,10 @@ struct Vec {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
 #endif
   }
+  // int16 pair sums of (unsigned w) x (signed x), their sum, and their widening to int32 per column: without VNNI
+  static W pairs(W w, W x) { return _mm512_maddubs_epi16(w, x); }
+  static W add16(W a, W b) { return _mm512_add_epi16(a, b); }
+  static W widen(W s16) { return _mm512_madd_epi16(s16, _mm512_set1_epi16(1)); }
   // acc + per column sum of 4 (signed w) x (signed x), without VNNI: |w| x sign(w) x
   static W dot_ss(W acc, W w, W x) {
     const __mmask64 neg = _mm512_movepi8_mask(w);
@@ -261,6 +265,9 @@ struct Vec {
   static W dot_us(W acc, W w, W x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
   }
+  static W pairs(W w, W x) { return _mm256_maddubs_epi16(w, x); }
+  static W add16(W a, W b) { return _mm256_add_epi16(a, b); }
+  static W widen(W s16) { return _mm256_madd_epi16(s16, _mm256_set1_epi16(1)); }
   static W dot_ss(W acc, W w, W x) { return dot_us(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w)); }
   static W sub(W a, int32_t s) { return _mm256_sub_epi32(a, _mm256_set1_epi32(s)); }
   static W add(W a, W b) { return _mm256_add_epi32(a, b); }
@@ -359,16 +366,36 @@ void quantize_acts(const T* x, int64_t m_rows, int64_t k, ActQ& a) {
 }
 
 // ------------------------------------------------------------------------------------------------ the tile kernel
-// The N groups' dot products summed, in 4 independent chains (one chain of 8 dependent VPDPBUSD made a one-row
-// product latency-bound, at about half the speed).
-template <int N>
-inline typename Vec::W dot_groups(const typename Vec::W* w, const int8_t* x) {
-  constexpr int kChains = N < 4 ? N : 4;
-  typename Vec::W s[kChains];
-  for (int c = 0; c < kChains; ++c) s[c] = Vec::dot_us(Vec::zero(), w[c], Vec::bcast(x + 4 * c));
-  for (int g = kChains; g < N; ++g) s[g % kChains] = Vec::dot_us(s[g % kChains], w[g], Vec::bcast(x + 4 * g));
-  for (int c = 1; c < kChains; ++c) s[0] = Vec::add(s[0], s[c]);
-  return s[0];
+// The largest value a type's packed weights take as unsigned bytes (Q8_0: flipped to w + 128, VNNI only).
+constexpr int value_max(int type) {
+  return type == kQ8_0 ? 255 : type == kQ6_K ? 63 : (type == kQ5_0 || type == kQ5_1 || type == kQ5_K) ? 31 : 15;
+}
+
+// The N groups' dot products summed. With VNNI: in 4 independent chains (one chain of 8 dependent VPDPBUSD made a
+// one-row product latency-bound, at about half the speed). Without: VPMADDUBSW's int16 pair sums (|pair| <=
+// 2 VMAX 127, the activations being -127..127) are added as int16 for as many groups as cannot overflow (8 for
+// 4-bit values, 4 for 5-bit, 2 for 6-bit) and widened to int32 once per run: 2 instructions a group instead of 3.
+template <int N, int VMAX, typename V = Vec>  // V: names dependent, the generic level has no pairs()
+inline typename V::W dot_groups(const typename V::W* w, const int8_t* x) {
+  if constexpr (V::kVnni) {
+    constexpr int kChains = N < 4 ? N : 4;
+    typename V::W s[kChains];
+    for (int c = 0; c < kChains; ++c) s[c] = V::dot_us(V::zero(), w[c], V::bcast(x + 4 * c));
+    for (int g = kChains; g < N; ++g) s[g % kChains] = V::dot_us(s[g % kChains], w[g], V::bcast(x + 4 * g));
+    for (int c = 1; c < kChains; ++c) s[0] = V::add(s[0], s[c]);
+    return s[0];
+  } else {
+    constexpr int kRun = 32767 / (2 * 127 * VMAX);
+    static_assert(kRun >= 1 && N % (kRun < N ? kRun : N) == 0, "int16 pair sums would overflow");
+    constexpr int run = kRun < N ? kRun : N;
+    typename V::W total = V::zero();
+    for (int g0 = 0; g0 < N; g0 += run) {
+      typename V::W s16 = V::pairs(w[g0], V::bcast(x + 4 * g0));
+      for (int g = g0 + 1; g < g0 + run; ++g) s16 = V::add16(s16, V::pairs(w[g], V::bcast(x + 4 * g)));
+      total = V::add(total, V::widen(s16));
+    }
+    return total;
+  }
 }
 
 // R rows (m0..) of one tile: out[r][0..16) = x_r . w_c over all of K.
@@ -411,7 +438,7 @@ void tile_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a
           const int64_t b = (m0 + r) * nb + u;
           const int8_t* x = a.row(m0 + r) + u * 32;
           W s;
-          if (TYPE == kQ8_0 && !Vec::kVnni) {
+          if constexpr (TYPE == kQ8_0 && !Vec::kVnni) {
             W s2 = Vec::zero();
             s = Vec::zero();
             for (int g = 0; g < 8; g += 2) {
@@ -420,9 +447,9 @@ void tile_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a
             }
             s = Vec::add(s, s2);
           } else if constexpr (with_min(TYPE)) {
-            s = dot_groups<8>(w, x);
+            s = dot_groups<8, value_max(TYPE)>(w, x);
           } else {
-            s = Vec::sub(dot_groups<8>(w, x), (TYPE == kQ8_0 ? 128 : TYPE == kQ5_0 ? 16 : 8) * a.sum[b]);
+            s = Vec::sub(dot_groups<8, value_max(TYPE)>(w, x), (TYPE == kQ8_0 ? 128 : TYPE == kQ5_0 ? 16 : 8) * a.sum[b]);
           }
           acc[r][h] = Vec::fma(Vec::cvt(s), Vec::mul(d, Vec::set1(a.d[b])), acc[r][h]);
           if constexpr (with_min(TYPE))  // + m times the block's activation sum
@@ -449,7 +476,7 @@ void tile_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a
           }
           for (int r = 0; r < R; ++r) {
             const int64_t b = (m0 + r) * nb + u * 8 + j;
-            const W s = dot_groups<8>(w, a.row(m0 + r) + (u * 8 + j) * 32);
+            const W s = dot_groups<8, value_max(TYPE)>(w, a.row(m0 + r) + (u * 8 + j) * 32);
             acc[r][h] = Vec::fma(Vec::cvt(s), Vec::mul(dsc, Vec::set1(a.d[b])), acc[r][h]);
             acc[r][h] = Vec::fnma(dmn, Vec::set1(a.d[b] * static_cast<float>(a.sum[b])), acc[r][h]);
           }
@@ -469,8 +496,8 @@ void tile_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a
           for (int r = 0; r < R; ++r) {
             const int64_t b = (m0 + r) * nb + u * 8 + j;
             const int8_t* x = a.row(m0 + r) + (u * 8 + j) * 32;
-            const W s0 = Vec::sub(dot_groups<4>(w, x), 32 * a.sum16[2 * b]);
-            const W s1 = Vec::sub(dot_groups<4>(w + 4, x + 16), 32 * a.sum16[2 * b + 1]);
+            const W s0 = Vec::sub(dot_groups<4, value_max(TYPE)>(w, x), 32 * a.sum16[2 * b]);
+            const W s1 = Vec::sub(dot_groups<4, value_max(TYPE)>(w + 4, x + 16), 32 * a.sum16[2 * b + 1]);
             const W s = Vec::add(Vec::mullo(s0, sc0), Vec::mullo(s1, sc1));
             acc[r][h] = Vec::fma(Vec::cvt(s), Vec::mul(d, Vec::set1(a.d[b])), acc[r][h]);
           }
