@@ -40,7 +40,18 @@ Precision groups (pagedserve flag / vLLM flag / OpenVINO setting):
         (int8 weights, fp32      / int8 IR (`--weight-format int8`), INFERENCE_PRECISION_HINT=--ov-int8-hint
          activations, fp32 KV)     (f32), KV cache f32; OpenVINO also quantizes activations dynamically here
 
-A peer whose venv is missing (or does not import) is skipped with a message, so CI never needs the peers.
+GGUF groups (issue 52): `--gguf LABEL=FILE` (repeated) adds a group LABEL in which every engine runs the weights of
+one GGUF file (llama-quantize's Q4_0 / Q4_K_M / Q8_0 ... of --model):
+
+  pagedserve  `pagedserve serve FILE --dtype float32` (the block-quantized kernel; the file's own tokenizer)
+  llama.cpp   llama-server on the same FILE (engine "llamacpp", --llama-server), one server per C with `-np C -cb -c
+              C*--max-model-len -t T -tb T`, KV --llama-kv-type (f32 = pagedserve's), loaded by `bench serve`
+  OpenVINO    --model exported by optimum-cli with NNCF weight compression of the same width: `--weight-format int4`
+              for a 4-bit LABEL (Q4_*), int8 for Q8_0; other labels skip OpenVINO
+  vLLM CPU    skipped (not one of issue 52's peers)
+
+A peer whose venv (or llama-server binary) is missing (or does not import) is skipped with a message, so CI never
+needs the peers.
 
 --rounds N repeats every precision group N times, the engines' order alternating (A B, B A, ...): on these VMs two
 runs of the same command an hour apart differ by 10-15%, so one run per cell cannot tell a 1.15x target from noise.
@@ -71,11 +82,11 @@ for p in (REPO, HERE):
 
 import side_by_side as sbs  # (Server, free_port, pagedserve_cmd, subprocess_env, dataset_flags, ...)
 
-ENGINES = ("pagedserve", "pagedserve-engine", "vllm", "openvino")
+ENGINES = ("pagedserve", "pagedserve-engine", "vllm", "openvino", "llamacpp")
 OURS = ("pagedserve", "pagedserve-engine")
-SERVED = ("pagedserve", "vllm")  # behind an HTTP server, loaded by `bench serve`
+SERVED = ("pagedserve", "vllm", "llamacpp")  # behind an HTTP server, loaded by `bench serve`
 LABELS = {"pagedserve": "pagedserve", "pagedserve-engine": "pagedserve engine (in-process)", "vllm": "vLLM CPU",
-          "openvino": "OpenVINO GenAI CB"}
+          "openvino": "OpenVINO GenAI CB", "llamacpp": "llama.cpp llama-server"}
 PRECISIONS = ("fp32", "bf16", "int8")
 KV_BYTES = {"fp32": 4, "bf16": 2, "int8": 4}  # KV element size per group (int8 = int8 weights, fp32 KV)
 VLLM_WRAPPER = os.path.join(HERE, "peers", "vllm_cpu_cli.py")
@@ -96,6 +107,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF checkpoint dir (e.g. from `pagedserve bench make-model`)")
     p.add_argument("--engines", default=",".join(ENGINES), help="comma list of " + ",".join(ENGINES))
+    p.add_argument("--gguf", action="append", default=[], metavar="LABEL=FILE",
+                   help="a GGUF group: every engine on this file's weights (see the GGUF groups above); repeated")
+    p.add_argument("--llama-server", default=None, help="llama-server binary (default: side_by_side.py's lookup)")
+    p.add_argument("--llama-kv-type", default="f32", choices=["f32", "f16"], help="llama-server's KV cache type")
     p.add_argument("--through-server", action="store_true",
                    help="only the engines behind their own HTTP server (" + ",".join(SERVED) + "), loaded by the same "
                         "`bench serve` client: the end-to-end numbers a user sees (issue 50); a peer whose venv is "
@@ -158,6 +173,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [x for x in args.precision_list if x not in PRECISIONS]
     if bad:
         p.error(f"--precisions: unknown {bad}; choose from {','.join(PRECISIONS)}")
+    args.gguf_files = {}
+    for item in args.gguf:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not path or label in PRECISIONS or "+" in label or label in args.gguf_files:
+            p.error(f"--gguf {item!r}: want LABEL=FILE with a new LABEL (not {', '.join(PRECISIONS)}, no '+')")
+        args.gguf_files[label] = path
+    if args.gguf_files and not any(a.startswith("--precisions") for a in (argv if argv is not None else sys.argv)):
+        args.precision_list = []  # --gguf alone: only the GGUF groups
+    args.precision_list += list(args.gguf_files)
     return args
 
 
@@ -265,8 +289,18 @@ def pagedserve_version() -> str:
 # ------------------------------------------------------------------------------------------ engines
 
 
+def ov_weight_format_for_gguf(label: str) -> str | None:
+    """The NNCF weight width of OpenVINO's counterpart to a GGUF type: int4 for the 4-bit types, int8 for Q8_0."""
+    name = label.upper()
+    return "int4" if name.startswith("Q4") else "int8" if name.startswith("Q8") else None
+
+
 def engine_flags(engine: str, precision: str, args) -> tuple[list[str] | dict | None, str]:
     """(flags for the engine in this precision group, or None if the engine has no such group; a note)."""
+    if precision in args.gguf_files:
+        return gguf_engine_flags(engine, precision, args)
+    if engine == "llamacpp":
+        return None, "llama.cpp runs the GGUF groups only (--gguf)"
     if engine in OURS:
         return {"fp32": (["--dtype", "float32"], "--dtype float32"),
                 "bf16": (["--dtype", "bfloat16"], "--dtype bfloat16 (KV bf16)"),
@@ -289,6 +323,29 @@ def engine_flags(engine: str, precision: str, args) -> tuple[list[str] | dict | 
     return {"weight_format": fmt, "properties": props}, note
 
 
+def gguf_engine_flags(engine: str, label: str, args) -> tuple[list[str] | dict | None, str]:
+    """engine_flags for a GGUF group: the file for pagedserve and llama.cpp, the same-width NNCF IR for OpenVINO."""
+    path = args.gguf_files[label]
+    if engine in OURS:
+        return ["--dtype", "float32"], f"GGUF {label} file {os.path.basename(path)}, float32 activations, KV f32"
+    if engine == "llamacpp":
+        return [], f"GGUF {label} file {os.path.basename(path)}, KV {args.llama_kv_type}"
+    if engine == "vllm":
+        return None, "vLLM CPU is not run on the GGUF groups"
+    fmt = ov_weight_format_for_gguf(label)
+    if fmt is None:
+        return None, f"no OpenVINO weight format of the width of {label}"
+    props = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "KEY_CACHE_PRECISION": "f32",
+             "VALUE_CACHE_PRECISION": "f32", "INFERENCE_NUM_THREADS": args.threads}
+    return ({"weight_format": fmt, "properties": props},
+            f"NNCF {fmt} IR (optimum-cli --weight-format {fmt}, its defaults), INFERENCE_PRECISION_HINT=f32, KV f32")
+
+
+def model_source(precision: str, args) -> str:
+    """What pagedserve loads in this group: the GGUF file of a GGUF group, else --model."""
+    return args.gguf_files.get(precision, args.model)
+
+
 def result_name(engine: str, precision: str, conc: int) -> str:
     return f"{engine}-{precision}-c{conc}.json"
 
@@ -296,7 +353,7 @@ def result_name(engine: str, precision: str, conc: int) -> str:
 def precision_order(label: str) -> tuple[int, str]:
     """Sort key of a row's precision label ("bf16", or "bf16+json_schema" for a constrained rerun)."""
     base, _, structured = label.partition("+")
-    return PRECISIONS.index(base), structured
+    return (PRECISIONS.index(base) if base in PRECISIONS else len(PRECISIONS)), structured
 
 
 def serve_each_concurrency(engine: str, label: str, precision: str, base_url: str, name: str, args, out_dir: str,
@@ -365,7 +422,7 @@ def run_pagedserve(args, precision: str, workloads: dict, out_dir: str, rows: li
     blocks = kv_blocks_for(workloads)
     port = sbs.free_port()
     name = f"pagedserve-{os.path.basename(os.path.normpath(args.model))}-{precision}"
-    cmd = sbs.pagedserve_cmd("serve", args.model, "--host", "127.0.0.1", "--port", str(port),
+    cmd = sbs.pagedserve_cmd("serve", model_source(precision, args), "--host", "127.0.0.1", "--port", str(port),
                              *pagedserve_engine_flags(args, blocks),
                              "--served-model-name", name, "--disable-log-stats", "--disable-uvicorn-access-log",
                              "--uvicorn-log-level", "warning", *flags, *args.serve_args.split())
@@ -484,6 +541,10 @@ def result_from_driver(run: dict, conc: int, label: str, backend: str = BACKENDS
 
 def run_openvino(args, precision: str, workloads: dict, out_dir: str, rows: list, skipped: dict) -> None:
     cfg, note = engine_flags("openvino", precision, args)
+    if cfg is None:
+        log(f"SKIP OpenVINO {precision}: {note}")
+        skipped[f"OpenVINO {precision}"] = note
+        return
     try:
         ir = ensure_ov_ir(args, cfg["weight_format"], out_dir)
     except RuntimeError as e:
@@ -547,14 +608,53 @@ def run_pagedserve_engine(args, precision: str, workloads: dict, out_dir: str, r
     """pagedserve's engine alone, in-process (peers/pagedserve_engine_driver.py), with the server's engine flags."""
     flags, note = engine_flags("pagedserve-engine", precision, args)
     blocks = kv_blocks_for(workloads)
-    spec = {"model": args.model, "engine_flags": pagedserve_engine_flags(args, blocks) + flags + args.serve_args.split()}
+    spec = {"model": model_source(precision, args),
+            "engine_flags": pagedserve_engine_flags(args, blocks) + flags + args.serve_args.split()}
     run_driver("pagedserve-engine", precision, [sys.executable, ENGINE_DRIVER], spec, sbs.subprocess_env(), args,
                out_dir, workloads, rows, skipped, f"{note}; --num-kv-blocks {blocks} (block 16); in-process, no HTTP",
                {})
 
 
+def llama_server_cmd(server_bin: str, gguf: str, port: int, conc: int, name: str, args) -> list[str]:
+    """llama-server on one GGUF file with C slots of --max-model-len each (continuous batching), T threads."""
+    return [server_bin, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(conc), "-cb",
+            "-c", str(conc * args.max_model_len), "-t", str(args.threads), "-tb", str(args.threads),
+            "-b", str(args.max_num_batched_tokens), "--alias", name, "--cache-type-k", args.llama_kv_type,
+            "--cache-type-v", args.llama_kv_type, "--no-webui"]
+
+
+def run_llamacpp(args, precision: str, workloads: dict, out_dir: str, rows: list, skipped: dict) -> None:
+    """llama-server on the group's GGUF file, a fresh server per C (its slot count is fixed at start-up)."""
+    flags, note = engine_flags("llamacpp", precision, args)
+    server_bin, tried = sbs.find_llama_server(args.llama_server)
+    if flags is None or server_bin is None:
+        why = note if flags is None else "no llama-server binary (tried " + ", ".join(tried) + ")"
+        log(f"SKIP llama.cpp {precision}: {why}")
+        skipped[f"llama.cpp {precision}"] = why
+        return
+    name = f"llamacpp-{os.path.basename(args.gguf_files[precision])}"
+    for c in args.concurrencies:
+        port = sbs.free_port()
+        srv = sbs.Server(f"llama.cpp {precision} C={c}", llama_server_cmd(server_bin, args.gguf_files[precision],
+                                                                          port, c, name, args),
+                         port, os.path.join(out_dir, f"llamacpp-{precision}-c{c}-server.log"))
+        try:
+            srv.start(args.startup_timeout)
+            res = run_bench_serve("llamacpp", precision, srv.base_url, name, c, args, out_dir)
+            if res is None:
+                skipped[f"llama.cpp {precision} C={c}"] = "bench serve failed"
+            else:
+                rows.append(make_row("llamacpp", precision, c, res, workloads[c],
+                                     notes=f"{note}; -np C -cb -c C*{args.max_model_len}, -t/-tb {args.threads}"))
+        except RuntimeError as e:
+            log(str(e))
+            skipped[f"llama.cpp {precision} C={c}"] = str(e).splitlines()[0]
+        finally:
+            srv.stop()
+
+
 RUNNERS = {"pagedserve": run_pagedserve, "pagedserve-engine": run_pagedserve_engine, "vllm": run_vllm,
-           "openvino": run_openvino}
+           "openvino": run_openvino, "llamacpp": run_llamacpp}
 
 
 def round_dir(out_dir: str, k: int, rounds: int) -> str:

@@ -37,11 +37,11 @@ def tiny(tmp_path_factory):
 def test_parse_args(cp):
     a = cp.parse_args(["--model", "m"])
     assert a.concurrencies == [1, 16, 32] and a.precision_list == ["fp32", "bf16", "int8"]
-    assert a.engine_list == ["pagedserve", "pagedserve-engine", "vllm", "openvino"]
+    assert a.engine_list == ["pagedserve", "pagedserve-engine", "vllm", "openvino", "llamacpp"]
     assert a.dataset == "mixed" and a.threads == 2
     a = cp.parse_args(["--model", "m", "--concurrency", "32,1,32", "--precisions", "bf16", "--engines", "openvino"])
     assert a.concurrencies == [1, 32] and a.precision_list == ["bf16"] and a.engine_list == ["openvino"]
-    assert cp.parse_args(["--model", "m", "--through-server"]).engine_list == ["pagedserve", "vllm"]
+    assert cp.parse_args(["--model", "m", "--through-server"]).engine_list == ["pagedserve", "vllm", "llamacpp"]
     for bad in (["--engines", "tgi"], ["--precisions", "fp8"], ["--concurrency", "0"],
                 ["--engines", "openvino", "--through-server"]):
         with pytest.raises(SystemExit):
@@ -285,3 +285,35 @@ def test_report_only_reads_every_round(cp, tiny, tmp_path):
     cp.collect_results(a, w, str(tmp_path), rows, skipped)
     assert [(r["engine"], r["round"]) for r in rows] == [("openvino", 1)]
     assert list(skipped) == ["OpenVINO GenAI CB fp32 C=2 round 0"]
+
+
+def test_gguf_groups_run_every_engine_on_the_file(cp, tmp_path):
+    """--gguf LABEL=FILE: a group per file; pagedserve and llama-server load the file, OpenVINO the NNCF IR of the
+    same width, vLLM is skipped; --gguf alone keeps only the GGUF groups."""
+    a = cp.parse_args(["--model", "m", "--gguf", "Q4_0=/f/m-Q4_0.gguf", "--gguf", "Q8_0=/f/m-Q8_0.gguf"])
+    assert a.precision_list == ["Q4_0", "Q8_0"] and "llamacpp" in a.engine_list
+    assert cp.parse_args(["--model", "m", "--precisions", "int8", "--gguf", "Q4_K_M=x"]).precision_list == [
+        "int8", "Q4_K_M"]
+    assert cp.parse_args(["--model", "m", "--through-server", "--gguf", "Q4_0=x"]).engine_list == [
+        "pagedserve", "vllm", "llamacpp"]
+    for bad in (["--gguf", "Q4_0"], ["--gguf", "int8=x"], ["--gguf", "Q4_0=x", "--gguf", "Q4_0=y"]):
+        with pytest.raises(SystemExit):
+            cp.parse_args(["--model", "m", *bad])
+    assert cp.model_source("Q4_0", a) == "/f/m-Q4_0.gguf" and cp.model_source("int8", a) == "m"
+    assert cp.engine_flags("pagedserve", "Q4_0", a)[0] == ["--dtype", "float32"]
+    assert cp.engine_flags("llamacpp", "Q8_0", a)[0] == [] and cp.engine_flags("llamacpp", "int8", a)[0] is None
+    assert cp.engine_flags("vllm", "Q4_0", a)[0] is None
+    assert cp.engine_flags("openvino", "Q4_0", a)[0]["weight_format"] == "int4"
+    assert cp.engine_flags("openvino", "Q8_0", a)[0]["weight_format"] == "int8"
+    assert cp.ov_weight_format_for_gguf("Q5_K_M") is None
+    assert sorted(["Q4_0", "bf16", "fp32+regex"], key=cp.precision_order) == ["fp32+regex", "bf16", "Q4_0"]
+    cmd = cp.llama_server_cmd("/bin/llama-server", "/f/m-Q4_0.gguf", 8000, 16, "n",
+                              cp.parse_args(["--model", "m", "--max-model-len", "320", "--gguf", "Q4_0=x"]))
+    flags = dict(zip(cmd[1::2], cmd[2::2]))
+    assert flags["-m"] == "/f/m-Q4_0.gguf" and flags["-np"] == "16" and "-cb" in cmd
+    assert cmd[cmd.index("-c") + 1] == str(16 * 320) and cmd[cmd.index("-t") + 1] == "2"
+    # no binary: the group's llama.cpp runs are skipped with a reason, nothing else happens
+    skipped = {}
+    a = cp.parse_args(["--model", "m", "--gguf", "Q4_0=x", "--llama-server", str(tmp_path / "none")])
+    cp.run_llamacpp(a, "Q4_0", {}, str(tmp_path), [], skipped)
+    assert list(skipped) == ["llama.cpp Q4_0"] and "no llama-server" in skipped["llama.cpp Q4_0"]
