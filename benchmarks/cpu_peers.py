@@ -28,7 +28,7 @@ set would turn every later run's prefills into prefix-cache hits); the largest C
               metrics.py).  The IR is exported once per weight format with `optimum-cli export openvino`
               (cached in --ov-cache-dir).
   llama.cpp   `llama-server -m GGUF -np C -c C*max_model_len -t T -tb T -b BUDGET` (one server per C; the GGUF of the
-              same checkpoint per precision group from --gguf PRECISION=PATH, e.g. BF16 for bf16 and Q8_0 for int8;
+              same checkpoint per precision group from --gguf PRECISION=FILE, e.g. BF16 for bf16 and Q8_0 for int8;
               KV bf16 in the bf16 group, f32 otherwise), loaded by the same `bench serve` command.  Skipped, with a
               message, when llama-server or the group's GGUF is missing.
   pagedserve  (engine "pagedserve-engine", like for like with OpenVINO's driver) benchmarks/peers/
@@ -44,7 +44,18 @@ Precision groups (pagedserve flag / vLLM flag / OpenVINO setting):
         (int8 weights, fp32      / int8 IR (`--weight-format int8`), INFERENCE_PRECISION_HINT=--ov-int8-hint
          activations, fp32 KV)     (f32), KV cache f32; OpenVINO also quantizes activations dynamically here
 
-A peer whose venv is missing (or does not import) is skipped with a message, so CI never needs the peers.
+GGUF groups (issue 52): `--gguf LABEL=FILE` (repeated) adds a group LABEL in which every engine runs the weights of
+one GGUF file (llama-quantize's Q4_0 / Q4_K_M / Q8_0 ... of --model):
+
+  pagedserve  `pagedserve serve FILE --dtype float32` (the block-quantized kernel; the file's own tokenizer)
+  llama.cpp   llama-server on the same FILE (engine "llamacpp", --llama-server), one server per C with `-np C -cb -c
+              C*--max-model-len -t T -tb T`, KV --llama-kv-type (f32 = pagedserve's), loaded by `bench serve`
+  OpenVINO    --model exported by optimum-cli with NNCF weight compression of the same width: `--weight-format int4`
+              for a 4-bit LABEL (Q4_*), int8 for Q8_0; other labels skip OpenVINO
+  vLLM CPU    skipped (not one of issue 52's peers)
+
+A peer whose venv (or llama-server binary) is missing (or does not import) is skipped with a message, so CI never
+needs the peers.
 
 --rounds N repeats every precision group N times, the engines' order alternating (A B, B A, ...): on these VMs two
 runs of the same command an hour apart differ by 10-15%, so one run per cell cannot tell a 1.15x target from noise.
@@ -79,7 +90,7 @@ ENGINES = ("pagedserve", "pagedserve-engine", "vllm", "openvino", "llamacpp")
 OURS = ("pagedserve", "pagedserve-engine")
 SERVED = ("pagedserve", "vllm", "llamacpp")  # behind an HTTP server, loaded by `bench serve`
 LABELS = {"pagedserve": "pagedserve", "pagedserve-engine": "pagedserve engine (in-process)", "vllm": "vLLM CPU",
-          "openvino": "OpenVINO GenAI CB", "llamacpp": "llama.cpp server"}
+          "openvino": "OpenVINO GenAI CB", "llamacpp": "llama.cpp llama-server"}
 PRECISIONS = ("fp32", "bf16", "int8")
 KV_BYTES = {"fp32": 4, "bf16": 2, "int8": 4}  # KV element size per group (int8 = int8 weights, fp32 KV)
 VLLM_WRAPPER = os.path.join(HERE, "peers", "vllm_cpu_cli.py")
@@ -87,7 +98,6 @@ OV_DRIVER = os.path.join(HERE, "peers", "openvino_cb_driver.py")
 ENGINE_DRIVER = os.path.join(HERE, "peers", "pagedserve_engine_driver.py")
 DEFAULT_VLLM_VENV = "/work/peers/vllm"
 DEFAULT_OV_VENV = "/work/peers/openvino"
-DEFAULT_LLAMA_SERVER = "/work/peers/llamacpp/build/bin/llama-server"
 LLAMA_KV = {"fp32": "f32", "bf16": "bf16", "int8": "f32"}  # llama-server --cache-type-k/v per group, as ours
 
 
@@ -102,6 +112,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF checkpoint dir (e.g. from `pagedserve bench make-model`)")
     p.add_argument("--engines", default=",".join(ENGINES), help="comma list of " + ",".join(ENGINES))
+    p.add_argument("--gguf", action="append", default=[], metavar="KEY=FILE",
+                   help="repeated. KEY a precision (fp32, bf16, int8): llama.cpp's model in that group, the same "
+                        "checkpoint converted to GGUF (e.g. bf16=M-bf16.gguf, int8=M-q8_0.gguf; a group without one "
+                        "skips llama.cpp). Any other KEY: a GGUF group of that LABEL, every engine on the file's "
+                        "weights (see the GGUF groups above)")
+    p.add_argument("--llama-server", default=None, help="llama-server binary (default: side_by_side.py's lookup)")
+    p.add_argument("--llama-kv-type", default="f32", choices=["f32", "f16"],
+                   help="llama-server's KV cache type in the GGUF groups (the precision groups use theirs: "
+                        + ", ".join(f"{k} {v}" for k, v in LLAMA_KV.items()) + ")")
     p.add_argument("--through-server", action="store_true",
                    help="only the engines behind their own HTTP server (" + ",".join(SERVED) + "), loaded by the same "
                         "`bench serve` client: the end-to-end numbers a user sees (issue 50); a peer whose venv is "
@@ -132,10 +151,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="where the exported OpenVINO IRs live (default: next to --model, MODEL-ov-<format>)")
     p.add_argument("--ov-int8-hint", default="f32", choices=["f32", "bf16"],
                    help="OpenVINO INFERENCE_PRECISION_HINT in the int8 group (f32 = pagedserve's int8 activations)")
-    p.add_argument("--llama-server", default=DEFAULT_LLAMA_SERVER, help="llama.cpp's llama-server binary")
-    p.add_argument("--gguf", action="append", default=[], metavar="PRECISION=PATH",
-                   help="llama.cpp's model for a precision group, the same checkpoint converted to GGUF (e.g. "
-                        "bf16=M-bf16.gguf, int8=M-q8_0.gguf; repeat the flag); a group without one skips llama.cpp")
     p.add_argument("--structured-output", default=None, choices=["json_schema", "regex", "choice"],
                    help="also run every workload constrained (bench serve --structured-output), right after the free "
                         "run on the same server, with fresh prompts (seed + 1000; give --random-range-ratio 0 for the "
@@ -168,12 +183,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [x for x in args.precision_list if x not in PRECISIONS]
     if bad:
         p.error(f"--precisions: unknown {bad}; choose from {','.join(PRECISIONS)}")
-    args.gguf_by_precision = {}
-    for spec in args.gguf:
-        prec, sep, path = spec.partition("=")
-        if not sep or prec not in PRECISIONS or not path:
-            p.error(f"--gguf {spec!r}: want PRECISION=PATH with PRECISION one of {','.join(PRECISIONS)}")
-        args.gguf_by_precision[prec] = path
+    args.gguf_files, args.gguf_by_precision = {}, {}
+    for item in args.gguf:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not path or "+" in label or label in args.gguf_files | args.gguf_by_precision:
+            p.error(f"--gguf {item!r}: want KEY=FILE with a new KEY (a precision or a group LABEL, no '+')")
+        (args.gguf_by_precision if label in PRECISIONS else args.gguf_files)[label] = path
+    if args.gguf_files and not any(a.startswith("--precisions") for a in (argv if argv is not None else sys.argv)):
+        args.precision_list = []  # --gguf alone: only the GGUF groups
+    args.precision_list += list(args.gguf_files)
     return args
 
 
@@ -281,8 +299,16 @@ def pagedserve_version() -> str:
 # ------------------------------------------------------------------------------------------ engines
 
 
+def ov_weight_format_for_gguf(label: str) -> str | None:
+    """The NNCF weight width of OpenVINO's counterpart to a GGUF type: int4 for the 4-bit types, int8 for Q8_0."""
+    name = label.upper()
+    return "int4" if name.startswith("Q4") else "int8" if name.startswith("Q8") else None
+
+
 def engine_flags(engine: str, precision: str, args) -> tuple[list[str] | dict | None, str]:
     """(flags for the engine in this precision group, or None if the engine has no such group; a note)."""
+    if precision in args.gguf_files:
+        return gguf_engine_flags(engine, precision, args)
     if engine in OURS:
         return {"fp32": (["--dtype", "float32"], "--dtype float32"),
                 "bf16": (["--dtype", "bfloat16"], "--dtype bfloat16 (KV bf16)"),
@@ -291,9 +317,8 @@ def engine_flags(engine: str, precision: str, args) -> tuple[list[str] | dict | 
     if engine == "llamacpp":
         gguf = args.gguf_by_precision.get(precision)
         if gguf is None:
-            return None, f"no --gguf {precision}=PATH given"
-        kv = LLAMA_KV[precision]
-        return ["-m", gguf, "--cache-type-k", kv, "--cache-type-v", kv], f"{os.path.basename(gguf)}, KV {kv}"
+            return None, f"no --gguf {precision}=FILE given"
+        return llama_gguf_flags(gguf, LLAMA_KV[precision]), f"{os.path.basename(gguf)}, KV {LLAMA_KV[precision]}"
     if engine == "vllm":
         if precision == "int8":
             return None, "vLLM CPU has no weight-only int8 for an unquantized checkpoint (it needs a pre-quantized one)"
@@ -311,6 +336,34 @@ def engine_flags(engine: str, precision: str, args) -> tuple[list[str] | dict | 
     return {"weight_format": fmt, "properties": props}, note
 
 
+def llama_gguf_flags(gguf: str, kv_type: str) -> list[str]:
+    return ["-m", gguf, "--cache-type-k", kv_type, "--cache-type-v", kv_type]
+
+
+def gguf_engine_flags(engine: str, label: str, args) -> tuple[list[str] | dict | None, str]:
+    """engine_flags for a GGUF group: the file for pagedserve and llama.cpp, the same-width NNCF IR for OpenVINO."""
+    path = args.gguf_files[label]
+    if engine in OURS:
+        return ["--dtype", "float32"], f"GGUF {label} file {os.path.basename(path)}, float32 activations, KV f32"
+    if engine == "llamacpp":
+        return (llama_gguf_flags(path, args.llama_kv_type),
+                f"GGUF {label} file {os.path.basename(path)}, KV {args.llama_kv_type}")
+    if engine == "vllm":
+        return None, "vLLM CPU is not run on the GGUF groups"
+    fmt = ov_weight_format_for_gguf(label)
+    if fmt is None:
+        return None, f"no OpenVINO weight format of the width of {label}"
+    props = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "KEY_CACHE_PRECISION": "f32",
+             "VALUE_CACHE_PRECISION": "f32", "INFERENCE_NUM_THREADS": args.threads}
+    return ({"weight_format": fmt, "properties": props},
+            f"NNCF {fmt} IR (optimum-cli --weight-format {fmt}, its defaults), INFERENCE_PRECISION_HINT=f32, KV f32")
+
+
+def model_source(precision: str, args) -> str:
+    """What pagedserve loads in this group: the GGUF file of a GGUF group, else --model."""
+    return args.gguf_files.get(precision, args.model)
+
+
 def result_name(engine: str, precision: str, conc: int) -> str:
     return f"{engine}-{precision}-c{conc}.json"
 
@@ -318,7 +371,7 @@ def result_name(engine: str, precision: str, conc: int) -> str:
 def precision_order(label: str) -> tuple[int, str]:
     """Sort key of a row's precision label ("bf16", or "bf16+json_schema" for a constrained rerun)."""
     base, _, structured = label.partition("+")
-    return PRECISIONS.index(base), structured
+    return (PRECISIONS.index(base) if base in PRECISIONS else len(PRECISIONS)), structured
 
 
 def serve_each_concurrency(engine: str, label: str, precision: str, base_url: str, name: str, args, out_dir: str,
@@ -387,7 +440,7 @@ def run_pagedserve(args, precision: str, workloads: dict, out_dir: str, rows: li
     blocks = kv_blocks_for(workloads)
     port = sbs.free_port()
     name = f"pagedserve-{os.path.basename(os.path.normpath(args.model))}-{precision}"
-    cmd = sbs.pagedserve_cmd("serve", args.model, "--host", "127.0.0.1", "--port", str(port),
+    cmd = sbs.pagedserve_cmd("serve", model_source(precision, args), "--host", "127.0.0.1", "--port", str(port),
                              *pagedserve_engine_flags(args, blocks),
                              "--served-model-name", name, "--disable-log-stats", "--disable-uvicorn-access-log",
                              "--uvicorn-log-level", "warning", *flags, *args.serve_args.split())
@@ -455,39 +508,6 @@ def run_vllm(args, precision: str, workloads: dict, out_dir: str, rows: list, sk
         srv.stop()
 
 
-def run_llamacpp(args, precision: str, workloads: dict, out_dir: str, rows: list, skipped: dict) -> None:
-    """llama-server, one per C (its -np C slots each hold one request of up to --max-model-len tokens), loaded by the
-    same `bench serve` command as ours."""
-    flags, note = engine_flags("llamacpp", precision, args)
-    if flags is None or not os.path.isfile(flags[1]):
-        why = note if flags is None else f"GGUF {flags[1]} not found"
-        log(f"SKIP llama.cpp {precision}: {why}")
-        skipped[f"llama.cpp {precision}"] = why
-        return
-    name = f"llamacpp-{os.path.basename(os.path.normpath(args.model))}-{precision}"
-    for c in args.concurrencies:
-        port = sbs.free_port()
-        cmd = [args.llama_server, *flags, "--host", "127.0.0.1", "--port", str(port), "--alias", name,
-               "-np", str(c), "-cb", "-c", str(c * args.max_model_len), "-t", str(args.threads), "-tb",
-               str(args.threads), "-b", str(args.max_num_batched_tokens), "--no-webui"]
-        srv = sbs.Server(f"llama.cpp {precision} C={c}", cmd, port,
-                         os.path.join(out_dir, f"llamacpp-{precision}-c{c}-server.log"))
-        try:
-            srv.start(args.startup_timeout)
-            res = run_bench_serve("llamacpp", precision, srv.base_url, name, c, args, out_dir)
-            if res is None:
-                skipped[f"llama.cpp {precision} C={c}"] = "bench serve failed"
-            else:
-                rows.append(make_row("llamacpp", precision, c, res, workloads[c],
-                                     notes=f"{note}; -np {c} -c {c * args.max_model_len} -b "
-                                           f"{args.max_num_batched_tokens}"))
-        except RuntimeError as e:
-            log(str(e))
-            skipped[f"llama.cpp {precision} C={c}"] = str(e).splitlines()[0]
-        finally:
-            srv.stop()
-
-
 def ov_ir_dir(args, weight_format: str) -> str:
     base = os.path.basename(os.path.normpath(args.model))
     root = args.ov_cache_dir or os.path.dirname(os.path.abspath(os.path.normpath(args.model)))
@@ -539,6 +559,10 @@ def result_from_driver(run: dict, conc: int, label: str, backend: str = BACKENDS
 
 def run_openvino(args, precision: str, workloads: dict, out_dir: str, rows: list, skipped: dict) -> None:
     cfg, note = engine_flags("openvino", precision, args)
+    if cfg is None:
+        log(f"SKIP OpenVINO {precision}: {note}")
+        skipped[f"OpenVINO {precision}"] = note
+        return
     try:
         ir = ensure_ov_ir(args, cfg["weight_format"], out_dir)
     except RuntimeError as e:
@@ -602,10 +626,50 @@ def run_pagedserve_engine(args, precision: str, workloads: dict, out_dir: str, r
     """pagedserve's engine alone, in-process (peers/pagedserve_engine_driver.py), with the server's engine flags."""
     flags, note = engine_flags("pagedserve-engine", precision, args)
     blocks = kv_blocks_for(workloads)
-    spec = {"model": args.model, "engine_flags": pagedserve_engine_flags(args, blocks) + flags + args.serve_args.split()}
+    spec = {"model": model_source(precision, args),
+            "engine_flags": pagedserve_engine_flags(args, blocks) + flags + args.serve_args.split()}
     run_driver("pagedserve-engine", precision, [sys.executable, ENGINE_DRIVER], spec, sbs.subprocess_env(), args,
                out_dir, workloads, rows, skipped, f"{note}; --num-kv-blocks {blocks} (block 16); in-process, no HTTP",
                {})
+
+
+def llama_server_cmd(server_bin: str, flags: list[str], port: int, conc: int, name: str, args) -> list[str]:
+    """llama-server on one GGUF file (flags: -m and the KV type) with C slots of --max-model-len each (continuous
+    batching), T threads, the shared token budget."""
+    return [server_bin, *flags, "--host", "127.0.0.1", "--port", str(port), "-np", str(conc), "-cb",
+            "-c", str(conc * args.max_model_len), "-t", str(args.threads), "-tb", str(args.threads),
+            "-b", str(args.max_num_batched_tokens), "--alias", name, "--no-webui"]
+
+
+def run_llamacpp(args, precision: str, workloads: dict, out_dir: str, rows: list, skipped: dict) -> None:
+    """llama-server on the group's GGUF file, a fresh server per C (its slot count is fixed at start-up)."""
+    flags, note = engine_flags("llamacpp", precision, args)
+    server_bin, tried = sbs.find_llama_server(args.llama_server)
+    if flags is None or server_bin is None or not os.path.isfile(flags[1]):
+        why = (note if flags is None else "no llama-server binary (tried " + ", ".join(tried) + ")"
+               if server_bin is None else f"GGUF {flags[1]} not found")
+        log(f"SKIP llama.cpp {precision}: {why}")
+        skipped[f"llama.cpp {precision}"] = why
+        return
+    name = f"llamacpp-{os.path.basename(flags[1])}"
+    for c in args.concurrencies:
+        port = sbs.free_port()
+        srv = sbs.Server(f"llama.cpp {precision} C={c}", llama_server_cmd(server_bin, flags, port, c, name, args),
+                         port, os.path.join(out_dir, f"llamacpp-{precision}-c{c}-server.log"))
+        try:
+            srv.start(args.startup_timeout)
+            res = run_bench_serve("llamacpp", precision, srv.base_url, name, c, args, out_dir)
+            if res is None:
+                skipped[f"llama.cpp {precision} C={c}"] = "bench serve failed"
+            else:
+                rows.append(make_row("llamacpp", precision, c, res, workloads[c],
+                                     notes=f"{note}; -np {c} -cb -c {c * args.max_model_len}, -t/-tb {args.threads}, "
+                                           f"-b {args.max_num_batched_tokens}"))
+        except RuntimeError as e:
+            log(str(e))
+            skipped[f"llama.cpp {precision} C={c}"] = str(e).splitlines()[0]
+        finally:
+            srv.stop()
 
 
 RUNNERS = {"pagedserve": run_pagedserve, "pagedserve-engine": run_pagedserve_engine, "vllm": run_vllm,
@@ -804,11 +868,6 @@ def main(argv=None) -> int:
         else:
             versions[LABELS[engine]] = ", ".join(f"{k} {x}" for k, x in v.items())
 
-    if "llamacpp" in args.engine_list and not os.access(args.llama_server, os.X_OK):
-        why = f"no llama-server at {args.llama_server!r}"
-        log(f"SKIP {LABELS['llamacpp']}: {why}")
-        skipped[LABELS["llamacpp"]] = why
-        args.engine_list.remove("llamacpp")
     workloads, described = build_workloads(args)
     if len(set(described.values())) == 1:
         workload = next(iter(described.values()))

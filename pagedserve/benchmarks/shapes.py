@@ -159,6 +159,12 @@ SHAPES: dict[str, ModelShape] = {
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                    max_position_embeddings=131072, special_tokens=_LLAMA3_SPECIALS, bos="<|begin_of_text|>",
                    eos="<|end_of_text|>", hub_id="meta-llama/Llama-3.2-1B"),
+        # Llama-3-8B's layer with 4 of its 32 layers (the whole model is 32 GB in fp32; the per-layer GEMM shapes and
+        # the 128k-vocab head are Llama-3-8B's, so the weight formats' kernels see its shapes)
+        ModelShape("llama-3-8b-4l", "LlamaForCausalLM", hidden_size=4096, num_layers=4, num_heads=32, num_kv_heads=8,
+                   head_dim=128, intermediate_size=14336, vocab_size=128256, rope_theta=500000.0,
+                   max_position_embeddings=8192, tie_word_embeddings=False, special_tokens=_LLAMA3_SPECIALS,
+                   bos="<|begin_of_text|>", eos="<|end_of_text|>", hub_id="meta-llama/Meta-Llama-3-8B"),
         # Qwen3-30B-A3B's layer with 2 of its 48 layers (the whole model is 61 GB in bf16; make the layer count
         # fit the machine with --override num_layers=N)
         ModelShape("qwen3-30b-a3b-2l", "Qwen3MoeForCausalLM", hidden_size=2048, num_layers=2, num_heads=32,

@@ -25,7 +25,8 @@ def _meta_param_count(shape):
     return n
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m", "qwen3-0.6b", "llama-3.2-1b", "tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen3-0.6b", "llama-3.2-1b", "llama-3-8b-4l", "tiny-llama",
+                                  "tiny-qwen3"])
 def test_param_count_matches_transformers(name):
     shape = get_shape(name)
     assert shape.num_params() == _meta_param_count(shape)
@@ -34,6 +35,8 @@ def test_param_count_matches_transformers(name):
 def test_real_shapes_have_the_published_sizes():
     assert get_shape("smollm2-135m").num_params() == 134_515_008
     assert get_shape("llama-3.2-1b").num_params() == 1_235_814_400
+    # Llama-3-8B is 8_030_261_248: 4 of its 32 layers (218_112_000 each) and its untied 128256 x 4096 embedding/head
+    assert get_shape("llama-3-8b-4l").num_params() == 8_030_261_248 - 28 * 218_112_000
     q = get_shape("qwen3-0.6b")
     assert q.num_params() == 596_049_920 and q.num_params(include_embedding=False) == 440_467_456
     assert get_shape("qwen3-0.6b").kv_bytes_per_token(2) == 2 * 28 * 8 * 128 * 2

@@ -43,7 +43,7 @@ def test_parse_args(cp):
     assert a.concurrencies == [1, 32] and a.precision_list == ["bf16"] and a.engine_list == ["openvino"]
     assert cp.parse_args(["--model", "m", "--through-server"]).engine_list == ["pagedserve", "vllm", "llamacpp"]
     for bad in (["--engines", "tgi"], ["--precisions", "fp8"], ["--concurrency", "0"],
-                ["--engines", "openvino", "--through-server"], ["--gguf", "m.gguf"], ["--gguf", "q8=m.gguf"]):
+                ["--engines", "openvino", "--through-server"], ["--gguf", "m.gguf"]):
         with pytest.raises(SystemExit):
             cp.parse_args(["--model", "m", *bad])
 
@@ -292,13 +292,19 @@ def test_llamacpp_one_server_per_concurrency(cp, tiny, tmp_path, monkeypatch):
     server per C loaded by the same `bench serve` path as ours; a group without a GGUF is a skip, not a failure."""
     gguf = tmp_path / "m-q8_0.gguf"
     gguf.write_bytes(b"")
+    server_bin = tmp_path / "llama-server"
+    server_bin.write_text("#!/bin/sh\n")
+    server_bin.chmod(0o755)
     a = cp.parse_args(["--model", tiny, "--num-prompts", "2", "--concurrency", "1,4", "--precisions", "int8,bf16",
                        "--engines", "llamacpp", "--gguf", f"int8={gguf}", "--gguf", "bf16=/nowhere-bf16.gguf",
+                       "--llama-server", str(server_bin),
                        "--max-model-len", "64", "--max-num-batched-tokens", "512", "--dataset", "random",
                        "--random-input-len", "8", "--random-output-len", "4", "--output-dir", str(tmp_path)])
-    assert a.gguf_by_precision == {"int8": str(gguf), "bf16": "/nowhere-bf16.gguf"}
+    assert a.gguf_by_precision == {"int8": str(gguf), "bf16": "/nowhere-bf16.gguf"} and a.gguf_files == {}
+    assert a.precision_list == ["int8", "bf16"]
     assert cp.engine_flags("llamacpp", "fp32", a)[0] is None
     assert cp.engine_flags("llamacpp", "bf16", a)[0][2:] == ["--cache-type-k", "bf16", "--cache-type-v", "bf16"]
+    assert cp.model_source("int8", a) == tiny  # pagedserve keeps the checkpoint in a precision group
     started = []
 
     class FakeServer:
@@ -327,5 +333,38 @@ def test_llamacpp_one_server_per_concurrency(cp, tiny, tmp_path, monkeypatch):
         def flag(name):
             return cmd[cmd.index(name) + 1]
 
-        assert cmd[0] == a.llama_server and flag("-m") == str(gguf) and flag("--cache-type-k") == "f32"
+        assert cmd[0] == str(server_bin) and flag("-m") == str(gguf) and flag("--cache-type-k") == "f32"
         assert flag("-np") == str(c) and flag("-c") == str(c * 64) and flag("-b") == "512" and flag("-t") == "2"
+def test_gguf_groups_run_every_engine_on_the_file(cp, tmp_path):
+    """--gguf LABEL=FILE: a group per file; pagedserve and llama-server load the file, OpenVINO the NNCF IR of the
+    same width, vLLM is skipped; --gguf alone keeps only the GGUF groups."""
+    a = cp.parse_args(["--model", "m", "--gguf", "Q4_0=/f/m-Q4_0.gguf", "--gguf", "Q8_0=/f/m-Q8_0.gguf"])
+    assert a.precision_list == ["Q4_0", "Q8_0"] and "llamacpp" in a.engine_list
+    assert cp.parse_args(["--model", "m", "--precisions", "int8", "--gguf", "Q4_K_M=x"]).precision_list == [
+        "int8", "Q4_K_M"]
+    assert cp.parse_args(["--model", "m", "--through-server", "--gguf", "Q4_0=x"]).engine_list == [
+        "pagedserve", "vllm", "llamacpp"]
+    for bad in (["--gguf", "Q4_0"], ["--gguf", "int8=x", "--gguf", "int8=y"], ["--gguf", "Q4_0=x", "--gguf", "Q4_0=y"],
+                ["--gguf", "fp32+regex=x"]):
+        with pytest.raises(SystemExit):
+            cp.parse_args(["--model", "m", *bad])
+    assert cp.model_source("Q4_0", a) == "/f/m-Q4_0.gguf" and cp.model_source("int8", a) == "m"
+    assert cp.engine_flags("pagedserve", "Q4_0", a)[0] == ["--dtype", "float32"]
+    assert cp.engine_flags("llamacpp", "Q8_0", a)[0] == ["-m", "/f/m-Q8_0.gguf", "--cache-type-k", "f32",
+                                                          "--cache-type-v", "f32"]
+    assert cp.engine_flags("llamacpp", "int8", a)[0] is None  # no --gguf int8=FILE
+    assert cp.engine_flags("vllm", "Q4_0", a)[0] is None
+    assert cp.engine_flags("openvino", "Q4_0", a)[0]["weight_format"] == "int4"
+    assert cp.engine_flags("openvino", "Q8_0", a)[0]["weight_format"] == "int8"
+    assert cp.ov_weight_format_for_gguf("Q5_K_M") is None
+    assert sorted(["Q4_0", "bf16", "fp32+regex"], key=cp.precision_order) == ["fp32+regex", "bf16", "Q4_0"]
+    cmd = cp.llama_server_cmd("/bin/llama-server", cp.llama_gguf_flags("/f/m-Q4_0.gguf", "f32"), 8000, 16, "n",
+                              cp.parse_args(["--model", "m", "--max-model-len", "320", "--gguf", "Q4_0=x"]))
+    flags = dict(zip(cmd[1::2], cmd[2::2]))
+    assert flags["-m"] == "/f/m-Q4_0.gguf" and flags["-np"] == "16" and "-cb" in cmd
+    assert cmd[cmd.index("-c") + 1] == str(16 * 320) and cmd[cmd.index("-t") + 1] == "2"
+    # no binary: the group's llama.cpp runs are skipped with a reason, nothing else happens
+    skipped = {}
+    a = cp.parse_args(["--model", "m", "--gguf", "Q4_0=x", "--llama-server", str(tmp_path / "none")])
+    cp.run_llamacpp(a, "Q4_0", {}, str(tmp_path), [], skipped)
+    assert list(skipped) == ["llama.cpp Q4_0"] and "no llama-server" in skipped["llama.cpp Q4_0"]
