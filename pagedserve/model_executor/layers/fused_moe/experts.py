@@ -188,8 +188,12 @@ class FusedMoE(nn.Module):
         a, b = self.native13, self.native2
         act = self.activation
         code, alpha, limit = (1, act.alpha, act.limit) if isinstance(act, SwigluOAI) else (0, 0.0, 0.0)
-        return cpu_kernels().fused_moe_experts(rows, counts, a.packed, b.packed, a.n, b.n, a.scale, a.shift, b.scale,
-                                               b.shift, self.w13_bias, self.w2_bias, code, alpha, limit)
+        # Its output is written by ATen's worker threads, which do not inherit the engine's inference mode: created
+        # as an inference tensor, those writes would raise ("Inplace update to inference tensor outside
+        # InferenceMode") whenever the experts spread over the threads (two or more per thread).
+        with torch.inference_mode(False):
+            return cpu_kernels().fused_moe_experts(rows, counts, a.packed, b.packed, a.n, b.n, a.scale, a.shift,
+                                                   b.scale, b.shift, self.w13_bias, self.w2_bias, code, alpha, limit)
 
     def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         b13 = None if self.w13_bias is None else self.w13_bias[e]
