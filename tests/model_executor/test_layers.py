@@ -106,6 +106,62 @@ def test_linear_without_onednn_for_the_dtype_keeps_the_weight(backend, dtype, mo
         torch.testing.assert_close(layer(x).float(), expected, atol=tol * 10, rtol=tol)
 
 
+class _WithoutBf16SmallGemm:
+    """The native kernels as an AVX2 CPU has them: no bfloat16 on the small GEMM."""
+
+    def __init__(self, ops) -> None:
+        self._ops = ops
+
+    def __getattr__(self, name: str):
+        return getattr(self._ops, name)
+
+    def native_small_gemm(self, dtype: torch.dtype, k: int = 0) -> bool:
+        return dtype != torch.bfloat16 and self._ops.native_small_gemm(dtype, k)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16, 130])
+def test_bf16_weight_gemm_matches_the_float32_product(rows):
+    """bf16_weight_gemm (bfloat16 weights on CPUs without bfloat16 arithmetic): float32 x gives the float32 product
+    of the widened weights; bfloat16 x its rounding; rows and columns past the kernel's 3 x 4 tiles, with a bias."""
+    from pagedserve.model_executor.kernels import cpu_kernels
+
+    ops = cpu_kernels()
+    if ops is None or not ops.native_bf16_weight_gemm(104):
+        pytest.skip("no bf16_weight_gemm in this build (AVX2 and up)")
+    assert not ops.native_bf16_weight_gemm(100)  # K in steps of 8
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(163, 104, generator=g).bfloat16()
+    x, bias = torch.randn(rows, 104, generator=g), torch.randn(163, generator=g)
+    expected = F.linear(x, w.float(), bias)
+    torch.testing.assert_close(ops.bf16_weight_gemm(x, w, bias), expected, atol=1e-4, rtol=1e-5)
+    got = ops.bf16_weight_gemm(x.bfloat16(), w, bias.bfloat16())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), F.linear(x.bfloat16().float(), w.float(), bias.bfloat16().float()),
+                               atol=5e-2, rtol=1e-2)
+    with pytest.raises(RuntimeError, match="weight \\[N, K\\] bfloat16"):
+        ops.bf16_weight_gemm(x, w.float(), None)
+
+
+@pytest.mark.parametrize("rows", [1, 5, NATIVE_GEMM_MAX_ROWS + 1])
+def test_bf16_linear_without_small_gemm_or_onednn_runs_bf16_weight_gemm(rows, monkeypatch):
+    """Where neither the small GEMM nor oneDNN takes bfloat16 (AVX2: forced here), the "native" backend keeps the
+    bfloat16 weight (one copy) and runs every row count on bf16_weight_gemm, 2-D and 3-D inputs."""
+    from pagedserve.model_executor.kernels import cpu_kernels
+    from pagedserve.model_executor.quantization import unquantized
+
+    ops = cpu_kernels()
+    if ops is None or not ops.native_bf16_weight_gemm(104):
+        pytest.skip("no bf16_weight_gemm in this build (AVX2 and up)")
+    monkeypatch.setattr(unquantized, "onednn_takes", lambda dt: dt != torch.bfloat16)
+    monkeypatch.setattr(unquantized, "cpu_kernels", lambda: _WithoutBf16SmallGemm(ops))
+    layer, x, expected = _random_layer(104, 163, rows, torch.bfloat16, UnquantizedConfig("native"))
+    assert layer.bf16_weight_gemm and layer.small_gemm_weight is None and layer.weight.shape == (163, 104)
+    torch.testing.assert_close(layer(x).float(), expected, atol=0.5, rtol=5e-2)
+    torch.testing.assert_close(layer(x.view(1, rows, 104)).view(rows, 163), layer(x))
+    odd, _, _ = _random_layer(100, 163, rows, torch.bfloat16, UnquantizedConfig("native"))  # K = 100: F.linear
+    assert not odd.bf16_weight_gemm
+
+
 @pytest.mark.parametrize("amx", [False, True])
 def test_bf16_small_gemm_row_limit_follows_amx(amx, monkeypatch):
     """On an AMX CPU bfloat16 products above native_gemm_max_rows go to oneDNN: NATIVE_BF16_AMX_MAX_ROWS where the

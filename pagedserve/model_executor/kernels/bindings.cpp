@@ -25,6 +25,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_moe_experts", &fused_moe_experts, "an MoE layer's experts over their rows (grouped by expert, counts "
         "per expert) on packed stacks: act(rows W13^T + b13) W2^T + b2; int8 with scales and shifts; activation 0 silu, "
         "1 gpt-oss's clamped SwiGLU");
+  m.def("native_bf16_weight_gemm", &native_bf16_weight_gemm, "whether bf16_weight_gemm runs in this build (AVX2) for "
+        "this K (a multiple of 8)");
+  m.def("bf16_weight_gemm", &bf16_weight_gemm, "x W^T (+ b) for a bfloat16 weight [N, K] as stored, in float32 "
+        "arithmetic (CPUs without bfloat16 instructions); x float32 or bfloat16, y in x's dtype", py::arg("x"),
+        py::arg("weight"), py::arg("bias") = py::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] projection (float32 or bfloat16)");
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul,
         "gelu(gate, tanh approximation) * up of a fused [gate | up] projection (float32 or bfloat16)");

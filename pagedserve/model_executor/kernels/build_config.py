@@ -10,7 +10,7 @@ from pathlib import Path
 
 KERNEL_DIR = Path(__file__).resolve().parent
 SOURCES = ("decode_attention.cpp", "prefill_attention.cpp", "kv_write.cpp", "layer_ops.cpp", "small_gemm.cpp",
-           "decode_layers.cpp", "moe_experts.cpp", "lora.cpp", "quant_gemm.cpp", "bindings.cpp")
+           "decode_layers.cpp", "moe_experts.cpp", "bf16_weight_gemm.cpp", "lora.cpp", "quant_gemm.cpp", "bindings.cpp")
 HEADERS = ("vec.h", "paged_cache.h", "attention_math.h", "ops.h", "torch_slice.h")
 
 # Instruction-set levels, best first: (name, /proc/cpuinfo flags it needs, compiler flags). Explicit -m flags, never

@@ -1,5 +1,8 @@
 // The experts of one MoE layer in one native call (layers/fused_moe/experts.py): for each expert with rows,
-// y = act(rows W13^T + b13) W2^T + b2 on its packed weights (small_gemm, or small_gemm_int8 for int8 experts).
+// y = act(rows W13^T + b13) W2^T + b2 on its weights, by the stack's kind: packed for small_gemm (float32, bfloat16
+// [E, N/16, ...]) or small_gemm_int8 (int8, with scales and shifts); on CPUs where the small GEMM does not run the
+// dtype (AVX2), Q8_0 blocks for gguf_gemm (uint8 [E, bytes]: int8 experts) or bfloat16 as stored for
+// bf16_weight_gemm ([E, N, K]).
 //
 // Why one call: each small_gemm call is its own parallel region, so a layer of ~110 active experts (16-32 tokens on
 // Qwen3-30B-A3B) cost ~220 thread barriers, each stalled whenever a thread is descheduled. Here, with at least two
@@ -29,6 +32,13 @@ torch::Tensor project(const torch::Tensor& x, const torch::Tensor& packed, int64
   if (bias.has_value() && bias->defined()) b = bias->select(0, e);
   if (scale.has_value() && scale->defined())
     return small_gemm_int8(x, packed.select(0, e), scale->select(0, e), shift->select(0, e), n, b);
+  if (packed.scalar_type() == torch::kByte) {  // Q8_0 blocks repacked by gguf_repack: one part of n columns
+    auto layout = torch::empty({1, 2}, torch::kLong);
+    layout.data_ptr<int64_t>()[0] = 8;  // Q8_0's ggml type id
+    layout.data_ptr<int64_t>()[1] = n;
+    return gguf_gemm(x, packed.select(0, e), layout, b);
+  }
+  if (packed.dim() == 3) return bf16_weight_gemm(x, packed.select(0, e), b);  // bfloat16 [E, N, K] as stored
   return small_gemm(x, packed.select(0, e), n, b);
 }
 }  // namespace

@@ -60,6 +60,9 @@ torch::Tensor fused_moe_experts(torch::Tensor rows, std::vector<int64_t> counts,
                                 c10::optional<torch::Tensor> shift13, c10::optional<torch::Tensor> scale2,
                                 c10::optional<torch::Tensor> shift2, c10::optional<torch::Tensor> b13,
                                 c10::optional<torch::Tensor> b2, int64_t activation, double alpha, double limit);
+// bf16_weight_gemm.cpp
+bool native_bf16_weight_gemm(int64_t k);
+torch::Tensor bf16_weight_gemm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 // lora.cpp
 void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor row_slots,
               std::vector<int64_t> slices);

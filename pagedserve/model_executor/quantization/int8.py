@@ -35,6 +35,23 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w.double() / scales[:, None]).round().clamp(-128, 127).to(torch.int8), scales
 
 
+# The float16 range a per-channel scale must lie in to be stored as a Q8_0 block's scale without losing precision
+# (normal numbers: below, float16 subnormals keep fewer mantissa bits)
+_Q8_0_SCALE_RANGE = (2.0 ** -14, 65504.0)
+
+
+def q8_0_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
+    """A per-channel int8 weight (q [N, K], scales [N]) as GGUF Q8_0 rows ([N, K / 32 * 34] uint8: each block of 32
+    its channel's scale in float16, then the 32 int8 values), the same weights in the layout the native block-quantized
+    kernel (kernels/quant_gemm.cpp) runs with int8 dot products on AVX2 too; None where K is not a multiple of 32 or a
+    scale is outside float16's normal range."""
+    n, k = q.shape
+    if k % 32 or not bool(((scales >= _Q8_0_SCALE_RANGE[0]) & (scales <= _Q8_0_SCALE_RANGE[1])).all()):
+        return None
+    d = scales.to(torch.float16).view(torch.uint8).reshape(n, 1, 2).expand(n, k // 32, 2)
+    return torch.cat([d, q.view(torch.uint8).reshape(n, k // 32, 32)], dim=2).reshape(n, -1).contiguous()
+
+
 class Int8LinearMethod(LinearMethodBase):
     def __init__(self, allow_native: bool = True) -> None:
         self.allow_native = allow_native  # False: fbgemm only, for comparisons and tests

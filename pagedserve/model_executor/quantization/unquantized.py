@@ -10,7 +10,9 @@
     for all the step's rows; it runs products of up to `native_gemm_max_rows(dtype)` rows (decode, spec-decode
     verification, short prefill chunks), oneDNN the larger ones; the unpacked weight is dropped (two copies, as
     "onednn"). Where the kernel does not run this dtype (AVX2-only CPUs, bfloat16 without AVX512-BF16, an odd K
-    in bfloat16) it is "onednn".
+    in bfloat16) it is "onednn"; where oneDNN cannot take bfloat16 either (AVX2 without AVX-512), bfloat16 products
+    of every row count run on the native bf16_weight_gemm (kernels/bf16_weight_gemm.cpp: the weight as stored,
+    widened to float32 in registers) instead of F.linear, whose bfloat16 path there reads the weight once per row.
 """
 from __future__ import annotations
 
@@ -71,6 +73,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def create_weights(self, layer: Linear, in_features: int, out_features: int, bias: bool) -> None:
         super().create_weights(layer, in_features, out_features, bias)
         layer.onednn_weight = layer.small_gemm_weight = None  # packed copies, once loaded
+        layer.bf16_weight_gemm = False  # bfloat16 products on bf16_weight_gemm (neither of the above takes them)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         if self.backend == "torch":
@@ -86,12 +89,18 @@ class UnquantizedLinearMethod(LinearMethodBase):
                 # every product now reads a packed copy (the small GEMM's up to its row limit, oneDNN's above): the
                 # float weight would only double the model's memory (a tied LM head lets go of its reference only)
                 layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+        elif ops is not None and layer.onednn_weight is None and w.dtype == torch.bfloat16 and w.is_contiguous() \
+                and ops.native_bf16_weight_gemm(w.shape[1]):
+            layer.bf16_weight_gemm = True
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 and layer.small_gemm_weight is not None:  # the native kernel takes [rows, K]
+        native = layer.small_gemm_weight is not None or layer.bf16_weight_gemm
+        if x.dim() != 2 and native:  # the native kernels take [rows, K]
             return self.apply(layer, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], layer.out_features)
         if self._small_gemm_runs(layer, x):
             return cpu_kernels().small_gemm(x, layer.small_gemm_weight, layer.out_features, layer.bias)
+        if layer.bf16_weight_gemm and x.dtype == torch.bfloat16:
+            return cpu_kernels().bf16_weight_gemm(x, layer.weight, layer.bias)
         if self._onednn_runs(layer, x):
             return torch.ops.mkldnn._linear_pointwise(x, layer.onednn_weight, layer.bias, "none", [], "")
         return F.linear(x, layer.weight, layer.bias)

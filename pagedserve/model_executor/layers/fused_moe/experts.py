@@ -6,10 +6,13 @@ Weights: w13 [E, 2I, H] (gate | up, each expert's rows as one fused projection),
 [E, 2I] / [E, H] (gpt-oss). Once loaded, on a CPU whose native small GEMM (kernels/small_gemm.cpp) runs the model
 dtype, each expert's two matrices are packed for it (float32, bfloat16) or, under `--quantization int8`, quantized
 per output channel and packed as int8, exactly as the dense layers' linear methods do; the float copies are then
-dropped, and one native call (kernels/moe_experts.cpp) runs every expert over its rows. Each expert's product goes to the native kernel at every row count: only one copy of the experts is kept
-(they are most of an MoE model's bytes), and an expert's rows are few (a 512-token prefill chunk routes ~32 rows to
-each of Qwen3-30B-A3B's 128 experts). On CUDA (with Triton) the Triton fused-MoE kernel (triton_moe.py). Elsewhere
-(`--linear-backend torch`, CPUs without the native kernel) F.linear per expert on the float weights (int8: the
+dropped, and one native call (kernels/moe_experts.cpp) runs every expert over its rows. Where the small GEMM does
+not run the dtype (AVX2 CPUs: no VNNI, no AVX512-BF16) the same call takes int8 experts as the same per-channel int8
+weights in Q8_0 blocks (the block-quantized kernel's int8 dot products, VPMADDUBSW) and bfloat16 experts as stored
+(bf16_weight_gemm: float32 arithmetic on the widened weights). Each expert's product goes to the native kernel at
+every row count: only one copy of the experts is kept (they are most of an MoE model's bytes), and an expert's rows
+are few (a 512-token prefill chunk routes ~32 rows to each of Qwen3-30B-A3B's 128 experts). On CUDA (with Triton) the Triton fused-MoE kernel (triton_moe.py). Elsewhere
+(`--linear-backend torch`, CPUs without the native kernels) F.linear per expert on the float weights (int8: the
 dequantized ones, so the numbers are the quantized model's).
 """
 from __future__ import annotations
@@ -24,7 +27,8 @@ from torch import nn
 from pagedserve.model_executor.kernels import cpu_kernels
 from pagedserve.model_executor.layers.activation import SwigluOAI, silu_and_mul
 from pagedserve.model_executor.quantization.base import QuantizationConfig
-from pagedserve.model_executor.quantization.int8 import Int8LinearMethod, quantize_per_channel
+from pagedserve.model_executor.quantization.gguf import NATIVE_TYPES
+from pagedserve.model_executor.quantization.int8 import Int8LinearMethod, q8_0_rows, quantize_per_channel
 from pagedserve.model_executor.quantization.unquantized import UnquantizedLinearMethod
 
 
@@ -67,6 +71,8 @@ class _PackedStack:
     """One projection of every expert as the native small GEMM reads it: packed [E, ...] (float, bfloat16 or int8)
     and for int8 the per-column scales and shifts [E, N]."""
 
+    copies_weights = True
+
     def __init__(self, w: torch.Tensor, int8: bool) -> None:
         ops = cpu_kernels()
         self.n = w.shape[1]
@@ -79,6 +85,46 @@ class _PackedStack:
             self.packed = torch.stack([ops.pack_small_gemm_weight(w[e]) for e in range(w.shape[0])])
             self.scale = self.shift = None
 
+
+class _Q8_0Stack:
+    """One projection of every int8 expert where the small GEMM runs no int8 (AVX2 CPUs without VNNI): the same
+    per-channel int8 weights as Q8_0 blocks (quantization/int8.py: q8_0_rows) repacked for the native block-quantized
+    kernel (gguf_gemm), which multiplies them with int8 dot products against activations quantized per block of 32:
+    a quarter of the bytes per product of the dequantized float32 experts F.linear would read. `build` gives None
+    where a weight does not fit Q8_0 (K not a multiple of 32, a scale outside float16's range)."""
+
+    copies_weights = True
+    TYPE = NATIVE_TYPES["Q8_0"][0]  # the only uint8 stack kernels/moe_experts.cpp takes
+    scale = shift = None
+
+    def __init__(self, packed: torch.Tensor, n: int) -> None:
+        self.packed = packed  # [E, bytes]: expert e's repacked blocks in row e
+        self.n = n
+
+    @classmethod
+    def build(cls, w: torch.Tensor) -> _Q8_0Stack | None:
+        ops = cpu_kernels()
+        n, k = w.shape[1], w.shape[2]
+        packed = []
+        for e in range(w.shape[0]):
+            rows = q8_0_rows(*quantize_per_channel(w[e]))
+            if rows is None:
+                return None
+            packed.append(ops.gguf_repack(rows, cls.TYPE, n, k))
+        return cls(torch.stack(packed), n)
+
+
+class _StoredStack:
+    """One projection of every bfloat16 expert where the small GEMM runs no bfloat16 (AVX2 CPUs without AVX512-BF16):
+    the weights as loaded, [E, N, K], multiplied by bf16_weight_gemm in float32 arithmetic (PyTorch's bfloat16
+    F.linear there reads the weight once per row, at a fraction of the memory bandwidth)."""
+
+    copies_weights = False
+    scale = shift = None
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.packed = w.contiguous()
+        self.n = w.shape[1]
 
 
 class FusedMoE(nn.Module):
@@ -99,7 +145,7 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
         self.w13_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate), requires_grad=False) if bias else None
         self.w2_bias = nn.Parameter(torch.zeros(num_experts, hidden), requires_grad=False) if bias else None
-        self.native13 = self.native2 = None  # the packed stacks, once loaded where the native kernel runs
+        self.native13 = self.native2 = None  # the stacks the native call reads, once loaded where it runs
 
     def process_weights_after_loading(self) -> None:
         w13, w2 = self.w13_weight.detach(), self.w2_weight.detach()
@@ -107,26 +153,47 @@ class FusedMoE(nn.Module):
         allow = self.method.allow_native if int8 else self.method.backend == "native"
         ops = cpu_kernels() if allow and w13.device.type == "cpu" and w13.dtype in (torch.float32, torch.bfloat16) \
             else None
-        wdtype = torch.int8 if int8 else w13.dtype
-        if ops is not None and ops.native_small_gemm(wdtype, w13.shape[2]) and ops.native_small_gemm(wdtype,
-                                                                                                     w2.shape[2]):
-            self.native13, self.native2 = _PackedStack(w13, int8), _PackedStack(w2, int8)
-            empty = torch.empty(0, dtype=w13.dtype)
-            self.w13_weight = nn.Parameter(empty, requires_grad=False)  # every product reads the packed copies
-            self.w2_weight = nn.Parameter(empty.clone(), requires_grad=False)
+        stacks = self._native_stacks(ops, w13, w2, int8) if ops is not None else None
+        if stacks is not None:
+            self.native13, self.native2 = stacks
+            if self.native13.copies_weights:  # every product reads the kernels' copies
+                empty = torch.empty(0, dtype=w13.dtype)
+                self.w13_weight = nn.Parameter(empty, requires_grad=False)
+                self.w2_weight = nn.Parameter(empty.clone(), requires_grad=False)
         elif int8:  # no native int8 here: F.linear on the dequantized weights (the quantized model's numbers)
             for name, w in (("w13_weight", w13), ("w2_weight", w2)):
                 deq = torch.stack([(q.double() * s[:, None]).to(w.dtype)
                                    for q, s in (quantize_per_channel(w[e]) for e in range(w.shape[0]))])
                 setattr(self, name, nn.Parameter(deq, requires_grad=False))
 
+    @staticmethod
+    def _native_stacks(ops, w13: torch.Tensor, w2: torch.Tensor, int8: bool) -> tuple | None:
+        """The two stacks for the native call on this CPU, best first: the small GEMM's packed weights where it runs
+        the weight dtype; else Q8_0 blocks (int8) or the bfloat16 weights as stored; None where none runs here."""
+        k13, k2 = w13.shape[2], w2.shape[2]
+        wdtype = torch.int8 if int8 else w13.dtype
+        if ops.native_small_gemm(wdtype, k13) and ops.native_small_gemm(wdtype, k2):
+            return _PackedStack(w13, int8), _PackedStack(w2, int8)
+        if int8 and ops.native_gguf_type(_Q8_0Stack.TYPE):
+            q13 = _Q8_0Stack.build(w13)
+            q2 = _Q8_0Stack.build(w2) if q13 is not None else None
+            return (q13, q2) if q2 is not None else None
+        if wdtype == torch.bfloat16 and ops.native_bf16_weight_gemm(k13) and ops.native_bf16_weight_gemm(k2):
+            return _StoredStack(w13), _StoredStack(w2)
+        return None
+
     def _native_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Every expert over its rows in one native call (kernels/moe_experts.cpp)."""
+        """Every expert over its rows in one native call (kernels/moe_experts.cpp; the stacks' kinds pick its
+        kernels)."""
         a, b = self.native13, self.native2
         act = self.activation
         code, alpha, limit = (1, act.alpha, act.limit) if isinstance(act, SwigluOAI) else (0, 0.0, 0.0)
-        return cpu_kernels().fused_moe_experts(rows, counts, a.packed, b.packed, a.n, b.n, a.scale, a.shift, b.scale,
-                                               b.shift, self.w13_bias, self.w2_bias, code, alpha, limit)
+        # Its output is written by ATen's worker threads, which do not inherit the engine's inference mode: created
+        # as an inference tensor, those writes would raise ("Inplace update to inference tensor outside
+        # InferenceMode") whenever the experts spread over the threads (two or more per thread).
+        with torch.inference_mode(False):
+            return cpu_kernels().fused_moe_experts(rows, counts, a.packed, b.packed, a.n, b.n, a.scale, a.shift,
+                                                   b.scale, b.shift, self.w13_bias, self.w2_bias, code, alpha, limit)
 
     def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         b13 = None if self.w13_bias is None else self.w13_bias[e]
