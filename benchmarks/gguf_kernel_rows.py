@@ -8,7 +8,8 @@ stores it in, e.g. Q4_K_M's Q6_K v_proj) plus the LM head (`output`, or the tied
 weight, repeated: the kernel's arithmetic, not the memory). The same shapes run through our int8 product (the
 native small GEMM where this CPU has it, else fbgemm's dynamic int8 linear, what `--quantization int8` runs on
 AVX2) and float32 `F.linear`. `--build LABEL=SO` (repeatable) loads given builds of the kernels module and
-alternates them round by round (default: the tree's own build), so an A/B of a kernel change is paired.
+alternates them round by round (default: the tree's own build), so an A/B of a kernel change is paired; the
+builds' module names must differ (one process imports a module name once).
 Prints microseconds per call (median over rounds) and GMAC/s (multiply-adds of the product per second).
 """
 from __future__ import annotations
@@ -96,6 +97,10 @@ def main(argv=None) -> int:
     p.add_argument("--build", action="append", default=[], metavar="LABEL=SO")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    modules = [Path(b.split("=", 1)[1]).name.split(".")[0] for b in args.build]
+    if len(set(modules)) < len(modules):  # the second import of a module name returns the first build's code
+        p.error(f"--build: two builds with the same module name ({', '.join(modules)}) cannot be compared in one "
+                "process; compare a JIT build (pagedserve_cpu_<isa>_<hash>) against a prebuilt _cpu_<isa>")
     builds = {b.split("=", 1)[0]: load_build(b.split("=", 1)[1]) for b in args.build} or {"tree": cpu_kernels()}
     products = file_products(args.gguf, args.layer, not args.no_head)
     rows = [int(r) for r in args.rows.split(",")]

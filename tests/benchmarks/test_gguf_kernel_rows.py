@@ -30,3 +30,15 @@ def test_products_and_rows(tmp_path, monkeypatch, capsys):
     assert len(lines) == 2 * 5  # row counts x products
     assert all(" tree " in line and " int8 " in line and " fp32 " in line for line in lines)
     assert "Q4_K+Q6_K" in lines[0]
+
+
+def test_refuses_two_builds_of_one_module_name(tmp_path, monkeypatch):
+    """Python imports a module name once: a second build of _cpu_avx2 would silently time the first one again."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    sys.modules.pop("gguf_kernel_rows", None)
+    import gguf_kernel_rows
+
+    path = make_tiny_gguf("llama", "Q4_0", tmp_path)
+    with pytest.raises(SystemExit):
+        gguf_kernel_rows.main(["--gguf", str(path), "--build", f"a={tmp_path}/x/_cpu_avx2.so",
+                               "--build", f"b={tmp_path}/y/_cpu_avx2.so"])
