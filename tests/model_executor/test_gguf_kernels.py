@@ -76,6 +76,36 @@ def test_gguf_gemm_types_default_level():
     _check_types(_ops(None))
 
 
+def _check_many_rows(ops):
+    """Beyond 4 rows the kernel unpacks each tile once, a chunk of 8 blocks of 32 at a time, and runs every row over
+    it: row counts that fill passes of 4 and leave 1-3 over (5, 16, 33), K that ends in a partial chunk (320 = 10
+    blocks) or spans three (768), rows of very different sizes (a row written to another row's place shows), against
+    the dequantized reference and against each row multiplied alone (the unpack-in-registers path)."""
+    rng = np.random.default_rng(4)
+    for name, (type_id, block, _) in NATIVE_TYPES.items():
+        n, k = 40, 320 if block == 32 else 768
+        raw, w = _blocks(name, n, k, rng)
+        packed, layout = ops.gguf_repack(torch.from_numpy(raw), type_id, n, k), torch.tensor([[type_id, n]])
+        for m in (5, 16, 33):
+            gen = torch.Generator().manual_seed(type_id * 100 + m)
+            x = _on_int8_grid(torch.randn(m, k, generator=gen) * torch.logspace(-2, 2, m).unsqueeze(1))
+            y = ops.gguf_gemm(x, packed, layout, None).double()
+            exact = _int8_blocks(x) @ w.T
+            rel = (y - exact).abs().amax(dim=1) / exact.abs().amax(dim=1)  # per row: the small rows count too
+            assert rel.max().item() < 1e-5, (name, m, rel.argmax().item())
+            alone = torch.cat([ops.gguf_gemm(x[r:r + 1], packed, layout, None) for r in range(m)]).double()
+            assert ((y - alone).abs().amax(dim=1) / alone.abs().amax(dim=1)).max().item() < 1e-5, (name, m)
+
+
+def test_gguf_gemm_many_rows_default_level():
+    _check_many_rows(_ops(None))
+
+
+@pytest.mark.parametrize("isa", OTHER_LEVELS)
+def test_gguf_gemm_many_rows_other_levels(isa):
+    _check_many_rows(_ops(isa))
+
+
 @pytest.mark.parametrize("isa", OTHER_LEVELS)
 def test_gguf_gemm_types_other_levels(isa):
     _check_types(_ops(isa))

@@ -220,6 +220,10 @@ struct Vec {
   // int16 pair sums of (unsigned w) x (signed x), their sum, and their widening to int32 per column: without VNNI
   static W pairs(W w, W x) { return _mm512_maddubs_epi16(w, x); }
   static W add16(W a, W b) { return _mm512_add_epi16(a, b); }
+  static W keep(W v) {  // an opaque copy: the running sum stays one register (see dot_groups)
+    asm("" : "+v"(v));
+    return v;
+  }
   static W widen(W s16) { return _mm512_madd_epi16(s16, _mm512_set1_epi16(1)); }
   // acc + per column sum of 4 (signed w) x (signed x), without VNNI: |w| x sign(w) x
   static W dot_ss(W acc, W w, W x) {
@@ -240,6 +244,7 @@ struct Vec {
   static F load_u8f(const uint8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
   }
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
 };
 #elif defined(__AVX2__)
@@ -267,6 +272,10 @@ struct Vec {
   }
   static W pairs(W w, W x) { return _mm256_maddubs_epi16(w, x); }
   static W add16(W a, W b) { return _mm256_add_epi16(a, b); }
+  static W keep(W v) {  // an opaque copy: the running sum stays one register (see dot_groups)
+    asm("" : "+x"(v));
+    return v;
+  }
   static W widen(W s16) { return _mm256_madd_epi16(s16, _mm256_set1_epi16(1)); }
   static W dot_ss(W acc, W w, W x) { return dot_us(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w)); }
   static W sub(W a, int32_t s) { return _mm256_sub_epi32(a, _mm256_set1_epi32(s)); }
@@ -281,6 +290,7 @@ struct Vec {
   static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
   static F load_f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
   static F load_u8f(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
 #else
@@ -320,6 +330,7 @@ struct Vec {
   static F fnma(F a, F b, F c) { return c - a * b; }
   static F load_f16(const uint8_t* p) { return half_to_float(rd16(p)); }
   static F load_u8f(const uint8_t* p) { return static_cast<float>(*p); }
+  static F loadf(const float* p) { return *p; }
   static void store(float* p, F v) { *p = v; }
 };
 #endif
@@ -371,155 +382,250 @@ constexpr int value_max(int type) {
   return type == kQ8_0 ? 255 : type == kQ6_K ? 63 : (type == kQ5_0 || type == kQ5_1 || type == kQ5_K) ? 31 : 15;
 }
 
-// The N groups' dot products summed. With VNNI: in 4 independent chains (one chain of 8 dependent VPDPBUSD made a
-// one-row product latency-bound, at about half the speed). Without: VPMADDUBSW's int16 pair sums (|pair| <=
-// 2 VMAX 127, the activations being -127..127) are added as int16 for as many groups as cannot overflow (8 for
-// 4-bit values, 4 for 5-bit, 2 for 6-bit) and widened to int32 once per run: 2 instructions a group instead of 3.
-template <int N, int VMAX, typename V = Vec>  // V: names dependent, the generic level has no pairs()
-inline typename V::W dot_groups(const typename V::W* w, const int8_t* x) {
+// The N groups' dot products summed for R rows (activations x[r]) and NH column vectors (their groups at
+// w[h * stride + g]) into out[r * NH + h]: each weight vector is loaded once for the R rows and each activation
+// broadcast once for the NH vectors, so a pass of rows costs about one multiply per 32 weight-activation products and
+// few loads. With VNNI: VPDPBUSD into int32 (in 4 independent chains for a lone row and vector: one chain of 8
+// dependent VPDPBUSD made a one-row product latency-bound, at about half the speed). Without: VPMADDUBSW's int16 pair
+// sums (|pair| <= 2 VMAX 127, the activations being -127..127) are added as int16 for as many groups as cannot
+// overflow (8 for 4-bit values, 4 for 5-bit, 2 for 6-bit) and widened to int32 once per run: 2 instructions a group
+// instead of 3. Q8_0's signed values (VMAX 0 here) take |w| x sign(w) x, widened every group.
+template <int N, int VMAX, int R, int NH, typename V = Vec>  // V: names dependent, the generic level has no pairs()
+[[gnu::always_inline]] inline void dot_groups(const typename V::W* w, int stride, const int8_t* const* x,
+                                              typename V::W* out) {
+  using W = typename V::W;
   if constexpr (V::kVnni) {
-    constexpr int kChains = N < 4 ? N : 4;
-    typename V::W s[kChains];
-    for (int c = 0; c < kChains; ++c) s[c] = V::dot_us(V::zero(), w[c], V::bcast(x + 4 * c));
-    for (int g = kChains; g < N; ++g) s[g % kChains] = V::dot_us(s[g % kChains], w[g], V::bcast(x + 4 * g));
-    for (int c = 1; c < kChains; ++c) s[0] = V::add(s[0], s[c]);
-    return s[0];
+    constexpr int kChains = R * NH >= 4 ? 1 : N < 4 ? N : 4;
+    W s[R * NH][kChains];
+    for (int i = 0; i < R * NH; ++i)
+      for (int c = 0; c < kChains; ++c) s[i][c] = V::zero();
+    for (int g = 0; g < N; ++g) {
+      W wv[NH];
+      for (int h = 0; h < NH; ++h) wv[h] = w[h * stride + g];
+      for (int r = 0; r < R; ++r) {
+        const W xb = V::bcast(x[r] + 4 * g);
+        for (int h = 0; h < NH; ++h) s[r * NH + h][g % kChains] = V::dot_us(s[r * NH + h][g % kChains], wv[h], xb);
+      }
+    }
+    for (int i = 0; i < R * NH; ++i) {
+      for (int c = 1; c < kChains; ++c) s[i][0] = V::add(s[i][0], s[i][c]);
+      out[i] = s[i][0];
+    }
+  } else if constexpr (VMAX == 0) {
+    constexpr int kChains = R * NH >= 4 ? 1 : 2;  // as VNNI's, for a lone row and vector
+    W s[R * NH][kChains];
+    for (int i = 0; i < R * NH; ++i)
+      for (int c = 0; c < kChains; ++c) s[i][c] = V::zero();
+    for (int g = 0; g < N; ++g) {
+      W wv[NH];
+      for (int h = 0; h < NH; ++h) wv[h] = w[h * stride + g];
+      for (int r = 0; r < R; ++r) {
+        const W xb = V::bcast(x[r] + 4 * g);
+        for (int h = 0; h < NH; ++h) s[r * NH + h][g % kChains] = V::dot_ss(s[r * NH + h][g % kChains], wv[h], xb);
+      }
+    }
+    for (int i = 0; i < R * NH; ++i) out[i] = kChains == 1 ? s[i][0] : V::add(s[i][0], s[i][kChains - 1]);
   } else {
     constexpr int kRun = 32767 / (2 * 127 * VMAX);
     static_assert(kRun >= 1 && N % (kRun < N ? kRun : N) == 0, "int16 pair sums would overflow");
     constexpr int run = kRun < N ? kRun : N;
-    typename V::W total = V::zero();
+    // With 4 or more sums, each one a register added to in order (V::keep): otherwise GCC reassociates the additions
+    // into trees whose terms all stay live, and spills. With fewer, the trees are what hides VPADDW's latency.
+    constexpr bool kPinned = R * NH >= 4;
     for (int g0 = 0; g0 < N; g0 += run) {
-      typename V::W s16 = V::pairs(w[g0], V::bcast(x + 4 * g0));
-      for (int g = g0 + 1; g < g0 + run; ++g) s16 = V::add16(s16, V::pairs(w[g], V::bcast(x + 4 * g)));
-      total = V::add(total, V::widen(s16));
+      W s16[R * NH];
+      for (int i = 0; i < R * NH; ++i) s16[i] = V::zero();
+#pragma GCC unroll 8
+      for (int g = g0; g < g0 + run; ++g) {
+        W wv[NH];
+        for (int h = 0; h < NH; ++h) wv[h] = w[h * stride + g];
+        for (int r = 0; r < R; ++r) {
+          const W xb = V::bcast(x[r] + 4 * g);
+          for (int h = 0; h < NH; ++h) {
+            s16[r * NH + h] = V::add16(s16[r * NH + h], V::pairs(wv[h], xb));
+            if constexpr (kPinned) s16[r * NH + h] = V::keep(s16[r * NH + h]);
+          }
+        }
+      }
+      for (int i = 0; i < R * NH; ++i) out[i] = g0 == 0 ? V::widen(s16[i]) : V::add(out[i], V::widen(s16[i]));
     }
-    return total;
   }
 }
 
-// R rows (m0..) of one tile: out[r][0..16) = x_r . w_c over all of K.
-template <int TYPE, int R>
-void tile_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a, int64_t m0, float* out) {
+// A 32-k block of one vector's columns (C of the tile's 16), decoded as the dot products take it: the 8 groups'
+// values as unsigned bytes (Q8_0: its signed bytes, flipped to unsigned with VNNI), the float scale per column
+// (d, or d x the sub-block scale), with a min the float offset per column per unit of the activations' block sum
+// (Q4_1/Q5_1: m; Q4_K/Q5_K: -dmin x the sub-block min), and Q6_K's two int sub-block scales (its d in `scale`).
+template <int TYPE>
+struct Block {
   using W = typename Vec::W;
+  using F = typename Vec::F;
+  W w[8];
+  F scale;
+  F minc;
+  W sc0, sc1;
+};
+
+// 32-k blocks per unit (a K-quant super-block holds 8).
+constexpr int blocks_per_unit(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K ? 8 : 1; }
+
+// Block j of unit p for vector h of the tile: the nibble split, the fifth / high two bits, the scales.
+template <int TYPE>
+[[gnu::always_inline]] inline Block<TYPE> unpack(const uint8_t* p, int j, int h) {
+  using W = typename Vec::W;
+  Block<TYPE> b;
+  const int col4 = h * Vec::C * 4, col2 = h * Vec::C * 2, col1 = h * Vec::C;
+  auto nibbles = [&](const uint8_t* nib) {
+    for (int c = 0; c < 4; ++c) {
+      const W raw = Vec::load(nib + c * 64 + col4);
+      b.w[c] = Vec::lo4(raw);
+      b.w[c + 4] = Vec::hi4(raw);
+    }
+  };
+  auto high_bits = [&](const uint8_t* hi) {  // bits 4-5 of group 4h + s: bits 2s..2s+1 of chunk h
+    const W hi0 = Vec::load(hi + col4), hi1 = Vec::load(hi + 64 + col4);
+    for (int c = 0; c < 4; ++c) {
+      b.w[c] = Vec::or_(b.w[c], Vec::bits45(hi0, c));
+      b.w[c + 4] = Vec::or_(b.w[c + 4], Vec::bits45(hi1, c));
+    }
+  };
+  if constexpr (TYPE == kQ8_0 || TYPE == kQ4_0 || TYPE == kQ5_0 || with_min(TYPE)) {
+    constexpr int q_at = with_min(TYPE) ? 64 : 32;  // the values after d (and m)
+    b.scale = Vec::load_f16(p + col2);
+    if constexpr (with_min(TYPE)) b.minc = Vec::load_f16(p + 32 + col2);
+    if constexpr (TYPE == kQ8_0) {
+      for (int g = 0; g < 8; ++g) b.w[g] = Vec::load(p + 32 + g * 64 + col4);
+      if (Vec::kVnni)
+        for (int g = 0; g < 8; ++g) b.w[g] = Vec::flip(b.w[g]);  // w + 128, unsigned
+    } else {
+      nibbles(p + q_at);
+      if constexpr (TYPE == kQ5_0 || TYPE == kQ5_1) high_bits(p + q_at + 256);
+    }
+  } else if constexpr (TYPE == kQ4_K || TYPE == kQ5_K) {
+    b.scale = Vec::mul(Vec::load_f16(p + col2), Vec::load_u8f(p + 64 + j * 16 + col1));
+    const typename Vec::F dmin = Vec::load_f16(p + 32 + col2);
+    b.minc = Vec::mul(Vec::set1(-1.f), Vec::mul(dmin, Vec::load_u8f(p + 192 + j * 16 + col1)));
+    const uint8_t* nib = p + 320 + j * (TYPE == kQ4_K ? 256 : 384);
+    nibbles(nib);
+    if constexpr (TYPE == kQ5_K) high_bits(nib + 256);
+  } else {  // Q6_K
+    b.scale = Vec::load_f16(p + col2);
+    b.sc0 = Vec::load_i8(p + 32 + (2 * j) * 16 + col1);
+    b.sc1 = Vec::load_i8(p + 32 + (2 * j + 1) * 16 + col1);
+    const uint8_t* sub = p + 288 + j * 384;
+    nibbles(sub);
+    high_bits(sub + 256);
+  }
+  return b;
+}
+
+// acc[r * H + h] + block blk[h] times row m0 + r's activations of its block bi (0..K/32), for R rows and NH
+// consecutive vectors of columns.
+template <int TYPE, int R, int NH>
+[[gnu::always_inline]] inline void accumulate(const Block<TYPE>* blk, const ActQ& a, int64_t m0, int64_t bi,
+                                              typename Vec::F* acc) {
+  using W = typename Vec::W;
+  constexpr int H = kTile / Vec::C;
+  constexpr int stride = sizeof(Block<TYPE>) / sizeof(W);  // from one block's groups to the next's
+  static_assert(stride * sizeof(W) == sizeof(Block<TYPE>), "Block<TYPE> is a whole number of vectors");
+  const int64_t nb = a.k / 32;
+  const int8_t* x[R];
+  for (int r = 0; r < R; ++r) x[r] = a.row(m0 + r) + bi * 32;
+  W s[R * NH];
+  if constexpr (TYPE == kQ6_K) {  // two sub-blocks of 16, each with its scale
+    W s0[R * NH], s1[R * NH];
+    const int8_t* x1[R];
+    for (int r = 0; r < R; ++r) x1[r] = x[r] + 16;
+    dot_groups<4, value_max(TYPE), R, NH>(blk[0].w, stride, x, s0);
+    dot_groups<4, value_max(TYPE), R, NH>(blk[0].w + 4, stride, x1, s1);
+    for (int r = 0; r < R; ++r) {
+      const int64_t b = (m0 + r) * nb + bi;
+      for (int h = 0; h < NH; ++h)
+        s[r * NH + h] = Vec::add(Vec::mullo(Vec::sub(s0[r * NH + h], 32 * a.sum16[2 * b]), blk[h].sc0),
+                                 Vec::mullo(Vec::sub(s1[r * NH + h], 32 * a.sum16[2 * b + 1]), blk[h].sc1));
+    }
+  } else {
+    constexpr bool signed_values = TYPE == kQ8_0 && !Vec::kVnni;
+    dot_groups<8, signed_values ? 0 : value_max(TYPE), R, NH>(blk[0].w, stride, x, s);
+    if constexpr (!signed_values && !with_min(TYPE) && TYPE != kQ4_K && TYPE != kQ5_K) {
+      // the values' unsigned offset (8, 16; Q8_0 with VNNI: 128) times the block's activation sum
+      constexpr int offset = TYPE == kQ8_0 ? 128 : TYPE == kQ5_0 ? 16 : 8;
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < NH; ++h) s[r * NH + h] = Vec::sub(s[r * NH + h], offset * a.sum[(m0 + r) * nb + bi]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t b = (m0 + r) * nb + bi;
+    const typename Vec::F xd = Vec::set1(a.d[b]);
+    for (int h = 0; h < NH; ++h)
+      acc[r * H + h] = Vec::fma(Vec::cvt(s[r * NH + h]), Vec::mul(blk[h].scale, xd), acc[r * H + h]);
+    if constexpr (with_min(TYPE) || TYPE == kQ4_K || TYPE == kQ5_K) {  // + the min times the block's activation sum
+      const typename Vec::F xsum = Vec::set1(a.d[b] * static_cast<float>(a.sum[b]));
+      for (int h = 0; h < NH; ++h) acc[r * H + h] = Vec::fma(blk[h].minc, xsum, acc[r * H + h]);
+    }
+  }
+}
+
+// R rows (m0..) of one tile over its 32-k blocks [b0, b1): out[r][0..16) = (first ? 0 : out[r]) + x_r . w over them.
+// block(bi, h) gives block bi of vector h and, NH > 1, of the NH - 1 vectors after it, consecutive: unpacked from the
+// tile in registers (NH = 1: two vectors' values would not fit the 16 AVX2 registers), or read from a decoded chunk.
+template <int TYPE, int R, int NH, typename Blocks>
+void rows_over_blocks(const Blocks& block, int64_t b0, int64_t b1, const ActQ& a, int64_t m0, bool first,
+                      float* out) {
   using F = typename Vec::F;
   constexpr int H = kTile / Vec::C;
   F acc[R][H];
   for (int r = 0; r < R; ++r)
-    for (int h = 0; h < H; ++h) acc[r][h] = Vec::fzero();
-  const int64_t nb = a.k / 32;
-  for (int64_t u = 0; u < units; ++u) {
-    const uint8_t* p = tile + u * unit_bytes;
-    for (int h = 0; h < H; ++h) {
-      const int col4 = h * Vec::C * 4, col2 = h * Vec::C * 2, col1 = h * Vec::C;
-      W w[8];
-      if constexpr (TYPE == kQ8_0 || TYPE == kQ4_0 || TYPE == kQ5_0 || with_min(TYPE)) {
-        constexpr int q_at = with_min(TYPE) ? 64 : 32;  // the values after d (and m)
-        const F d = Vec::load_f16(p + col2);
-        if constexpr (TYPE == kQ8_0) {
-          for (int g = 0; g < 8; ++g) w[g] = Vec::load(p + 32 + g * 64 + col4);
-          if (Vec::kVnni)
-            for (int g = 0; g < 8; ++g) w[g] = Vec::flip(w[g]);  // w + 128, unsigned
-        } else {
-          for (int c = 0; c < 4; ++c) {
-            const W raw = Vec::load(p + q_at + c * 64 + col4);
-            w[c] = Vec::lo4(raw);
-            w[c + 4] = Vec::hi4(raw);
-          }
-          if constexpr (TYPE == kQ5_0 || TYPE == kQ5_1) {
-            const W hi0 = Vec::load(p + q_at + 256 + col4), hi1 = Vec::load(p + q_at + 256 + 64 + col4);
-            for (int c = 0; c < 4; ++c) {
-              w[c] = Vec::or_(w[c], Vec::bits45(hi0, c));
-              w[c + 4] = Vec::or_(w[c + 4], Vec::bits45(hi1, c));
-            }
-          }
-        }
-        for (int r = 0; r < R; ++r) {
-          const int64_t b = (m0 + r) * nb + u;
-          const int8_t* x = a.row(m0 + r) + u * 32;
-          W s;
-          if constexpr (TYPE == kQ8_0 && !Vec::kVnni) {
-            W s2 = Vec::zero();
-            s = Vec::zero();
-            for (int g = 0; g < 8; g += 2) {
-              s = Vec::dot_ss(s, w[g], Vec::bcast(x + 4 * g));
-              s2 = Vec::dot_ss(s2, w[g + 1], Vec::bcast(x + 4 * g + 4));
-            }
-            s = Vec::add(s, s2);
-          } else if constexpr (with_min(TYPE)) {
-            s = dot_groups<8, value_max(TYPE)>(w, x);
-          } else {
-            s = Vec::sub(dot_groups<8, value_max(TYPE)>(w, x), (TYPE == kQ8_0 ? 128 : TYPE == kQ5_0 ? 16 : 8) * a.sum[b]);
-          }
-          acc[r][h] = Vec::fma(Vec::cvt(s), Vec::mul(d, Vec::set1(a.d[b])), acc[r][h]);
-          if constexpr (with_min(TYPE))  // + m times the block's activation sum
-            acc[r][h] = Vec::fma(Vec::load_f16(p + 32 + col2), Vec::set1(a.d[b] * static_cast<float>(a.sum[b])),
-                                 acc[r][h]);
-        }
-      } else if constexpr (TYPE == kQ4_K || TYPE == kQ5_K) {
-        const F d = Vec::load_f16(p + col2), dmin = Vec::load_f16(p + 32 + col2);
-        for (int j = 0; j < 8; ++j) {
-          const F dsc = Vec::mul(d, Vec::load_u8f(p + 64 + j * 16 + col1));
-          const F dmn = Vec::mul(dmin, Vec::load_u8f(p + 192 + j * 16 + col1));
-          const uint8_t* nib = p + 320 + j * (TYPE == kQ4_K ? 256 : 384);
-          for (int c = 0; c < 4; ++c) {
-            const W raw = Vec::load(nib + c * 64 + col4);
-            w[c] = Vec::lo4(raw);
-            w[c + 4] = Vec::hi4(raw);
-          }
-          if constexpr (TYPE == kQ5_K) {
-            const W hi0 = Vec::load(nib + 256 + col4), hi1 = Vec::load(nib + 256 + 64 + col4);
-            for (int c = 0; c < 4; ++c) {
-              w[c] = Vec::or_(w[c], Vec::bits45(hi0, c));
-              w[c + 4] = Vec::or_(w[c + 4], Vec::bits45(hi1, c));
-            }
-          }
-          for (int r = 0; r < R; ++r) {
-            const int64_t b = (m0 + r) * nb + u * 8 + j;
-            const W s = dot_groups<8, value_max(TYPE)>(w, a.row(m0 + r) + (u * 8 + j) * 32);
-            acc[r][h] = Vec::fma(Vec::cvt(s), Vec::mul(dsc, Vec::set1(a.d[b])), acc[r][h]);
-            acc[r][h] = Vec::fnma(dmn, Vec::set1(a.d[b] * static_cast<float>(a.sum[b])), acc[r][h]);
-          }
-        }
-      } else {  // Q6_K
-        const F d = Vec::load_f16(p + col2);
-        for (int j = 0; j < 8; ++j) {
-          const W sc0 = Vec::load_i8(p + 32 + (2 * j) * 16 + col1);
-          const W sc1 = Vec::load_i8(p + 32 + (2 * j + 1) * 16 + col1);
-          const uint8_t* sub = p + 288 + j * 384;
-          const W hi0 = Vec::load(sub + 256 + col4), hi1 = Vec::load(sub + 256 + 64 + col4);
-          for (int c = 0; c < 4; ++c) {
-            const W raw = Vec::load(sub + c * 64 + col4);
-            w[c] = Vec::or_(Vec::lo4(raw), Vec::bits45(hi0, c));
-            w[c + 4] = Vec::or_(Vec::hi4(raw), Vec::bits45(hi1, c));
-          }
-          for (int r = 0; r < R; ++r) {
-            const int64_t b = (m0 + r) * nb + u * 8 + j;
-            const int8_t* x = a.row(m0 + r) + (u * 8 + j) * 32;
-            const W s0 = Vec::sub(dot_groups<4, value_max(TYPE)>(w, x), 32 * a.sum16[2 * b]);
-            const W s1 = Vec::sub(dot_groups<4, value_max(TYPE)>(w + 4, x + 16), 32 * a.sum16[2 * b + 1]);
-            const W s = Vec::add(Vec::mullo(s0, sc0), Vec::mullo(s1, sc1));
-            acc[r][h] = Vec::fma(Vec::cvt(s), Vec::mul(d, Vec::set1(a.d[b])), acc[r][h]);
-          }
-        }
-      }
+    for (int h = 0; h < H; ++h) acc[r][h] = first ? Vec::fzero() : Vec::loadf(out + r * kTile + h * Vec::C);
+  for (int64_t bi = b0; bi < b1; ++bi)
+#pragma GCC unroll 16  // unrolled, acc[][] stays in registers: in memory, each block's FMA waits on the last's store
+    for (int h = 0; h < H; h += NH) {
+      const auto& blk = block(bi, h);  // a temporary Block (unpacked) or a reference into the chunk
+      accumulate<TYPE, R, NH>(&blk, a, m0, bi, &acc[0][h]);
     }
-  }
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < H; ++h) Vec::store(out + r * kTile + h * Vec::C, acc[r][h]);
 }
 
+// Rows 0..m_rows of the tile in passes of 4 rows (the 1-3 left over in one pass), over blocks [b0, b1).
+template <int TYPE, int NH, typename Blocks>
+void rows_in_passes(const Blocks& block, int64_t b0, int64_t b1, const ActQ& a, int64_t m_rows, bool first,
+                    float* out) {
+  constexpr int kRows = 4;  // rows per pass over the blocks (their accumulators stay in registers)
+  int64_t m0 = 0;
+  for (; m0 + kRows <= m_rows; m0 += kRows)
+    rows_over_blocks<TYPE, kRows, NH>(block, b0, b1, a, m0, first, out + m0 * kTile);
+  switch (m_rows - m0) {
+    case 3: rows_over_blocks<TYPE, 3, NH>(block, b0, b1, a, m0, first, out + m0 * kTile); break;
+    case 2: rows_over_blocks<TYPE, 2, NH>(block, b0, b1, a, m0, first, out + m0 * kTile); break;
+    case 1: rows_over_blocks<TYPE, 1, NH>(block, b0, b1, a, m0, first, out + m0 * kTile); break;
+    default: break;
+  }
+}
+
+// All rows of one tile: out [m_rows][16]. Up to one pass of rows, each block is unpacked in registers as the pass
+// reaches it. Beyond, unpacking per pass would redo the nibble split, the high bits and the scales for every 4 rows
+// (most of a 6-bit block's work), so the tile is unpacked once, a chunk of blocks at a time into an L1-sized buffer,
+// and every row runs over the chunk, both AVX2 halves of the tile at once.
 template <int TYPE>
 void tile_all_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a, int64_t m_rows,
                    float* out /* [m_rows][16] */) {
-  constexpr int kRows = 4;  // rows per pass over the tile's weights (its decoded groups stay in registers)
-  int64_t m0 = 0;
-  for (; m0 + kRows <= m_rows; m0 += kRows) tile_rows<TYPE, kRows>(tile, units, unit_bytes, a, m0, out + m0 * kTile);
-  switch (m_rows - m0) {
-    case 3: tile_rows<TYPE, 3>(tile, units, unit_bytes, a, m0, out + m0 * kTile); break;
-    case 2: tile_rows<TYPE, 2>(tile, units, unit_bytes, a, m0, out + m0 * kTile); break;
-    case 1: tile_rows<TYPE, 1>(tile, units, unit_bytes, a, m0, out + m0 * kTile); break;
-    default: break;
+  constexpr int H = kTile / Vec::C, per_unit = blocks_per_unit(TYPE);
+  const int64_t blocks = units * per_unit;
+  auto in_tile = [&](int64_t bi, int h) __attribute__((always_inline)) {
+    return unpack<TYPE>(tile + bi / per_unit * unit_bytes, bi % per_unit, h);
+  };
+  if (m_rows <= 4) return rows_in_passes<TYPE, 1>(in_tile, 0, blocks, a, m_rows, true, out);
+  constexpr int64_t kChunk = 8;  // blocks (256 k) per chunk: 5-7 KB unpacked
+  Block<TYPE> chunk[kChunk][H];
+  for (int64_t b0 = 0; b0 < blocks; b0 += kChunk) {
+    const int64_t b1 = std::min(blocks, b0 + kChunk);
+    for (int64_t bi = b0; bi < b1; ++bi)
+      for (int h = 0; h < H; ++h) chunk[bi - b0][h] = in_tile(bi, h);
+    auto decoded = [&](int64_t bi, int h) __attribute__((always_inline)) -> const Block<TYPE>& {
+      return chunk[bi - b0][h];
+    };
+    rows_in_passes<TYPE, H>(decoded, b0, b1, a, m_rows, b0 == 0, out);
   }
 }
 
