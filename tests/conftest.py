@@ -59,9 +59,21 @@ def pytest_collection_finish(session):
 SERVER_STARTERS = ("ServerProcess", "get_server", "start_servers", "start_cli_process")  # server_helpers' ways to start one
 
 
+EMPTY_PARAMETER_SET = "got empty parameter set"  # pytest's reason when a parametrize list is empty
+
+
 def pytest_collection_modifyitems(config, items):
-    """Server tests (the tiers: pyproject's markers) found without a mark too: a test that takes the shared `server`
-    fixture, or any test of a module that imports a way to start a server process from server_helpers."""
+    """Cases that cannot exist on this machine are not generated: a parametrize list built from the machine's
+    capabilities (kernel levels, AMX, GEMM dtypes) that comes out empty would otherwise be a skipped case per test, so
+    they are deselected. Server tests (the tiers: pyproject's markers) found without a mark too: a test that takes
+    the shared `server` fixture, or any test of a module that imports a way to start a server process from
+    server_helpers."""
+    impossible = [item for item in items if any(str(mark.kwargs.get("reason", "")).startswith(EMPTY_PARAMETER_SET)
+                                                for mark in item.iter_markers("skip"))]
+    if impossible:
+        config.hook.pytest_deselected(items=impossible)
+        dropped = set(impossible)
+        items[:] = [item for item in items if item not in dropped]
     for item in items:
         module = getattr(item, "module", None)
         if "server" in getattr(item, "fixturenames", ()) or any(hasattr(module, n) for n in SERVER_STARTERS):
