@@ -80,7 +80,10 @@ def test_pooling_route_and_refusals(embedder):
     r = httpx.post(srv.url + "/pooling", json={"input": TEXTS[:2]}, timeout=60)
     assert r.status_code == 200, r.text
     emb = httpx.post(srv.url + "/v1/embeddings", json={"input": TEXTS[:2]}, timeout=60).json()
-    assert [d["data"] for d in r.json()["data"]] == [d["embedding"] for d in emb["data"]]
+    # the same vectors up to float rounding: two calls may batch and chunk the rows differently (on CPUs without the
+    # native small GEMM the products then take other summation orders)
+    torch.testing.assert_close(torch.tensor([d["data"] for d in r.json()["data"]]),
+                               torch.tensor([d["embedding"] for d in emb["data"]]), rtol=1e-5, atol=1e-6)
     r = httpx.post(srv.url + "/rerank", json={"query": "a", "documents": ["b"]}, timeout=60)
     assert r.status_code == 200  # an embedding model ranks by cosine similarity
     r = httpx.post(srv.url + "/v1/embeddings", json={"input": "x" * 3000}, timeout=60)
