@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 
 import pytest
 
@@ -16,7 +15,8 @@ from pagedserve.engine.request_stream import RequestStream
 from pagedserve.entrypoints.openai import direct_write
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind
-from tests.entrypoints.test_direct_write import post, read_all, uvicorn_server
+from tests.entrypoints.test_direct_write import (check_client_gone_mid_stream_aborts_its_request, post, read_all,
+                                                 uvicorn_server)
 
 
 def output(text: str, finished: bool = False) -> RequestOutput:
@@ -169,17 +169,5 @@ def test_several_streams_in_one_step_each_get_their_chunks(monkeypatch):
 
 def test_client_gone_mid_push_aborts_its_request(monkeypatch):
     pushes = count_pushes(monkeypatch)
-    with uvicorn_server(step_sleep=0.02) as (engine, port):
-        s = post(port, {"prompt": "hi", "max_tokens": 50, "stream": True})
-        got = b""
-        while got.count(b"data: ") < 4:
-            got += s.recv(65536)
-        s.close()
-        deadline = time.monotonic() + 60
-        while not engine.aborted:
-            assert time.monotonic() < deadline, "the request was never aborted"
-            time.sleep(0.01)
-        assert not engine.requests
-        again = read_all(post(port, {"prompt": "hi", "max_tokens": 3, "stream": True}))
-        assert again.count(b'"finish_reason":"length"') == 1 and again.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    check_client_gone_mid_stream_aborts_its_request(events_before_close=4)
     assert pushes[0] >= 1
