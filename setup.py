@@ -70,7 +70,7 @@ def kernel_build() -> dict:
     print(f"pagedserve: building the native kernels for {', '.join(isas)}", flush=True)
     extensions = {
         isa: CppExtension(f"{config.PREBUILT_PACKAGE}.{config.prebuilt_module(isa)}",
-                          [f"{KERNELS}/{name}" for name in config.SOURCES],
+                          [f"{KERNELS}/{name}" for name in config.UNITS],
                           extra_compile_args=[*config.build_flags(isa), *UNDO_PYTHON_CFLAGS],
                           extra_link_args=list(config.LDFLAGS))
         for isa in isas

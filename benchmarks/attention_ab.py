@@ -99,8 +99,8 @@ def main(argv=None) -> int:
     if current is None:
         raise SystemExit("the native CPU kernels did not build: nothing to compare")
     isa = current.isa()
-    sources = tuple(Path(args.baseline_kernels) / n for n in K.SOURCES + K.HEADERS)
-    baseline = K.build_extension(K.extension_name(isa, sources), list(sources[:len(K.SOURCES)]), K.build_flags(isa))
+    sources = tuple(Path(args.baseline_kernels) / n for n in K.UNITS + K.SOURCES + K.HEADERS)
+    baseline = K.build_extension(K.extension_name(isa, sources), list(sources[:len(K.UNITS)]), K.build_flags(isa))
     llm = LLM(args.model, num_threads=args.threads, dtype=args.dtype, max_num_batched_tokens=2048,
               max_num_seqs=args.num_prompts, enable_prefix_caching=False)
     both = BothKernels(current, baseline, args.prefill_baseline)

@@ -162,7 +162,7 @@ def test_an_installed_package_carries_the_kernel_sources():
     package = K.KERNEL_DIR.parents[1]
     pyproject = tomllib.loads((package.parent / "pyproject.toml").read_text())
     patterns = pyproject["tool"]["setuptools"]["package-data"]["pagedserve"]
-    for name in K.SOURCES + K.HEADERS:
+    for name in K.UNITS + K.SOURCES + K.HEADERS:
         relative = (K.KERNEL_DIR / name).relative_to(package)
         assert any(relative.match(p) for p in patterns), f"{relative} is not in the package data"
 
@@ -265,3 +265,11 @@ def test_the_package_build_refuses_unknown_levels():
     r = subprocess.run([sys.executable, "setup.py", "--name"], cwd=root, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PAGEDSERVE_KERNEL_ISAS": "avx9000", "PAGEDSERVE_BUILD_KERNELS": "1"})
     assert r.returncode != 0 and "PAGEDSERVE_KERNEL_ISAS='avx9000'" in r.stderr
+
+
+def test_every_kernel_file_is_compiled_by_exactly_one_unit():
+    """The build compiles only the units (build_config.UNITS), which #include the kernel files: a file no unit
+    includes would be left out of every build (and out of the build key), one included twice would not link."""
+    on_disk = sorted(p.name for p in K.KERNEL_DIR.glob("*.cpp") if p.name not in K.UNITS)
+    assert sorted(K.SOURCES) == on_disk
+    assert len(set(K.SOURCES)) == len(K.SOURCES)

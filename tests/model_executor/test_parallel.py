@@ -294,8 +294,15 @@ TWO_NODE_DRIVER = """
 import json, sys, time
 import ray
 from pagedserve import LLM, SamplingParams
-ray.init()
 deadline = time.monotonic() + 120
+while True:  # the head's port opens before its own node registers: on a busy machine ray.init() can come between
+    try:
+        ray.init()
+        break
+    except ConnectionError:
+        ray.shutdown()
+        assert time.monotonic() < deadline, "the head node did not register"
+        time.sleep(0.5)
 while len([n for n in ray.nodes() if n["Alive"]]) < 2:
     assert time.monotonic() < deadline, "the second node did not join"
     time.sleep(0.5)

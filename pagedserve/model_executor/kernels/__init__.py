@@ -42,9 +42,9 @@ from pathlib import Path
 
 from pagedserve import envs
 from pagedserve.model_executor.kernels.build_config import (HEADERS, ISA_LEVELS, KERNEL_DIR, LDFLAGS,  # noqa: F401
-                                                            MANIFEST, PREBUILT_PACKAGE, SOURCES, build_flags,
-                                                            extension_name, prebuilt_module, read_cpu_flags,
-                                                            runnable_isas)
+                                                            MANIFEST, PREBUILT_PACKAGE, SOURCES, UNITS,
+                                                            build_flags, extension_name, prebuilt_module,
+                                                            read_cpu_flags, runnable_isas)
 
 logger = logging.getLogger("pagedserve")
 LOCK_NAME = "pagedserve.lock"
@@ -260,7 +260,7 @@ def load_cpu_kernels(isa: str | None = None):
             module = load_prebuilt(isa)
             if module is None:
                 try:
-                    sources = [KERNEL_DIR / n for n in SOURCES]
+                    sources = [KERNEL_DIR / n for n in UNITS]
                     module = build_extension(extension_name(isa), sources, build_flags(isa))
                 except Exception as exc:  # no compiler / ninja: the torch path still works
                     logger.warning("Native CPU kernels unavailable (%s: %s); using the PyTorch path.",

@@ -3,7 +3,7 @@
 // (slot -1) left alone. Only the row's own slot is multiplied (the all-slot shrink with a one-hot mask it replaces
 // did max_loras times the shrink's arithmetic), and the step's rows need not be sorted: the kernel groups them by
 // slot itself, so a prefill's rows (one adapter per sequence, contiguous) and a decode step's (adapters interleaved)
-// both run in tiles of up to kTileRows rows that share one read of their adapter's weights.
+// both run in tiles of up to kAdapterTileRows rows that share one read of their adapter's weights.
 //
 // Weights, in the model dtype (float32 or bfloat16), stacked in slots and laid out for this kernel (lora/layers.py
 // writes them):
@@ -29,7 +29,7 @@
 
 namespace {
 
-constexpr int64_t kTileRows = 8;  // rows sharing one pass over their slot's weights
+constexpr int64_t kAdapterTileRows = 8;  // rows sharing one pass over their slot's weights
 constexpr int64_t kLanes = 16;    // output columns per accumulator vector
 
 // Accumulator vectors per row and pass: up to 4 x 4 or 8 x 3 accumulators, with the pass's weight vectors, fit the
@@ -185,7 +185,7 @@ void lora_kernel(T* y, int64_t y_stride, const T* x, int64_t x_stride, const T* 
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     using XT = std::conditional_t<Pairs, ps::bf16, float>;
     constexpr int64_t kColumn = Pairs ? 2 : 1;  // elements per weight column and k step
-    std::vector<XT> xf(kTileRows * in), h(kTileRows * shrunk);
+    std::vector<XT> xf(kAdapterTileRows * in), h(kAdapterTileRows * shrunk);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t* rows = tile_rows.data() + tile_start[t];
       const int64_t m = tile_start[t + 1] - tile_start[t], slot = tile_slot[t];
@@ -239,7 +239,7 @@ void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b
               "lora_add: row_slots int64 [T]");
   const int64_t rows = y.size(0), num_slots = a.size(0);
   const int64_t* sp = slots.data_ptr<int64_t>();
-  // Rows grouped by slot (a counting sort, rows in order within a slot), then cut into tiles of kTileRows.
+  // Rows grouped by slot (a counting sort, rows in order within a slot), then cut into tiles of kAdapterTileRows.
   std::vector<int64_t> count(num_slots + 1, 0);
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(sp[r] >= -1 && sp[r] < num_slots, "lora_add: row slot ", sp[r], " outside [-1, ", num_slots, ")");
@@ -251,9 +251,9 @@ void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b
     if (sp[r] >= 0) order[next[sp[r]]++] = r;
   std::vector<int64_t> tile_start{0}, tile_slot;
   for (int64_t s = 0; s < num_slots; ++s)
-    for (int64_t i = count[s]; i < count[s + 1]; i += kTileRows) {
+    for (int64_t i = count[s]; i < count[s + 1]; i += kAdapterTileRows) {
       tile_slot.push_back(s);
-      tile_start.push_back(std::min(i + kTileRows, count[s + 1]));
+      tile_start.push_back(std::min(i + kAdapterTileRows, count[s + 1]));
     }
   if (tile_slot.empty()) return;
   const int64_t rank = b.size(1) * k_rows;

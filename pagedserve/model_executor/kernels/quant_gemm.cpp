@@ -335,6 +335,12 @@ struct Vec {
 };
 #endif
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#define PS_UNROLL_TILE _Pragma("GCC unroll 16")
+#else
+#define PS_UNROLL_TILE _Pragma("GCC unroll 1")
+#endif
+
 // ------------------------------------------------------------------------------------------------ activations
 // Rows of x quantized per block of 32: q = round(x / d), d = max|x| / 127; with each block's sum of q (and of its
 // two halves, for Q6_K's sub-blocks of 16), which take back the weights' unsigned offsets and Q4_K's mins.
@@ -578,7 +584,10 @@ void rows_over_blocks(const Blocks& block, int64_t b0, int64_t b1, const ActQ& a
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < H; ++h) acc[r][h] = first ? Vec::fzero() : Vec::loadf(out + r * kTile + h * Vec::C);
   for (int64_t bi = b0; bi < b1; ++bi)
-#pragma GCC unroll 16  // unrolled, acc[][] stays in registers: in memory, each block's FMA waits on the last's store
+    // Unrolled, acc[][] stays in registers: in memory, each block's FMA waits on the last's store. Not at the generic
+    // level, whose 16 one-column "vectors" would not fit the registers anyway: unrolled, they took the compiler
+    // minutes per build.
+    PS_UNROLL_TILE
     for (int h = 0; h < H; h += NH) {
       const auto& blk = block(bi, h);  // a temporary Block (unpacked) or a reference into the chunk
       accumulate<TYPE, R, NH>(&blk, a, m0, bi, &acc[0][h]);
