@@ -12,7 +12,6 @@ import contextlib
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import pytest
@@ -21,33 +20,12 @@ import torch.nn.functional as F
 
 from pagedserve.model_executor import kernels as K
 
+from kernel_capabilities import Capabilities, capabilities
+
 BF16_TOL = dict(atol=2e-2, rtol=1.6e-2)  # one bfloat16 rounding step
 FP32_TOL = dict(atol=1e-5, rtol=1e-5)
 DTYPES = [torch.float32, torch.bfloat16]
 CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What one build can run on this CPU, derived from its level and the CPU's flags (not asked of the build, so a
-    build that loses or gains an op fails test_build_capabilities instead of silently shrinking the matrix)."""
-    isa: str
-    prefill: bool  # native paged prefill attention (head_dim % 16 == 0)
-    gemm_dtypes: tuple[torch.dtype, ...]  # weight dtypes small_gemm runs natively
-    amx: bool  # AMX-BF16 tiles usable (bfloat16 attention and small GEMM)
-    amx_int8: bool  # AMX-INT8 tiles too (the int8 small GEMM)
-
-    @property
-    def amx_modes(self) -> tuple[bool, ...]:
-        """The `amx` switch values worth a case: both on an AMX CPU, off only elsewhere."""
-        return (True, False) if self.amx else (False,)
-
-
-def capabilities(isa: str, flags: frozenset[str]) -> Capabilities:
-    avx512, bf16 = isa.startswith("avx512"), isa == "avx512bf16"
-    gemm = (torch.float32, torch.bfloat16, torch.int8) if bf16 else (torch.float32,) if avx512 else ()
-    amx = bf16 and {"amx_tile", "amx_bf16"} <= flags
-    return Capabilities(isa, prefill=avx512, gemm_dtypes=gemm, amx=amx, amx_int8=amx and "amx_int8" in flags)
 
 
 def isas_to_test() -> list[str]:

@@ -18,6 +18,11 @@ from pagedserve.model_executor.quantization.unquantized import (
     onednn_takes,
 )
 
+from kernel_capabilities import default_build
+
+# The bfloat16 small GEMM's cases exist only where the engine's build has it (AVX512-BF16 levels).
+BF16_SMALL_GEMM = torch.bfloat16 in default_build().gemm_dtypes
+
 
 def _linear(k: int, n: int, dtype: torch.dtype, quant_config: QuantizationConfig, bias: bool = False) -> Linear:
     """A Linear with random weights (and bias) in `dtype`, processed by its method as after loading."""
@@ -162,7 +167,7 @@ def test_bf16_linear_without_small_gemm_or_onednn_runs_bf16_weight_gemm(rows, mo
     assert not odd.bf16_weight_gemm
 
 
-@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("amx", [False, True] if BF16_SMALL_GEMM else [])
 def test_bf16_small_gemm_row_limit_follows_amx(amx, monkeypatch):
     """On an AMX CPU bfloat16 products above native_gemm_max_rows go to oneDNN: NATIVE_BF16_AMX_MAX_ROWS where the
     kernel runs on the tiles, NATIVE_BF16_NO_TILES_MAX_ROWS where it cannot; float32 keeps the native kernel up to
@@ -172,8 +177,9 @@ def test_bf16_small_gemm_row_limit_follows_amx(amx, monkeypatch):
     from pagedserve.model_executor.quantization import int8, unquantized
 
     ops = cpu_kernels()
-    if ops is None or not ops.native_small_gemm(torch.bfloat16):
-        pytest.skip("this CPU's build has no bfloat16 small GEMM")
+    if ops is None:
+        pytest.skip("native kernels disabled (PAGEDSERVE_CPU_KERNELS=0)")
+    assert ops.native_small_gemm(torch.bfloat16)
     bf16_limit = NATIVE_GEMM_MAX_ROWS
     if amx:
         bf16_limit = NATIVE_BF16_AMX_MAX_ROWS if ops.amx_tiles() else NATIVE_BF16_NO_TILES_MAX_ROWS
@@ -211,7 +217,7 @@ def test_bf16_small_gemm_row_limit_follows_amx(amx, monkeypatch):
         assert calls == [rows], ("int8", rows)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 31, 32, 33, 64, 65])
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 31, 32, 33, 64, 65] if BF16_SMALL_GEMM else [])
 @pytest.mark.parametrize("k, n, bias", [(576, 960, False), (1536, 584, True), (64, 40, True), (96, 16, False)])
 def test_bf16_small_gemm_on_amx_tiles_and_vdpbf16ps(rows, k, n, bias):
     """The bfloat16 small GEMM with and without AMX tiles (where the CPU and OS give them: 2+ rows, K % 32 == 0)
@@ -219,8 +225,9 @@ def test_bf16_small_gemm_on_amx_tiles_and_vdpbf16ps(rows, k, n, bias):
     from pagedserve.model_executor.kernels import cpu_kernels
 
     ops = cpu_kernels()
-    if ops is None or not ops.native_small_gemm(torch.bfloat16, k):
-        pytest.skip("this CPU's build has no bfloat16 small GEMM")
+    if ops is None:
+        pytest.skip("native kernels disabled (PAGEDSERVE_CPU_KERNELS=0)")
+    assert ops.native_small_gemm(torch.bfloat16, k)
     g = torch.Generator().manual_seed(rows * k)
     w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(rows, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
