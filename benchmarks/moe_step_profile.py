@@ -7,8 +7,8 @@ One engine per precision (float32, bfloat16 or int8: `--quantization int8`, floa
 benchmarks/cpu_peers.py runs it); per batch size B, B requests of `--context` random prompt tokens are prefilled,
 then `--steps` decode steps are timed (after `--warmup`): the whole step, and inside it (forward hooks, timed with
 perf_counter: the CPU runs the ops synchronously) the attention block's projections (qkv_proj, o_proj) and the rest of attention (norms, rotary,
-the paged kernel), the router (its linear and top-k), the experts (the grouped routing/gather/scatter and, timed
-apart, the expert GEMMs), dense MLPs if any, and the LM head. "other" is the step less the parts: embedding, norms,
+the paged kernel), the router (its linear and top-k), the experts (the sort by expert and, timed apart, the native
+call: gather, expert GEMMs, weighted sum per token), dense MLPs if any, and the LM head. "other" is the step less the parts: embedding, norms,
 sampling, the scheduler and the runner's input preparation. Means per step in ms and the share of the step.
 """
 from __future__ import annotations
