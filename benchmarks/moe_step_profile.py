@@ -129,8 +129,8 @@ def profile_batch(args, engine, timer: StepTimer, case: str, batch: int) -> None
             ("attention: kernel, norms, rotary", attn_rest),
             ("router linear", parts.get("router linear", 0)),
             ("router top-k", parts.get("router top-k", 0)),
-            ("experts: GEMMs", parts.get("experts: GEMMs", 0)),
-            ("experts: sort, gather, scatter", experts_rest),
+            ("experts: native call (gather, GEMMs, sum)", parts.get("experts: GEMMs", 0)),
+            ("experts: sort by expert", experts_rest),
             ("dense mlp", parts.get("dense mlp", 0)),
             ("lm head", parts.get("lm head", 0))]
     rows.append(("other (embed, norms, sampler, scheduler)", step - sum(v for _, v in rows)))
