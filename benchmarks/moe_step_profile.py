@@ -7,8 +7,8 @@ One engine per precision (float32, bfloat16 or int8: `--quantization int8`, floa
 benchmarks/cpu_peers.py runs it); per batch size B, B requests of `--context` random prompt tokens are prefilled,
 then `--steps` decode steps are timed (after `--warmup`): the whole step, and inside it (forward hooks, timed with
 perf_counter: the CPU runs the ops synchronously) the attention block's projections (qkv_proj, o_proj) and the rest of attention (norms, rotary,
-the paged kernel), the router (its linear and top-k), the experts (the grouped routing/gather/scatter and, timed
-apart, the expert GEMMs), dense MLPs if any, and the LM head. "other" is the step less the parts: embedding, norms,
+the paged kernel), the router (its linear and top-k), the experts (the sort by expert and, timed apart, the native
+call: gather, expert GEMMs, weighted sum per token), dense MLPs if any, and the LM head. "other" is the step less the parts: embedding, norms,
 sampling, the scheduler and the runner's input preparation. Means per step in ms and the share of the step.
 """
 from __future__ import annotations
@@ -129,8 +129,8 @@ def profile_batch(args, engine, timer: StepTimer, case: str, batch: int) -> None
             ("attention: kernel, norms, rotary", attn_rest),
             ("router linear", parts.get("router linear", 0)),
             ("router top-k", parts.get("router top-k", 0)),
-            ("experts: GEMMs", parts.get("experts: GEMMs", 0)),
-            ("experts: sort, gather, scatter", experts_rest),
+            ("experts: native call (gather, GEMMs, sum)", parts.get("experts: GEMMs", 0)),
+            ("experts: sort by expert", experts_rest),
             ("dense mlp", parts.get("dense mlp", 0)),
             ("lm head", parts.get("lm head", 0))]
     rows.append(("other (embed, norms, sampler, scheduler)", step - sum(v for _, v in rows)))

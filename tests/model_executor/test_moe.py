@@ -10,10 +10,13 @@ from test_correctness import GREEDY, LOGPROB_ATOL, MAX_TOKENS, _configs, check_e
 from tiny_models import MOE_ARCHS
 
 from pagedserve.model_executor.kernels import cpu_kernels
-from pagedserve.model_executor.layers.fused_moe import FusedMoE, fused_experts, select_experts
+from pagedserve.model_executor.layers.fused_moe import FusedMoE, SparseMoeBlock, fused_experts, select_experts
 from pagedserve.model_executor.layers.fused_moe import experts as experts_module
+from pagedserve.model_executor.layers.linear import Linear
+from pagedserve.model_executor.models.gpt_oss import GptOssMoeBlock
+from pagedserve.model_executor.parallel_state import SINGLE
 from pagedserve.model_executor.quantization.int8 import Int8Config, quantize_per_channel
-from pagedserve.model_executor.quantization.unquantized import UnquantizedConfig
+from pagedserve.model_executor.quantization.unquantized import UnquantizedConfig, UnquantizedLinearMethod, onednn_takes
 
 
 @pytest.mark.parametrize("renormalize", [False, True])
@@ -133,6 +136,100 @@ def test_experts_without_the_small_gemm_match_reference(kind, rows, monkeypatch)
     if int8:
         layer, _ = _experts(config, torch.float32, False, gen, inter=48)  # w2's K = 48
         assert layer.native13 is None and layer.w13_weight.shape == (8, 96, 64)
+
+
+@pytest.mark.parametrize("rows", [1, 40])  # 1: each product on all threads; 40: the experts spread over the threads
+def test_native_experts_gather_and_sum_in_the_native_call(rows, monkeypatch):
+    """The native call gathers each expert's rows and sums the weighted outputs per token itself: no ATen index_add_
+    (on 2 threads 50-110 ms for 8 rows on a shared CPU), and the same sums as the per-token loop, tokens that share
+    an expert included."""
+    ops = cpu_kernels()
+    if ops is None:
+        pytest.skip("no native CPU kernels")
+    gen = torch.Generator().manual_seed(rows)
+    # float32 experts where the small GEMM runs them, else int8 (Q8_0 blocks on AVX2: the activations' quantization)
+    int8 = not ops.native_small_gemm(torch.float32, 64)
+    layer, ref = _experts(Int8Config() if int8 else UnquantizedConfig("native"), torch.float32, True, gen, inter=64)
+    assert layer.native13 is not None
+
+    def no_index_add(*args, **kwargs):
+        raise AssertionError("the native experts' outputs were summed by index_add_")
+    monkeypatch.setattr(torch.Tensor, "index_add_", no_index_add)
+    x = torch.randn(rows, 64, generator=gen)
+    ids = torch.randint(0, 8, (rows, 3), generator=gen)
+    ids[0] = torch.tensor([5, 5, 2]) if rows == 1 else ids[0]  # a token twice in one expert's rows
+    weights = torch.rand(rows, 3, generator=gen)
+    with torch.inference_mode():
+        got = layer(x, weights, ids)
+    want = _reference(x, ref, weights, ids, dequantize=int8)
+    tol = 3e-2 if int8 else 1e-4
+    torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=tol)
+
+
+def test_native_experts_refuse_a_pair_outside_the_tokens():
+    ops = cpu_kernels()
+    if ops is None:
+        pytest.skip("no native CPU kernels")
+    w13, w2 = torch.zeros(2, 8, 8, dtype=torch.bfloat16), torch.zeros(2, 8, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="names token 3 of 2"):
+        ops.fused_moe_experts(torch.zeros(2, 8), torch.tensor([0, 3]), torch.ones(2), [1, 1], w13, w2, 8, 8,
+                              None, None, None, None, None, None, 0, 0.0, 0.0)
+
+
+def _bf16_path(ops, k: int) -> str:
+    """Which kernel the float layers' method gives a bfloat16 product of width k on this CPU."""
+    if ops.native_small_gemm(torch.bfloat16, k):
+        return "small_gemm"
+    return "onednn" if onednn_takes(torch.bfloat16) else "bf16_weight_gemm"
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("block", ["qwen2-moe", "gpt-oss"])
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_bfloat16_router_never_runs_torch_linear(quantization, block, rows, monkeypatch):
+    """The router (and Qwen2-MoE's shared-expert gate) stays in bfloat16 under every format and runs on the float
+    layers' kernels - on an AVX2 CPU bf16_weight_gemm - never on PyTorch's bfloat16 F.linear (a dot product per output
+    element there): no product of the whole bfloat16 MoE block may reach F.linear, and the router's logits match
+    float32 on the same bfloat16 weights."""
+    ops = cpu_kernels()
+    if ops is None or not torch.backends.mkldnn.is_available():
+        pytest.skip("no native CPU kernels")
+    h, e = 64, 8
+    config = Int8Config() if quantization else UnquantizedConfig("native")
+    if block == "gpt-oss":
+        moe = GptOssMoeBlock({"num_experts_per_tok": 2, "hidden_size": h, "num_local_experts": e,
+                              "intermediate_size": 64}, SINGLE, config, "layers.0.mlp")
+        routers = [moe.router]
+    else:
+        moe = SparseMoeBlock(h, e, 2, 64, True, 32, SINGLE, config, "layers.0.mlp")
+        routers = [moe.gate, moe.shared_expert_gate]
+    gen = torch.Generator().manual_seed(rows)
+    for p in moe.parameters():
+        p.data = torch.randn(p.shape, generator=gen) / h ** 0.5
+    moe.to(torch.bfloat16)
+    want_weights = [r.weight.detach().float().clone() for r in routers]
+    want_biases = [None if r.bias is None else r.bias.detach().float().clone() for r in routers]
+    for m in moe.modules():
+        if isinstance(m, (Linear, FusedMoE)):
+            m.process_weights_after_loading()
+    path = _bf16_path(ops, h)
+    for r in routers:
+        assert isinstance(r.linear_method, UnquantizedLinearMethod)  # never quantized
+        assert r.bf16_weight_gemm == (path == "bf16_weight_gemm")
+        assert (r.small_gemm_weight is not None) == (path == "small_gemm")
+    torch_linear = F.linear
+
+    def no_bf16_linear(x, *args, **kwargs):
+        assert x.dtype != torch.bfloat16, "a bfloat16 product of the MoE block ran PyTorch's F.linear"
+        return torch_linear(x, *args, **kwargs)
+    monkeypatch.setattr(F, "linear", no_bf16_linear)
+    x = torch.randn(rows, h, generator=gen).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert moe(x).shape == (rows, h)
+        for r, w, b in zip(routers, want_weights, want_biases):
+            want = x.float() @ w.T + (0 if b is None else b)
+            # the logits' rounding to bfloat16 (8 bits of mantissa), and float32 sums in another order
+            torch.testing.assert_close(r(x).float(), want, atol=1e-2 * want.abs().max().item(), rtol=1e-2)
 
 
 @pytest.mark.slow

@@ -98,9 +98,10 @@ torch::Tensor bf16_weight_gemm(torch::Tensor x, torch::Tensor weight, c10::optio
   if (has_bias)
     TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == weight.size(0),
                 "bf16_weight_gemm: bias [N] of x's dtype");
-  const int64_t rows = x.size(0), n = weight.size(0), k = x.size(1);
+  const int64_t rows = x.size(0), n = weight.size(0);
   auto y = torch::empty({rows, n}, x.options());
 #if defined(__AVX2__) && defined(__FMA__)
+  const int64_t k = x.size(1);
   const auto xf = x.to(torch::kFloat).contiguous();  // widened once; every column tile reads it
   const auto bc = has_bias ? bias->contiguous() : torch::Tensor();
   ps::with_act_type(x.scalar_type(), [&](auto* tag) {

@@ -55,11 +55,12 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor x, c10::opt
                                                        std::vector<torch::Tensor> extra_rope,
                                                        std::vector<int64_t> layer_rope);
 // moe_experts.cpp
-torch::Tensor fused_moe_experts(torch::Tensor rows, std::vector<int64_t> counts, torch::Tensor w13, torch::Tensor w2,
-                                int64_t n13, int64_t n2, c10::optional<torch::Tensor> scale13,
-                                c10::optional<torch::Tensor> shift13, c10::optional<torch::Tensor> scale2,
-                                c10::optional<torch::Tensor> shift2, c10::optional<torch::Tensor> b13,
-                                c10::optional<torch::Tensor> b2, int64_t activation, double alpha, double limit);
+torch::Tensor fused_moe_experts(torch::Tensor x, torch::Tensor pair_tokens, torch::Tensor pair_weights,
+                                std::vector<int64_t> counts, torch::Tensor w13, torch::Tensor w2, int64_t n13,
+                                int64_t n2, c10::optional<torch::Tensor> scale13, c10::optional<torch::Tensor> shift13,
+                                c10::optional<torch::Tensor> scale2, c10::optional<torch::Tensor> shift2,
+                                c10::optional<torch::Tensor> b13, c10::optional<torch::Tensor> b2, int64_t activation,
+                                double alpha, double limit);
 // bf16_weight_gemm.cpp
 bool native_bf16_weight_gemm(int64_t k);
 torch::Tensor bf16_weight_gemm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);

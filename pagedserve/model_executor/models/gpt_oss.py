@@ -50,7 +50,7 @@ class GptOssMoeBlock(nn.Module):
         self.parallel = parallel
         self.top_k = hf["num_experts_per_tok"]
         hidden, experts = hf["hidden_size"], hf["num_local_experts"]
-        self.router = nn.Linear(hidden, experts, bias=True)
+        self.router = Linear(hidden, experts, True, quant_config.float_config, f"{prefix}.router")  # never quantized
         self.experts = FusedMoE(experts, hidden, local_intermediate(hf["intermediate_size"], parallel,
                                                                     "intermediate_size"),
                                 quant_config, f"{prefix}.experts", bias=True,

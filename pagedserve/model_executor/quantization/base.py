@@ -58,6 +58,9 @@ class LinearMethodBase(ABC):
 
 class QuantizationConfig(ABC):
     name: ClassVar[str]
+    # The config of the layers no format quantizes, in the model dtype on the same `--linear-backend`: an MoE router
+    # (as vLLM builds its gate without a quant_config: int8 rounding would move the top-k choice)
+    float_config: QuantizationConfig
 
     @abstractmethod
     def get_linear_method(self, layer: nn.Module, prefix: str = "") -> LinearMethodBase:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pagedserve.model_executor.quantization.base import LinearMethodBase, QuantizationConfig
+from pagedserve.model_executor.quantization.unquantized import UnquantizedConfig
 
 if TYPE_CHECKING:
     from pagedserve.model_executor.layers.linear import Linear
@@ -95,6 +96,7 @@ class Int4Config(QuantizationConfig):
         if device is not None and device.type != "cpu":
             raise ValueError("quantization='int4' is implemented for the CPU only.")
         self.method = Int4LinearMethod()
+        self.float_config = UnquantizedConfig(linear_backend, device)
 
     def get_linear_method(self, layer: nn.Module, prefix: str = "") -> LinearMethodBase:
         return self.method

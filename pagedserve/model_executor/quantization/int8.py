@@ -22,6 +22,7 @@ from pagedserve.model_executor.quantization.base import (
     NativeLinearTensors,
     QuantizationConfig,
 )
+from pagedserve.model_executor.quantization.unquantized import UnquantizedConfig
 
 if TYPE_CHECKING:
     from pagedserve.model_executor.layers.linear import Linear
@@ -108,6 +109,7 @@ class Int8Config(QuantizationConfig):
         if device is not None and device.type != "cpu":
             raise ValueError("quantization='int8' is implemented for the CPU only.")
         self.method = Int8LinearMethod(allow_native)
+        self.float_config = UnquantizedConfig(linear_backend, device)
 
     def get_linear_method(self, layer: nn.Module, prefix: str = "") -> LinearMethodBase:
         return self.method

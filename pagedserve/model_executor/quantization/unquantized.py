@@ -142,6 +142,7 @@ class UnquantizedConfig(QuantizationConfig):
         elif linear_backend == "auto":
             linear_backend = "native" if torch.backends.mkldnn.is_available() else "torch"
         self.method = UnquantizedLinearMethod(linear_backend)
+        self.float_config = self
 
     def get_linear_method(self, layer: nn.Module, prefix: str = "") -> LinearMethodBase:
         return self.method

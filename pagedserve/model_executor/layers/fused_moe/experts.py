@@ -1,19 +1,22 @@
 """The stacked experts of an MoE layer and their grouped computation: the (token, slot) pairs are sorted by expert id
-once, each expert with tokens runs its GEMM pair over its contiguous run of rows, and the weighted rows are
-scattered back with one index_add. The Python loop is over experts that received tokens, never over tokens.
+once, each expert with tokens runs its GEMM pair over its contiguous run of rows, and the weighted rows are summed
+per token (in the native call, or one index_add). The Python loop is over experts that received tokens, never over
+tokens.
 
 Weights: w13 [E, 2I, H] (gate | up, each expert's rows as one fused projection), w2 [E, H, I], optional biases
 [E, 2I] / [E, H] (gpt-oss). Once loaded, on a CPU whose native small GEMM (kernels/small_gemm.cpp) runs the model
 dtype, each expert's two matrices are packed for it (float32, bfloat16) or, under `--quantization int8`, quantized
 per output channel and packed as int8, exactly as the dense layers' linear methods do; the float copies are then
-dropped, and one native call (kernels/moe_experts.cpp) runs every expert over its rows. Where the small GEMM does
-not run the dtype (AVX2 CPUs: no VNNI, no AVX512-BF16) the same call takes int8 experts as the same per-channel int8
-weights in Q8_0 blocks (the block-quantized kernel's int8 dot products, VPMADDUBSW) and bfloat16 experts as stored
-(bf16_weight_gemm: float32 arithmetic on the widened weights). Each expert's product goes to the native kernel at
-every row count: only one copy of the experts is kept (they are most of an MoE model's bytes), and an expert's rows
-are few (a 512-token prefill chunk routes ~32 rows to each of Qwen3-30B-A3B's 128 experts). On CUDA (with Triton) the Triton fused-MoE kernel (triton_moe.py). Elsewhere
-(`--linear-backend torch`, CPUs without the native kernels) F.linear per expert on the float weights (int8: the
-dequantized ones, so the numbers are the quantized model's).
+dropped, and one native call (kernels/moe_experts.cpp) gathers every expert's rows, runs it and sums the weighted
+outputs per token (no ATen index ops: on a shared 2-core CPU index_add_ alone took 50-110 ms a layer). Where the
+small GEMM does not run the dtype (AVX2 CPUs: no VNNI, no AVX512-BF16) the same call takes int8 experts as the same
+per-channel int8 weights in Q8_0 blocks (the block-quantized kernel's int8 dot products, VPMADDUBSW) and bfloat16
+experts as stored (bf16_weight_gemm: float32 arithmetic on the widened weights). Each expert's product goes to the
+native kernel at every row count: only one copy of the experts is kept (they are most of an MoE model's bytes), and
+an expert's rows are few (a 512-token prefill chunk routes ~32 rows to each of Qwen3-30B-A3B's 128 experts). On CUDA
+(with Triton) the Triton fused-MoE kernel (triton_moe.py). Elsewhere (`--linear-backend torch`, CPUs without the
+native kernels) F.linear per expert on the float weights (int8: the dequantized ones, so the numbers are the
+quantized model's).
 """
 from __future__ import annotations
 
@@ -38,25 +41,27 @@ def silu_activation(gate_up: torch.Tensor) -> torch.Tensor:
 
 def grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
                     expert: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
-                    all_experts: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None) -> torch.Tensor:
+                    all_experts: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[int]], torch.Tensor]
+                    | None = None) -> torch.Tensor:
     """sum_k weight[t, k] * expert(id[t, k], x[t]) for every token; `expert(e, rows)` runs expert e's MLP on rows,
-    or `all_experts(rows, counts)` every expert's over the rows grouped by expert (counts[e] rows each)."""
+    or `all_experts(x, pair_tokens, pair_weights, counts)` the whole sum, given the (token, slot) pairs grouped by
+    expert (counts[e] pairs each): their tokens and routing weights (float32)."""
     k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     token_of = order // k
     counts = torch.bincount(flat, minlength=num_experts).tolist()  # one host sync per layer
-    rows = x[token_of]
+    pair_weights = topk_weights.reshape(-1).float().index_select(0, order)
     if all_experts is not None:
-        out = all_experts(rows, counts)
-    else:
-        out = torch.empty_like(rows)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                out[start:start + n] = expert(e, rows[start:start + n])
-                start += n
-    out = out * topk_weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
+        return all_experts(x, token_of, pair_weights, counts)
+    rows = x.index_select(0, token_of)
+    out = torch.empty_like(rows)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            out[start:start + n] = expert(e, rows[start:start + n])
+            start += n
+    out = out * pair_weights.unsqueeze(1).to(out.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, out)
 
 
@@ -182,9 +187,10 @@ class FusedMoE(nn.Module):
             return _StoredStack(w13), _StoredStack(w2)
         return None
 
-    def _native_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Every expert over its rows in one native call (kernels/moe_experts.cpp; the stacks' kinds pick its
-        kernels)."""
+    def _native_experts(self, x: torch.Tensor, pair_tokens: torch.Tensor, pair_weights: torch.Tensor,
+                        counts: list[int]) -> torch.Tensor:
+        """Every expert over its tokens and their weighted sum per token in one native call (kernels/moe_experts.cpp;
+        the stacks' kinds pick its kernels)."""
         a, b = self.native13, self.native2
         act = self.activation
         code, alpha, limit = (1, act.alpha, act.limit) if isinstance(act, SwigluOAI) else (0, 0.0, 0.0)
@@ -192,8 +198,9 @@ class FusedMoE(nn.Module):
         # as an inference tensor, those writes would raise ("Inplace update to inference tensor outside
         # InferenceMode") whenever the experts spread over the threads (two or more per thread).
         with torch.inference_mode(False):
-            return cpu_kernels().fused_moe_experts(rows, counts, a.packed, b.packed, a.n, b.n, a.scale, a.shift,
-                                                   b.scale, b.shift, self.w13_bias, self.w2_bias, code, alpha, limit)
+            return cpu_kernels().fused_moe_experts(x, pair_tokens, pair_weights, counts, a.packed, b.packed, a.n, b.n,
+                                                   a.scale, a.shift, b.scale, b.shift, self.w13_bias, self.w2_bias,
+                                                   code, alpha, limit)
 
     def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         b13 = None if self.w13_bias is None else self.w13_bias[e]

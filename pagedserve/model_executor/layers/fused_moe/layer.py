@@ -21,12 +21,14 @@ from pagedserve.model_executor.quantization.base import QuantizationConfig
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, expert ids [T, k]) as transformers routes: softmax over all experts in float32,
-    top-k, renormalised over the k when the model says so."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    top-k, renormalised over the k when the model says so. Renormalised, the softmax's denominator cancels: the
+    softmax of the k top logits is the same weights, from one op on [T, k] (on [T, E], ATen's softmax entered a
+    parallel region, 8 ms on a shared 2-core CPU)."""
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+        top, ids = torch.topk(router_logits.float(), top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    return torch.topk(probs, top_k, dim=-1)
 
 
 def local_intermediate(size: int, parallel: ParallelState, what: str) -> int:
@@ -37,8 +39,8 @@ def local_intermediate(size: int, parallel: ParallelState, what: str) -> int:
 
 
 class SparseMoeBlock(nn.Module):
-    """Parameters named for the checkpoint loader: gate.weight, experts.w13_weight, experts.w2_weight, and with a
-    shared expert shared_expert.{gate_up_proj,down_proj}.weight and shared_expert_gate.weight."""
+    """Parameters named for the checkpoint loader: gate.weight (the router), experts.w13_weight, experts.w2_weight, and
+    with a shared expert shared_expert.{gate_up_proj,down_proj}.weight and shared_expert_gate.weight."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, renormalize: bool,
                  shared_intermediate: int, parallel: ParallelState, quant_config: QuantizationConfig,
@@ -47,7 +49,9 @@ class SparseMoeBlock(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.parallel = parallel
-        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        # the router in the model dtype under every format, on the float layers' kernels (bfloat16 on an AVX2 CPU:
+        # bf16_weight_gemm, not PyTorch's bfloat16 F.linear, which reads its weight once per row)
+        self.gate = Linear(hidden, num_experts, False, quant_config.float_config, f"{prefix}.gate")
         self.experts = FusedMoE(num_experts, hidden, local_intermediate(intermediate, parallel, "moe_intermediate_size"),
                                 quant_config, f"{prefix}.experts")
         self.shared_expert = self.shared_expert_gate = None
@@ -58,7 +62,8 @@ class SparseMoeBlock(nn.Module):
                                                      f"{prefix}.shared_expert.gate_up_proj")
             self.shared_expert.down_proj = Linear(shared, hidden, False, quant_config,
                                                   f"{prefix}.shared_expert.down_proj")
-            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+            self.shared_expert_gate = Linear(hidden, 1, False, quant_config.float_config,
+                                             f"{prefix}.shared_expert_gate")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
