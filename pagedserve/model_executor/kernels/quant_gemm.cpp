@@ -400,8 +400,10 @@ template <int N, int VMAX, int R, int NH, typename V = Vec>  // V: names depende
 [[gnu::always_inline]] inline void dot_groups(const typename V::W* w, int stride, const int8_t* const* x,
                                               typename V::W* out) {
   using W = typename V::W;
-  if constexpr (V::kVnni) {
-    constexpr int kChains = R * NH >= 4 ? 1 : N < 4 ? N : 4;
+  if constexpr (V::kVnni || VMAX == 0) {  // one int32 dot product per group: VPDPBUSD, or |w| x sign(w) x
+    // a lone row and vector in independent chains: 4 for VPDPBUSD, 2 for the longer signed form
+    constexpr int kLoneChains = V::kVnni ? 4 : 2;
+    constexpr int kChains = R * NH >= 4 ? 1 : N < kLoneChains ? N : kLoneChains;
     W s[R * NH][kChains];
     for (int i = 0; i < R * NH; ++i)
       for (int c = 0; c < kChains; ++c) s[i][c] = V::zero();
@@ -410,27 +412,17 @@ template <int N, int VMAX, int R, int NH, typename V = Vec>  // V: names depende
       for (int h = 0; h < NH; ++h) wv[h] = w[h * stride + g];
       for (int r = 0; r < R; ++r) {
         const W xb = V::bcast(x[r] + 4 * g);
-        for (int h = 0; h < NH; ++h) s[r * NH + h][g % kChains] = V::dot_us(s[r * NH + h][g % kChains], wv[h], xb);
+        for (int h = 0; h < NH; ++h) {
+          W& chain = s[r * NH + h][g % kChains];
+          if constexpr (V::kVnni) chain = V::dot_us(chain, wv[h], xb);
+          else chain = V::dot_ss(chain, wv[h], xb);
+        }
       }
     }
     for (int i = 0; i < R * NH; ++i) {
       for (int c = 1; c < kChains; ++c) s[i][0] = V::add(s[i][0], s[i][c]);
       out[i] = s[i][0];
     }
-  } else if constexpr (VMAX == 0) {
-    constexpr int kChains = R * NH >= 4 ? 1 : 2;  // as VNNI's, for a lone row and vector
-    W s[R * NH][kChains];
-    for (int i = 0; i < R * NH; ++i)
-      for (int c = 0; c < kChains; ++c) s[i][c] = V::zero();
-    for (int g = 0; g < N; ++g) {
-      W wv[NH];
-      for (int h = 0; h < NH; ++h) wv[h] = w[h * stride + g];
-      for (int r = 0; r < R; ++r) {
-        const W xb = V::bcast(x[r] + 4 * g);
-        for (int h = 0; h < NH; ++h) s[r * NH + h][g % kChains] = V::dot_ss(s[r * NH + h][g % kChains], wv[h], xb);
-      }
-    }
-    for (int i = 0; i < R * NH; ++i) out[i] = kChains == 1 ? s[i][0] : V::add(s[i][0], s[i][kChains - 1]);
   } else {
     constexpr int kRun = 32767 / (2 * 127 * VMAX);
     static_assert(kRun >= 1 && N % (kRun < N ? kRun : N) == 0, "int16 pair sums would overflow");
