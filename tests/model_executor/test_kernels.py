@@ -5,7 +5,7 @@ The matrix is generated from what each build can run on this CPU (`Capabilities`
 /proc/cpuinfo and checked against what the loaded build reports): a case a build cannot run (prefill attention or a
 small-GEMM dtype outside its level, AMX tiles on a CPU without them) is not generated, and every generated case
 calls its kernel and compares. The ops a build lacks are checked to be refused (test_build_capabilities). Builds
-other than the engine's default one are marked `kernels_build` (each is a ~75 s compile the first time)."""
+other than the engine's default one are marked `kernels_build` (each is a ~1 min compile the first time on 2 cores)."""
 from __future__ import annotations
 
 import contextlib

@@ -211,7 +211,7 @@ def test_the_prebuilt_module_is_used_when_present(tmp_path):
 @pytest.mark.kernels_build
 def test_the_just_in_time_build_is_the_fallback(tmp_path):
     """Without a usable prebuilt module (here: PAGEDSERVE_PREBUILT_KERNELS=0) the kernels are compiled on first use
-    (in the shared cache: a ~75 s build once per source change), and compute what the prebuilt module computes."""
+    (in the shared cache: a ~1 min build once per source change), and compute what the prebuilt module computes."""
     saved = tmp_path / "jit.pt"
     code = f"""
         import logging; logging.basicConfig(level=logging.INFO)

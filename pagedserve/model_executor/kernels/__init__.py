@@ -155,7 +155,7 @@ def build_extension(name: str, sources: list[Path], cflags: list[str], timeout_s
             # path, e.g. two checkouts of the repository sharing the cache.)
             module = _import_library(name, library)
         else:
-            logger.warning("Building native kernels %s (first start on this CPU, ~40 s)...", name)
+            logger.warning("Building native kernels %s (first start on this CPU, ~1 min)...", name)
             module = load(name=name, sources=[str(s) for s in sources], extra_cflags=list(cflags),
                           extra_ldflags=list(LDFLAGS), build_directory=str(build_dir), verbose=False)
         logger.info("Native CPU kernels %s %s in %.1f s.", name, "loaded" if library else "built",
