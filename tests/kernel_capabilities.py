@@ -19,6 +19,7 @@ class Capabilities:
     gemm_dtypes: tuple[torch.dtype, ...]  # weight dtypes small_gemm runs natively
     amx: bool  # AMX-BF16 tiles usable (bfloat16 attention and small GEMM)
     amx_int8: bool  # AMX-INT8 tiles too (the int8 small GEMM)
+    lora_bf16_pairs: bool  # LoRA weights as bfloat16 pairs of k (VDPBF16PS)
 
     @property
     def amx_modes(self) -> tuple[bool, ...]:
@@ -30,7 +31,8 @@ def capabilities(isa: str, flags: frozenset[str]) -> Capabilities:
     avx512, bf16 = isa.startswith("avx512"), isa == "avx512bf16"
     gemm = (torch.float32, torch.bfloat16, torch.int8) if bf16 else (torch.float32,) if avx512 else ()
     amx = bf16 and {"amx_tile", "amx_bf16"} <= flags
-    return Capabilities(isa, prefill=avx512, gemm_dtypes=gemm, amx=amx, amx_int8=amx and "amx_int8" in flags)
+    return Capabilities(isa, prefill=avx512, gemm_dtypes=gemm, amx=amx, amx_int8=amx and "amx_int8" in flags,
+                        lora_bf16_pairs=bf16)
 
 
 def default_build() -> Capabilities:

@@ -90,6 +90,7 @@ def test_build_capabilities(ops):
     for dtype in (torch.float32, torch.bfloat16, torch.int8):
         assert ops.native_small_gemm(dtype) == (dtype in caps.gemm_dtypes), dtype
     assert ops.amx_tiles() == caps.amx
+    assert ops.lora_bf16_pairs() == caps.lora_bf16_pairs
     if not caps.gemm_dtypes:  # no small-GEMM row tiles to prefetch for
         assert ops.small_gemm_prefetch() == 0 and ops.set_small_gemm_prefetch(8) == 0
     g = torch.Generator().manual_seed(0)

@@ -19,6 +19,7 @@ from typing import Callable
 
 import pytest
 import torch
+from kernel_capabilities import default_build
 
 from pagedserve.model_executor.kernels import cpu_kernels
 
@@ -71,8 +72,7 @@ def one_thread():
 
 
 def _gemm_case(dtype: torch.dtype):
-    if not ops.native_small_gemm(dtype):
-        pytest.skip(f"no native small GEMM for {dtype} in this build")
+    assert ops.native_small_gemm(dtype)
     n, k = 8192, 8192
     w = torch.randn(n, k)
     x = torch.randn(4, k)
@@ -94,20 +94,23 @@ def _attention_case(kind: str):
         tables = torch.arange(blocks).view(16, blocks // 16)
         lens = torch.full((16,), blocks // 16 * bs)
         return lambda: ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, d ** -0.5)
-    if not ops.native_prefill(d):
-        pytest.skip("no native prefill attention in this build")
+    assert ops.native_prefill(d)
     n = 128
     q, out = torch.randn(n, heads, d), torch.empty(n, heads, d)
     return lambda: ops.paged_prefill_attention(q, k_cache, v_cache, torch.arange(blocks), blocks * bs - n,
                                                d ** -0.5, out)
 
 
-@pytest.mark.parametrize("case", ["small_gemm_fp32", "small_gemm_bf16", "small_gemm_int8", "decode_attention",
-                                  "prefill_attention"])
+# the kernels the engine's build has on this CPU
+CASES = {**{f"small_gemm_{str(dtype).removeprefix('torch.')}": (lambda dtype=dtype: _gemm_case(dtype))
+            for dtype in default_build().gemm_dtypes},
+         "decode_attention": lambda: _attention_case("decode"),
+         **({"prefill_attention": lambda: _attention_case("prefill")} if default_build().prefill else {})}
+
+
+@pytest.mark.parametrize("case", list(CASES))
 def test_kernel_releases_the_gil(case, one_thread):
-    call = {"small_gemm_fp32": lambda: _gemm_case(torch.float32), "small_gemm_bf16": lambda: _gemm_case(torch.bfloat16),
-            "small_gemm_int8": lambda: _gemm_case(torch.int8), "decode_attention": lambda: _attention_case("decode"),
-            "prefill_attention": lambda: _attention_case("prefill")}[case]()
+    call = CASES[case]()
     call()  # first-call set-up (thread pools, packing caches) outside the check
     assert _counts_during(call), f"{case} held the GIL for the whole call"
 

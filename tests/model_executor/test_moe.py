@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hf_reference import assert_greedy_match, hf_greedy, mixed_prompts
+from kernel_capabilities import default_build
 from test_correctness import GREEDY, LOGPROB_ATOL, MAX_TOKENS, _configs, check_engine_drained, run
 from tiny_models import MOE_ARCHS
 
@@ -66,15 +67,19 @@ def _reference(x, ref, weights, ids, dequantize=False):
     return out
 
 
+# the expert weights' dtype each kind runs the native small GEMM on (None: F.linear)
+EXPERT_WEIGHTS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "int8-bfloat16": torch.int8,
+                  "torch": None}
+NATIVE_GEMM_DTYPES = default_build().gemm_dtypes
+
+
 @pytest.mark.parametrize("rows", [1, 5, 40])
-@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "int8-bfloat16", "torch"])
+@pytest.mark.parametrize("kind", [k for k, w in EXPERT_WEIGHTS.items() if w is None or w in NATIVE_GEMM_DTYPES])
 def test_native_experts_match_reference(kind, rows):
     """The experts on the native small GEMM (packed float32 / bfloat16, int8 under --quantization int8) and on
     F.linear (--linear-backend torch) against a per-token loop, with expert biases (gpt-oss) and without."""
-    ops = cpu_kernels()
-    wdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(kind, torch.int8 if "int8" in kind else None)
-    if wdtype is not None and (ops is None or not ops.native_small_gemm(wdtype, 0)):
-        pytest.skip(f"the native small GEMM does not run {kind} on this CPU")
+    if EXPERT_WEIGHTS[kind] is not None and cpu_kernels() is None:
+        pytest.skip("native kernels disabled (PAGEDSERVE_CPU_KERNELS=0)")
     gen = torch.Generator().manual_seed(rows)
     dtype = torch.bfloat16 if kind.endswith("bfloat16") else torch.float32
     config = Int8Config() if "int8" in kind else UnquantizedConfig("torch" if kind == "torch" else "native")
@@ -362,12 +367,11 @@ def test_gpt_oss_mxfp4_checkpoint_matches_transformers(tiny_model_dir, tiny_toke
     check_engine_drained(llm)
 
 
-@pytest.mark.parametrize("rows", [1, 40])  # 1: each product on all threads; 40: the experts spread over the threads
-def test_native_experts_with_gpt_oss_activation_match_torch(rows):
+@pytest.mark.parametrize("rows", [1, 40] if torch.float32 in NATIVE_GEMM_DTYPES else [])  # 1: each product on all
+def test_native_experts_with_gpt_oss_activation_match_torch(rows):  # threads; 40: the experts spread over the threads
     """kernels/moe_experts.cpp's clamped SwiGLU (activation 1) against the same experts on F.linear + SwigluOAI."""
-    ops = cpu_kernels()
-    if ops is None or not ops.native_small_gemm(torch.float32, 0):
-        pytest.skip("the native small GEMM does not run float32 on this CPU")
+    if cpu_kernels() is None:
+        pytest.skip("native kernels disabled (PAGEDSERVE_CPU_KERNELS=0)")
     from pagedserve.model_executor.layers.activation import SwigluOAI
     gen = torch.Generator().manual_seed(rows)
     layers = []
