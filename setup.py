@@ -12,6 +12,8 @@ Everything else (metadata, dependencies, package data) is in pyproject.toml. Env
                                   (avx512bf16,avx512,avx2,generic). Default: all for a wheel (it runs on any CPU),
                                   host for an editable install (`pip install -e .`: it runs where it was built, and
                                   compiles in a quarter of the time)
+  PAGEDSERVE_KERNEL_BUILD_CACHE=DIR  where a level's compiled module is kept for the next build of the same sources,
+                                  flags, compiler and torch (default ~/.cache/pagedserve/kernel-builds; 0: off)
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ def kernel_build() -> dict:
     config = load_build_config()
     isas = levels_to_build(config)
     print(f"pagedserve: building the native kernels for {', '.join(isas)}", flush=True)
+    cache_dir = config.build_cache_dir(os.environ.get(config.BUILD_CACHE_ENV, ""), os.environ.get("XDG_CACHE_HOME", ""))
     extensions = {
         isa: CppExtension(f"{config.PREBUILT_PACKAGE}.{config.prebuilt_module(isa)}",
                           [f"{KERNELS}/{name}" for name in config.UNITS],
@@ -82,6 +85,16 @@ def kernel_build() -> dict:
 
         def build_extension(self, ext):
             isa = next(level for level, e in extensions.items() if e is ext)
+            target = Path(self.get_ext_fullpath(ext.name))
+            entry = None
+            if cache_dir is not None:
+                # the compiler that compiles the units, and every flag it gets (setup.py's own included)
+                compiler = " ".join([config.compiler_identity(self.compiler.compiler_so[0]), *self.compiler.compiler_so,
+                                     *ext.extra_compile_args, *ext.extra_link_args])
+                entry = config.build_cache_entry(cache_dir, isa, target.name, torch.__version__, compiler)
+                if config.restore_cached_build(entry, target):
+                    print(f"pagedserve: the {isa} kernels taken from the build cache ({entry})", flush=True)
+                    return
             base, self.build_temp = self.build_temp, os.path.join(self.build_temp, isa)
             t0 = time.perf_counter()
             try:
@@ -89,6 +102,8 @@ def kernel_build() -> dict:
             finally:
                 self.build_temp = base
             print(f"pagedserve: the {isa} kernels built in {time.perf_counter() - t0:.0f} s", flush=True)
+            if entry is not None:
+                config.store_cached_build(entry, target)
 
         def manifest_path(self) -> str:
             return os.path.join(os.path.dirname(self.get_ext_fullpath(next(iter(extensions.values())).name)),

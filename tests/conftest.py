@@ -80,6 +80,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.server)
 
 
+def pytest_configure(config):
+    """In pytest-xdist workers (scripts/test.sh runs the tiers in several), each worker's torch gets its share of the
+    cores: with every worker at torch's default (all cores) the intra-op pools oversubscribe the CPU and each spins
+    waiting for cores another holds."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
 @pytest.fixture(autouse=True)
 def restore_process_state():
     """Every test leaves the process state as it found it: os.environ and torch's intra-op thread count."""

@@ -273,3 +273,54 @@ def test_every_kernel_file_is_compiled_by_exactly_one_unit():
     on_disk = sorted(p.name for p in K.KERNEL_DIR.glob("*.cpp") if p.name not in K.UNITS)
     assert sorted(K.SOURCES) == on_disk
     assert len(set(K.SOURCES)) == len(K.SOURCES)
+
+
+def test_the_package_build_cache_is_keyed_by_everything_that_makes_the_module(tmp_path, monkeypatch):
+    """setup.py's compile cache (build_config.build_cache_entry): one entry per level, module file, torch version
+    and compiler command; a different one for any change of those or of the sources (extension_name)."""
+    from pagedserve.model_executor.kernels import build_config as B
+
+    entry = B.build_cache_entry(tmp_path, "avx2", "_cpu_avx2.so", "2.13.0", "gcc 12 -O3")
+    assert entry == B.build_cache_entry(tmp_path, "avx2", "_cpu_avx2.so", "2.13.0", "gcc 12 -O3")
+    others = {B.build_cache_entry(tmp_path, "generic", "_cpu_avx2.so", "2.13.0", "gcc 12 -O3"),
+              B.build_cache_entry(tmp_path, "avx2", "_cpu_avx2.cpython-312.so", "2.13.0", "gcc 12 -O3"),
+              B.build_cache_entry(tmp_path, "avx2", "_cpu_avx2.so", "2.14.0", "gcc 12 -O3"),
+              B.build_cache_entry(tmp_path, "avx2", "_cpu_avx2.so", "2.13.0", "gcc 13 -O3"),
+              B.build_cache_entry(tmp_path, "avx2", "_cpu_avx2.so", "2.13.0", "gcc 12 -O2")}
+    assert entry not in others and len(others) == 5
+    monkeypatch.setattr(B, "extension_name", lambda isa: f"pagedserve_cpu_{isa}_other_sources")
+    assert B.build_cache_entry(tmp_path, "avx2", "_cpu_avx2.so", "2.13.0", "gcc 12 -O3") != entry
+
+
+def test_the_package_build_cache_hands_back_what_was_stored_and_nothing_partial(tmp_path, monkeypatch):
+    from pagedserve.model_executor.kernels import build_config as B
+
+    entry = tmp_path / "cache" / "avx2-0123" / "_cpu_avx2.so"
+    target = tmp_path / "build" / "pagedserve" / "_cpu_avx2.so"
+    assert not B.restore_cached_build(entry, target) and not target.exists()  # a miss compiles
+    built = tmp_path / "built.so"
+    built.write_bytes(b"\x7fELF module bytes")
+    B.store_cached_build(entry, built)
+    assert B.restore_cached_build(entry, target) and target.read_bytes() == built.read_bytes()
+    assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # no partial file left beside it
+
+    def killed_half_way(src, dst):  # the copy into the cache dies: the entry must not appear
+        Path(dst).write_bytes(b"\x7fEL")
+        raise KeyboardInterrupt
+
+    other = tmp_path / "cache" / "avx2-4567" / "_cpu_avx2.so"
+    monkeypatch.setattr(B.shutil, "copyfile", killed_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        B.store_cached_build(other, built)
+    assert not other.exists()
+    monkeypatch.undo()
+    assert not B.restore_cached_build(other, target)
+
+
+def test_the_package_build_cache_folder(tmp_path):
+    from pagedserve.model_executor.kernels import build_config as B
+
+    assert B.build_cache_dir("", str(tmp_path)) == tmp_path / "pagedserve" / "kernel-builds"  # XDG_CACHE_HOME
+    assert B.build_cache_dir("", "") == Path.home() / ".cache" / "pagedserve" / "kernel-builds"
+    assert B.build_cache_dir(str(tmp_path / "mine"), str(tmp_path)) == tmp_path / "mine"
+    assert B.build_cache_dir("0", str(tmp_path)) is None

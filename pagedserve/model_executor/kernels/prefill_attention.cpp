@@ -544,7 +544,7 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
               "q must be float32 or bfloat16 [T, H, D] with contiguous heads");
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.sizes() == q.sizes() && out.stride(2) == 1 &&
               out.stride(1) == out.size(2), "out must be shaped like q, of q's dtype, with contiguous heads");
-  const CacheLayout layout = layout_of(k_cache, v_cache);
+  [[maybe_unused]] const CacheLayout layout = layout_of(k_cache, v_cache);  // checks the caches at every level
   TORCH_CHECK(block_ids.scalar_type() == torch::kLong && first >= 0);
   TORCH_CHECK(scale > 0, "scale must be positive (the softmax takes the max of the unscaled scores)");
   auto table = block_ids.contiguous();
@@ -552,7 +552,7 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   TORCH_CHECK(native_prefill(q.size(2)), "paged_prefill_attention: not built for head_dim ", q.size(2));
   TORCH_CHECK(window >= 0 && soft_cap >= 0, "window and soft_cap must be >= 0 (0: none)");
   TORCH_CHECK(causal || window == 0, "a sliding window needs causal attention");
-  const AttentionExtras extras = attention_extras(window, soft_cap, sinks, q.size(1));
+  [[maybe_unused]] const AttentionExtras extras = attention_extras(window, soft_cap, sinks, q.size(1));
 #if defined(__AVX512F__)
   const Shape s{1, q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), table.numel(), q.stride(0), layout};
   ps::with_act_type(q.scalar_type(), [&](auto* qtag) {

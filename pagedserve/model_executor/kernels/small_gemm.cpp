@@ -581,7 +581,7 @@ torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::
   check_packed(x, packed, n, bias);
   TORCH_CHECK(x.scalar_type() == packed.scalar_type() && supports(x.scalar_type()),
               "small_gemm: x of the packed weight's dtype");
-  const bool has_bias = bias.has_value() && bias->defined();
+  [[maybe_unused]] const bool has_bias = bias.has_value() && bias->defined();  // used where a level runs the kernel
   auto y = torch::empty({x.size(0), n}, x.options());
 #if defined(__AVX512F__)
   auto xc = x.contiguous();
@@ -613,7 +613,7 @@ torch::Tensor small_gemm_int8(torch::Tensor x, torch::Tensor packed, torch::Tens
   TORCH_CHECK(col_scale.scalar_type() == torch::kFloat && col_scale.numel() == n && col_scale.is_contiguous() &&
                   col_shift.scalar_type() == torch::kInt && col_shift.numel() == n && col_shift.is_contiguous(),
               "small_gemm_int8: column scales float32 [N] and shifts int32 [N]");
-  const bool has_bias = bias.has_value() && bias->defined();
+  [[maybe_unused]] const bool has_bias = bias.has_value() && bias->defined();  // used where a level runs the kernel
   auto y = torch::empty({x.size(0), n}, x.options());
 #if defined(__AVX512BF16__)
   auto xc = x.contiguous();
