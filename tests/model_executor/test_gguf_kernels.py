@@ -14,8 +14,9 @@ from pagedserve.model_executor.quantization.gguf import NATIVE_TYPES, type_runs
 
 gguf = pytest.importorskip("gguf")
 
+# the levels besides the default one that this CPU runs (a level it cannot run is not generated)
 OTHER_LEVELS = [pytest.param(isa, marks=[pytest.mark.kernels_build(isa), pytest.mark.slow])
-                for isa in ("avx512", "avx2", "generic")]
+                for isa in ("avx512", "avx2", "generic") if isa in kernels.supported_isas()]
 
 
 def _blocks(name: str, n: int, k: int, rng: np.random.Generator) -> tuple[np.ndarray, torch.Tensor]:
@@ -164,6 +165,48 @@ def test_gguf_gemm_mixed_parts_and_bias():
     y = ops.gguf_gemm(x, torch.cat(packed), layout, bias)
     exact = _int8_blocks(x) @ w.T + bias.double()
     assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < 1e-5
+
+
+def _int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to int8 with one scale per row, max|x| / 127 over the row (per-token quantization)."""
+    d = x.double().abs().amax(-1, keepdim=True) / 127
+    return torch.round(x.double() / torch.where(d > 0, d, 1)) * d
+
+
+def _check_per_row_activations(ops):
+    """per_row_activations: one activation scale per row over all of K, not one per block of 32 (W8A8 checkpoints'
+    per-token activations); col_scale multiplies each output column before the bias. On Q8_0 blocks of scale 1,
+    as a W8A8 weight runs where the build has no int8 small GEMM: the per-token int8 product exactly."""
+    rng = np.random.default_rng(5)
+    type_id = NATIVE_TYPES["Q8_0"][0]
+    n, k = 40, 320
+    q = torch.from_numpy(rng.integers(-127, 128, (n, k), dtype=np.int8))
+    ones = np.full((n, k // 32, 1), 1.0, dtype=np.float16).view(np.uint8)  # each block's float16 scale: 1.0
+    raw = np.concatenate([ones, q.numpy().view(np.uint8).reshape(n, k // 32, 32)], axis=2).reshape(n, -1)
+    packed, layout = ops.gguf_repack(torch.from_numpy(raw), type_id, n, k), torch.tensor([[type_id, n]])
+    col_scale = torch.from_numpy(rng.uniform(1e-3, 1e-2, n)).float()
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    for m in (1, 3, 16, 33):  # the in-register rows and the many-row chunks
+        gen = torch.Generator().manual_seed(m)
+        # rows of very different sizes, each block of a row much smaller than its largest: per block would differ
+        x = torch.randn(m, k, generator=gen) * torch.logspace(-2, 2, m).unsqueeze(1)
+        x[:, :32] *= 50
+        x = _int8_rows(x).float()  # on its own per-row grid: no rounding ties (see _on_int8_grid)
+        y = ops.gguf_gemm(x, packed, layout, bias, col_scale, per_row_activations=True).double()
+        exact = (_int8_rows(x) @ q.double().T) * col_scale.double() + bias.double()
+        rel = (y - exact).abs().amax(dim=1) / exact.abs().amax(dim=1)
+        assert rel.max().item() < 1e-5, (m, rel.argmax().item())
+        per_block = ops.gguf_gemm(x, packed, layout, bias, col_scale).double()  # the default, a scale per block: off
+        assert ((per_block - exact).abs().amax(dim=1) / exact.abs().amax(dim=1)).max().item() > 5e-5, m
+
+
+def test_gguf_gemm_per_row_activations_and_column_scales_default_level():
+    _check_per_row_activations(_ops(None))
+
+
+@pytest.mark.parametrize("isa", OTHER_LEVELS)
+def test_gguf_gemm_per_row_activations_and_column_scales_other_levels(isa):
+    _check_per_row_activations(_ops(isa))
 
 
 def test_gguf_gemm_rejects_mismatched_weight():

@@ -79,7 +79,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"));
   m.def("gguf_gemm", &gguf_gemm, "x W^T (+ b) on GGUF block-quantized weights: `packed` the repacked parts (side "
         "by side along N, e.g. a fused layer's shards) one after another, `layout` [parts, 2] int64 their (type, "
-        "width); x quantized to int8 per block of 32 on the fly", py::arg("x"), py::arg("packed"), py::arg("layout"),
-        py::arg("bias") = py::none());
+        "width); x quantized to int8 on the fly per block of 32 (or, per_row_activations, with one scale per row); "
+        "col_scale [N] multiplies each output column (before the bias)", py::arg("x"), py::arg("packed"),
+        py::arg("layout"), py::arg("bias") = py::none(), py::arg("col_scale") = py::none(),
+        py::arg("per_row_activations") = false);
   m.def("isa", &kernel_isa, "the instruction-set level this build targets");
 }

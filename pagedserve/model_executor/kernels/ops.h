@@ -71,4 +71,5 @@ bool lora_bf16_pairs();
 // quant_gemm.cpp
 bool native_gguf_type(int64_t type);
 torch::Tensor gguf_repack(torch::Tensor raw, int64_t type, int64_t n, int64_t k);
-torch::Tensor gguf_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor layout, c10::optional<torch::Tensor> bias);
+torch::Tensor gguf_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor layout, c10::optional<torch::Tensor> bias,
+                        c10::optional<torch::Tensor> col_scale = c10::nullopt, bool per_row_activations = false);

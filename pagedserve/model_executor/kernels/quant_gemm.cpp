@@ -342,8 +342,10 @@ struct Vec {
 #endif
 
 // ------------------------------------------------------------------------------------------------ activations
-// Rows of x quantized per block of 32: q = round(x / d), d = max|x| / 127; with each block's sum of q (and of its
-// two halves, for Q6_K's sub-blocks of 16), which take back the weights' unsigned offsets and Q4_K's mins.
+// Rows of x quantized per block of 32: q = round(x / d), d = max|x| / 127 over the block, or with one d per row
+// (max|x| over the whole row: per-token quantization, what a W8A8 checkpoint's activations were calibrated with);
+// with each block's sum of q (and of its two halves, for Q6_K's sub-blocks of 16), which take back the weights'
+// unsigned offsets and Q4_K's mins.
 struct ActQ {
   int64_t k;
   std::vector<int8_t> q;
@@ -353,13 +355,17 @@ struct ActQ {
 };
 
 template <typename T>
-void quantize_acts(const T* x, int64_t m_rows, int64_t k, ActQ& a) {
+void quantize_acts(const T* x, int64_t m_rows, int64_t k, bool per_row, ActQ& a) {
   const int64_t nb = k / 32;
   a.k = k;
   a.q.resize(m_rows * k);
   a.d.resize(m_rows * nb);
   a.sum.resize(m_rows * nb);
   a.sum16.resize(m_rows * nb * 2);
+  std::vector<float> row_amax(per_row ? m_rows : 0);
+#pragma omp parallel for schedule(static) if (per_row && m_rows * k >= 65536)
+  for (int64_t m = 0; m < static_cast<int64_t>(row_amax.size()); ++m)
+    for (int64_t j = 0; j < k; ++j) row_amax[m] = std::max(row_amax[m], std::fabs(ps::to_float(x[m * k + j])));
 #pragma omp parallel for schedule(static) if (m_rows * k >= 65536)
   for (int64_t i = 0; i < m_rows * nb; ++i) {
     const T* src = x + i * 32;
@@ -368,6 +374,7 @@ void quantize_acts(const T* x, int64_t m_rows, int64_t k, ActQ& a) {
       v[j] = ps::to_float(src[j]);
       amax = std::max(amax, std::fabs(v[j]));
     }
+    if (per_row) amax = row_amax[i / nb];
     const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
     int8_t* q = a.q.data() + i * 32;
     int32_t s0 = 0, s1 = 0;
@@ -677,7 +684,8 @@ torch::Tensor gguf_repack(torch::Tensor raw, int64_t type, int64_t n, int64_t k)
 }
 
 torch::Tensor gguf_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor layout,
-                        c10::optional<torch::Tensor> bias) {
+                        c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> col_scale,
+                        bool per_row_activations) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
               "gguf_gemm: x [M, K] float32 or bfloat16");
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == 1 && packed.is_contiguous(),
@@ -710,7 +718,7 @@ torch::Tensor gguf_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor lay
   ActQ& a = reused;
   ps::with_act_type(x.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    quantize_acts(ps::ptr<T>(x), m_rows, k, a);
+    quantize_acts(ps::ptr<T>(x), m_rows, k, per_row_activations, a);
   });
   torch::Tensor out = torch::empty({m_rows, n_total}, x.options());
   const float* bias_ptr = nullptr;
@@ -719,6 +727,13 @@ torch::Tensor gguf_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor lay
     bias_f = bias->to(torch::kFloat).contiguous();
     TORCH_CHECK(bias_f.numel() == n_total, "gguf_gemm: bias of ", n_total, " outputs");
     bias_ptr = bias_f.data_ptr<float>();
+  }
+  const float* col_scale_ptr = nullptr;
+  torch::Tensor col_scale_f;
+  if (col_scale.has_value() && col_scale->defined()) {
+    col_scale_f = col_scale->to(torch::kFloat).contiguous();
+    TORCH_CHECK(col_scale_f.numel() == n_total, "gguf_gemm: col_scale of ", n_total, " outputs");
+    col_scale_ptr = col_scale_f.data_ptr<float>();
   }
   const int64_t all_tiles = first_tile.back();
   const uint8_t* weights = packed.data_ptr<uint8_t>();
@@ -738,7 +753,8 @@ torch::Tensor gguf_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor lay
         for (int64_t m = 0; m < m_rows; ++m)
           for (int64_t c = 0; c < cols; ++c) {
             const int64_t col = col0[s] + c0 + c;
-            o[m * n_total + col] = ps::from_float<T>(buf[m * kTile + c] + (bias_ptr ? bias_ptr[col] : 0.f));
+            const float y = buf[m * kTile + c] * (col_scale_ptr ? col_scale_ptr[col] : 1.f);
+            o[m * n_total + col] = ps::from_float<T>(y + (bias_ptr ? bias_ptr[col] : 0.f));
           }
       }
     }

@@ -9,9 +9,10 @@ layers are float. The schemes run here:
     only), weight_shape [2]; with the older act-order "group" (alias "dynamic") weight_g_idx [K], the group of each
     input channel, as GPTQ's g_idx (act-order "weight" keeps groups in place and needs nothing).
   * W8A8 int8, format "int-quantized": int8 weights with one scale per output channel (or one per tensor) and
-    activations quantized per token as they come - pagedserve's int8 path (int8.py), whose native kernel quantizes
-    each row of activations exactly so (symmetric, max|x| / 127; fbgemm, where the build has no native int8, takes one
-    scale per tensor). Tensors: weight [N, K] int8, weight_scale [N, 1] (one per tensor broadcasts).
+    activations quantized per token as they come - pagedserve's int8 path (int8.py), whose native kernels quantize
+    each row of activations exactly so (symmetric, max|x| / 127): the int8 small GEMM, or where the build has none
+    (AVX2 without VNNI) the block-quantized kernel on Q8_0 blocks of scale 1. Tensors: weight [N, K] int8,
+    weight_scale [N, 1] (one per tensor broadcasts).
   * FP8 weights, format "float-quantized" / "naive-quantized": weight [N, K] float8_e4m3fn, weight_scale [N, 1] or
     per tensor - dequantized to the model dtype at load (fp8.py).
 """
@@ -25,7 +26,7 @@ from torch import nn
 from pagedserve.model_executor.quantization.base import LinearMethodBase
 from pagedserve.model_executor.quantization.fp8 import Fp8DequantLinearMethod
 from pagedserve.model_executor.quantization.int4 import Int4LinearMethod
-from pagedserve.model_executor.quantization.int8 import Int8LinearMethod
+from pagedserve.model_executor.quantization.int8 import Int8LinearMethod, clear_int8_weights
 from pagedserve.model_executor.quantization.packed import (
     CheckpointQuantizationConfig,
     add_bias_and_int4_state,
@@ -69,11 +70,13 @@ class CompressedTensorsW4A16(Int4LinearMethod):
 
 
 class CompressedTensorsW8A8Int8(Int8LinearMethod):
+    per_token_activations = True
+
     def create_weights(self, layer: Linear, in_features: int, out_features: int, bias: bool) -> None:
         add_param(layer, "weight", (out_features, in_features), torch.int8, output_dim=0)
         add_param(layer, "weight_scale", (out_features, 1), torch.float32, output_dim=0)  # a tensor's: broadcast
         layer.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        layer.small_gemm_weight = layer.fbgemm_weight = layer.int8_scale = layer.int8_shift = None
+        clear_int8_weights(layer)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         self.set_int8_weight(layer, layer.weight.data, layer.weight_scale.data.flatten().float(),

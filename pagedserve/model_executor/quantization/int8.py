@@ -5,7 +5,9 @@ Where the build runs int8 natively (VPDPBUSD, or TDPBUSD tiles on AMX-INT8 CPUs)
 product, prefill included, and holds the only int8 copy: it quantizes the activations per row and measured
 1.2-1.9x faster than fbgemm at 1-2048 rows (2.3-4.4x on AMX-INT8 tiles), with a perplexity 0.03% above float32
 against fbgemm's 1.1% (tools/int8_quality.py). Elsewhere (and in the tests) fbgemm's dynamic int8, one activation
-scale per tensor.
+scale per tensor - except for a W8A8 checkpoint, whose activations must be quantized per token as it was calibrated:
+there the weights become Q8_0 blocks of scale 1 for the native block-quantized kernel (int8 dot products on AVX2
+too), which quantizes each row of activations with one scale and multiplies each column by its channel's scale.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from pagedserve.model_executor.quantization.base import (
     NativeLinearTensors,
     QuantizationConfig,
 )
+from pagedserve.model_executor.quantization.gguf import NATIVE_TYPES
 from pagedserve.model_executor.quantization.unquantized import UnquantizedConfig
 
 if TYPE_CHECKING:
@@ -41,6 +44,11 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _Q8_0_SCALE_RANGE = (2.0 ** -14, 65504.0)
 
 
+def clear_int8_weights(layer: nn.Module) -> None:
+    """No int8 copy yet: set_int8_weight gives the layer the one its product runs on."""
+    layer.small_gemm_weight = layer.fbgemm_weight = layer.q8_0_weight = layer.int8_scale = layer.int8_shift = None
+
+
 def q8_0_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
     """A per-channel int8 weight (q [N, K], scales [N]) as GGUF Q8_0 rows ([N, K / 32 * 34] uint8: each block of 32
     its channel's scale in float16, then the 32 int8 values), the same weights in the layout the native block-quantized
@@ -53,13 +61,18 @@ def q8_0_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
     return torch.cat([d, q.view(torch.uint8).reshape(n, k // 32, 32)], dim=2).reshape(n, -1).contiguous()
 
 
+Q8_0_TYPE = NATIVE_TYPES["Q8_0"][0]
+
+
 class Int8LinearMethod(LinearMethodBase):
+    per_token_activations = False  # True: activations quantized per row wherever the product runs (W8A8)
+
     def __init__(self, allow_native: bool = True) -> None:
         self.allow_native = allow_native  # False: fbgemm only, for comparisons and tests
 
     def create_weights(self, layer: Linear, in_features: int, out_features: int, bias: bool) -> None:
         super().create_weights(layer, in_features, out_features, bias)
-        layer.small_gemm_weight = layer.fbgemm_weight = layer.int8_scale = layer.int8_shift = None
+        clear_int8_weights(layer)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         w = layer.weight.detach()
@@ -73,10 +86,17 @@ class Int8LinearMethod(LinearMethodBase):
         """The kernels' copy of w = q * scales[:, None] (q int8 [N, K], one scale per output channel): quantized
         here, or as a W8A8 checkpoint stores it (compressed-tensors)."""
         ops = cpu_kernels() if self.allow_native and dtype in (torch.float32, torch.bfloat16) else None
-        if ops is not None and ops.native_small_gemm(torch.int8, q.shape[1]):
+        n, k = q.shape
+        unit_rows = q8_0_rows(q, torch.ones(n)) if self.per_token_activations and ops is not None \
+            and ops.native_gguf_type(Q8_0_TYPE) else None
+        if ops is not None and ops.native_small_gemm(torch.int8, k):
             layer.small_gemm_weight = ops.pack_small_gemm_weight(q)
             layer.int8_scale = scales.float()
             layer.int8_shift = 128 * q.sum(dim=1, dtype=torch.int32)  # takes back the kernel's +128 on x
+        elif unit_rows is not None:  # the channel scales apply to the output columns, in float32
+            layer.q8_0_weight = (ops.gguf_repack(unit_rows, Q8_0_TYPE, n, k),
+                                 torch.tensor([[Q8_0_TYPE, n]], dtype=torch.int64))
+            layer.int8_scale = scales.float()
         else:
             scales = scales.double()
             with warnings.catch_warnings():  # torch flags quantized dtypes as deprecated; fbgemm still runs them
@@ -87,10 +107,13 @@ class Int8LinearMethod(LinearMethodBase):
             layer.fbgemm_weight = torch.ops.quantized.linear_prepack(qweight, bias)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if layer.small_gemm_weight is None:
+        if layer.fbgemm_weight is not None:
             return torch.ops.quantized.linear_dynamic(x.float(), layer.fbgemm_weight, True).to(x.dtype)
-        if x.dim() != 2:  # the native kernel takes [rows, K]
+        if x.dim() != 2:  # the native kernels take [rows, K]
             return self.apply(layer, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], layer.out_features)
+        if layer.q8_0_weight is not None:
+            return cpu_kernels().gguf_gemm(x, *layer.q8_0_weight, layer.bias, layer.int8_scale,
+                                           per_row_activations=True)
         return cpu_kernels().small_gemm_int8(x, layer.small_gemm_weight, layer.int8_scale, layer.int8_shift,
                                              layer.out_features, layer.bias)
 
