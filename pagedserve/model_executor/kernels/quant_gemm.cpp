@@ -721,20 +721,16 @@ torch::Tensor gguf_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor lay
     quantize_acts(ps::ptr<T>(x), m_rows, k, per_row_activations, a);
   });
   torch::Tensor out = torch::empty({m_rows, n_total}, x.options());
-  const float* bias_ptr = nullptr;
-  torch::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    bias_f = bias->to(torch::kFloat).contiguous();
-    TORCH_CHECK(bias_f.numel() == n_total, "gguf_gemm: bias of ", n_total, " outputs");
-    bias_ptr = bias_f.data_ptr<float>();
-  }
-  const float* col_scale_ptr = nullptr;
-  torch::Tensor col_scale_f;
-  if (col_scale.has_value() && col_scale->defined()) {
-    col_scale_f = col_scale->to(torch::kFloat).contiguous();
-    TORCH_CHECK(col_scale_f.numel() == n_total, "gguf_gemm: col_scale of ", n_total, " outputs");
-    col_scale_ptr = col_scale_f.data_ptr<float>();
-  }
+  // the optional per-column vectors as float32 (nullptr: absent)
+  const auto column_floats = [n_total](const c10::optional<torch::Tensor>& t, const char* what) {
+    if (!t.has_value() || !t->defined()) return torch::Tensor();
+    torch::Tensor f = t->to(torch::kFloat).contiguous();
+    TORCH_CHECK(f.numel() == n_total, "gguf_gemm: ", what, " of ", n_total, " outputs");
+    return f;
+  };
+  const torch::Tensor bias_f = column_floats(bias, "bias"), col_scale_f = column_floats(col_scale, "col_scale");
+  const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  const float* col_scale_ptr = col_scale_f.defined() ? col_scale_f.data_ptr<float>() : nullptr;
   const int64_t all_tiles = first_tile.back();
   const uint8_t* weights = packed.data_ptr<uint8_t>();
   ps::with_act_type(x.scalar_type(), [&](auto* tag) {
