@@ -10,7 +10,10 @@ native small GEMM where this CPU has it, else fbgemm's dynamic int8 linear, what
 AVX2) and float32 `F.linear`. `--build LABEL=SO` (repeatable) loads given builds of the kernels module and
 alternates them round by round (default: the tree's own build), so an A/B of a kernel change is paired; the
 builds' module names must differ (one process imports a module name once).
-Prints microseconds per call (median over rounds) and GMAC/s (multiply-adds of the product per second).
+Prints microseconds per call (median over rounds) and GMAC/s (multiply-adds of the product per second); with several
+builds, each build's speed relative to the first's (first's time / its time) in parentheses. `--cpu-time` (one
+thread) times the calling thread's CPU time and takes the minimum over rounds instead: other processes on a shared
+machine then add only their cache and frequency effects, never their run time, so small kernel differences show.
 """
 from __future__ import annotations
 
@@ -68,19 +71,19 @@ def int8_product(ops, n: int, k: int):
     return lambda x: torch.ops.quantized.linear_dynamic(x, packed, True)
 
 
-def time_call(fn, min_s: float) -> float:
+def time_call(fn, min_s: float, clock=time.perf_counter) -> float:
     """Seconds per call: the best of 3 batches after a warm-up, each batch at least min_s / 3 long."""
     fn()
-    t0, n = time.perf_counter(), 0
-    while time.perf_counter() - t0 < min_s / 3:
+    t0, n = clock(), 0
+    while clock() - t0 < min_s / 3:
         fn()
         n += 1
     best = float("inf")
     for _ in range(3):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(n):
             fn()
-        best = min(best, (time.perf_counter() - t0) / n)
+        best = min(best, (clock() - t0) / n)
     return best
 
 
@@ -95,7 +98,12 @@ def main(argv=None) -> int:
     p.add_argument("--no-head", action="store_true")
     p.add_argument("--no-peers", action="store_true", help="skip int8 and float32")
     p.add_argument("--build", action="append", default=[], metavar="LABEL=SO")
+    p.add_argument("--cpu-time", action="store_true", help="the calling thread's CPU time, minimum over rounds "
+                   "(--threads 1 only: the other threads' time is not counted)")
     args = p.parse_args(argv)
+    if args.cpu_time and args.threads != 1:
+        p.error("--cpu-time counts the calling thread only: use --threads 1")
+    clock, summary = (time.thread_time, min) if args.cpu_time else (time.perf_counter, statistics.median)
     torch.set_num_threads(args.threads)
     modules = [Path(b.split("=", 1)[1]).name.split(".")[0] for b in args.build]
     if len(set(modules)) < len(modules):  # the second import of a module name returns the first build's code
@@ -120,8 +128,9 @@ def main(argv=None) -> int:
             w = torch.randn(n, k)
             fns[("fp32", product)] = lambda x, w=w: F.linear(x, w)
     engines = list(dict.fromkeys(e for e, _ in fns))
-    print(f"{args.gguf}: layer {args.layer}, threads {args.threads}, rounds {args.rounds}; us per call (median), "
-          f"GMAC/s in brackets")
+    print(f"{args.gguf}: layer {args.layer}, threads {args.threads}, rounds {args.rounds}; us per call "
+          f"({'CPU time, min' if args.cpu_time else 'median'}), GMAC/s in brackets" +
+          (f", speed vs {next(iter(builds))} in parentheses" if len(builds) > 1 else ""))
     for m in rows:
         times: dict[tuple[str, str], list[float]] = {key: [] for key in fns}
         xs = {k: torch.randn(m, k) for _, k, _ in shapes.values()}
@@ -129,12 +138,15 @@ def main(argv=None) -> int:
             order = engines if r % 2 == 0 else engines[::-1]  # alternate, so drift hits every engine alike
             for product, (n, k, _) in shapes.items():
                 for engine in order:
-                    times[(engine, product)].append(time_call(lambda: fns[(engine, product)](xs[k]), args.min_seconds))
+                    times[(engine, product)].append(time_call(lambda: fns[(engine, product)](xs[k]), args.min_seconds,
+                                                              clock))
         for product, (n, k, types) in shapes.items():
             cells = []
+            first = summary(times[(next(iter(builds)), product)])
             for engine in engines:
-                t = statistics.median(times[(engine, product)])
-                cells.append(f"{engine} {t * 1e6:9.1f} [{m * n * k / t / 1e9:5.1f}]")
+                t = summary(times[(engine, product)])
+                ratio = f" ({first / t:.3f})" if engine in builds and len(builds) > 1 else ""
+                cells.append(f"{engine} {t * 1e6:9.1f} [{m * n * k / t / 1e9:5.1f}]{ratio}")
             print(f"rows {m:4d} {product:8s} {n:6d}x{k:<5d} {types:10s} " + "  ".join(cells), flush=True)
     return 0
 

@@ -42,3 +42,21 @@ def test_refuses_two_builds_of_one_module_name(tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         gguf_kernel_rows.main(["--gguf", str(path), "--build", f"a={tmp_path}/x/_cpu_avx2.so",
                                "--build", f"b={tmp_path}/y/_cpu_avx2.so"])
+
+
+def test_cpu_time(tmp_path, monkeypatch, capsys):
+    """--cpu-time: the calling thread's CPU time (minimum over rounds); refused with more than one thread, whose
+    other threads' time it would not count."""
+    if cpu_kernels() is None:
+        pytest.skip("no native kernels")
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    sys.modules.pop("gguf_kernel_rows", None)
+    import gguf_kernel_rows
+
+    path = make_tiny_gguf("llama", "Q4_0", tmp_path)
+    assert gguf_kernel_rows.main(["--gguf", str(path), "--rows", "1", "--rounds", "2", "--min-seconds", "0.003",
+                                  "--no-peers", "--no-head", "--cpu-time"]) == 0
+    out = capsys.readouterr().out
+    assert "CPU time, min" in out and len([line for line in out.splitlines() if line.startswith("rows")]) == 4
+    with pytest.raises(SystemExit):
+        gguf_kernel_rows.main(["--gguf", str(path), "--threads", "2", "--cpu-time"])

@@ -62,7 +62,9 @@ def _check_types(ops, dtype=torch.float32):
         n, k = 40, 512  # 40: a padded last tile of 16 columns
         raw, w = _blocks(name, n, k, rng)
         packed = ops.gguf_repack(torch.from_numpy(raw), type_id, n, k)
-        for m in (1, 4, 7):  # one pass of 4 rows, and the 1-3 row tails
+        # 1 row (a 32-k type's two vectors at once), 2 and 4 rows (one vector at a time), 7: a decoded chunk's pass of
+        # 4 rows and a tail of 3
+        for m in (1, 2, 4, 7):
             x = _on_int8_grid(torch.randn(m, k, generator=torch.Generator().manual_seed(type_id * 10 + m))).to(dtype)
             y = ops.gguf_gemm(x, packed, torch.tensor([[type_id, n]]), None)
             assert y.dtype == dtype and y.shape == (m, n)
@@ -130,9 +132,10 @@ def _check_largest_values(ops):
         w = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name])).double()
         packed = ops.gguf_repack(torch.from_numpy(raw), type_id, n, k)
         x = torch.tensor([[1.0] * k, [-1.0] * k, [1.0, -1.0] * (k // 2)])
-        y = ops.gguf_gemm(x, packed, torch.tensor([[type_id, n]]), None)
-        exact = x.double() @ w.T
-        assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < 1e-5, name
+        for rows in (x[:1], x):  # one row (its own path) and three
+            y = ops.gguf_gemm(rows, packed, torch.tensor([[type_id, n]]), None)
+            exact = rows.double() @ w.T
+            assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < 1e-5, (name, rows.shape[0])
 
 
 def test_gguf_gemm_largest_values_default_level():

@@ -395,17 +395,17 @@ constexpr int value_max(int type) {
   return type == kQ8_0 ? 255 : type == kQ6_K ? 63 : (type == kQ5_0 || type == kQ5_1 || type == kQ5_K) ? 31 : 15;
 }
 
-// The N groups' dot products summed for R rows (activations x[r]) and NH column vectors (their groups at
-// w[h * stride + g]) into out[r * NH + h]: each weight vector is loaded once for the R rows and each activation
-// broadcast once for the NH vectors, so a pass of rows costs about one multiply per 32 weight-activation products and
-// few loads. With VNNI: VPDPBUSD into int32 (in 4 independent chains for a lone row and vector: one chain of 8
-// dependent VPDPBUSD made a one-row product latency-bound, at about half the speed). Without: VPMADDUBSW's int16 pair
-// sums (|pair| <= 2 VMAX 127, the activations being -127..127) are added as int16 for as many groups as cannot
-// overflow (8 for 4-bit values, 4 for 5-bit, 2 for 6-bit) and widened to int32 once per run: 2 instructions a group
-// instead of 3. Q8_0's signed values (VMAX 0 here) take |w| x sign(w) x, widened every group.
-template <int N, int VMAX, int R, int NH, typename V = Vec>  // V: names dependent, the generic level has no pairs()
-[[gnu::always_inline]] inline void dot_groups(const typename V::W* w, int stride, const int8_t* const* x,
-                                              typename V::W* out) {
+// The N groups' dot products summed for R rows (activations x[r]) and NH column vectors (group g of vector h: w(h, g),
+// read from a decoded chunk or decoded from the tile right here) into out[r * NH + h]: each weight vector is taken
+// once for the R rows and each activation broadcast once for the NH vectors, so a pass of rows costs about one
+// multiply per 32 weight-activation products and few loads. With VNNI: VPDPBUSD into int32 (in 4 independent chains
+// for a lone row and vector: one chain of 8 dependent VPDPBUSD made a one-row product latency-bound, at about half the
+// speed). Without: VPMADDUBSW's int16 pair sums (|pair| <= 2 VMAX 127, the activations being -127..127) are added as
+// int16 for as many groups as cannot overflow (8 for 4-bit values, 4 for 5-bit, 2 for 6-bit) and widened to int32
+// once per run: 2 instructions a group instead of 3. Q8_0's signed values (VMAX 0 here) take |w| x sign(w) x, widened
+// every group. (V: names dependent, the generic level has no pairs().)
+template <int N, int VMAX, int R, int NH, typename V = Vec, typename Values>
+[[gnu::always_inline]] inline void dot_groups(const Values& w, const int8_t* const* x, typename V::W* out) {
   using W = typename V::W;
   if constexpr (V::kVnni || VMAX == 0) {  // one int32 dot product per group: VPDPBUSD, or |w| x sign(w) x
     // a lone row and vector in independent chains: 4 for VPDPBUSD, 2 for the longer signed form
@@ -416,7 +416,7 @@ template <int N, int VMAX, int R, int NH, typename V = Vec>  // V: names depende
       for (int c = 0; c < kChains; ++c) s[i][c] = V::zero();
     for (int g = 0; g < N; ++g) {
       W wv[NH];
-      for (int h = 0; h < NH; ++h) wv[h] = w[h * stride + g];
+      for (int h = 0; h < NH; ++h) wv[h] = w(h, g);
       for (int r = 0; r < R; ++r) {
         const W xb = V::bcast(x[r] + 4 * g);
         for (int h = 0; h < NH; ++h) {
@@ -434,16 +434,17 @@ template <int N, int VMAX, int R, int NH, typename V = Vec>  // V: names depende
     constexpr int kRun = 32767 / (2 * 127 * VMAX);
     static_assert(kRun >= 1 && N % (kRun < N ? kRun : N) == 0, "int16 pair sums would overflow");
     constexpr int run = kRun < N ? kRun : N;
-    // With 4 or more sums, each one a register added to in order (V::keep): otherwise GCC reassociates the additions
-    // into trees whose terms all stay live, and spills. With fewer, the trees are what hides VPADDW's latency.
-    constexpr bool kPinned = R * NH >= 4;
+    // With 2 or more sums, each one a register added to in order (V::keep): otherwise GCC reassociates the additions
+    // into trees whose terms all stay live, and spills (one row's two vectors: the scales and the loop bound went to
+    // the stack). With one, the tree is what hides VPADDW's latency; with two, the other sum's chain hides it.
+    constexpr bool kPinned = R * NH >= 2;
     for (int g0 = 0; g0 < N; g0 += run) {
       W s16[R * NH];
       for (int i = 0; i < R * NH; ++i) s16[i] = V::zero();
 #pragma GCC unroll 8
       for (int g = g0; g < g0 + run; ++g) {
         W wv[NH];
-        for (int h = 0; h < NH; ++h) wv[h] = w[h * stride + g];
+        for (int h = 0; h < NH; ++h) wv[h] = w(h, g);
         for (int r = 0; r < R; ++r) {
           const W xb = V::bcast(x[r] + 4 * g);
           for (int h = 0; h < NH; ++h) {
@@ -457,183 +458,202 @@ template <int N, int VMAX, int R, int NH, typename V = Vec>  // V: names depende
   }
 }
 
-// A 32-k block of one vector's columns (C of the tile's 16), decoded as the dot products take it: the 8 groups'
-// values as unsigned bytes (Q8_0: its signed bytes, flipped to unsigned with VNNI), the float scale per column
-// (d, or d x the sub-block scale), with a min the float offset per column per unit of the activations' block sum
-// (Q4_1/Q5_1: m; Q4_K/Q5_K: -dmin x the sub-block min), and Q6_K's two int sub-block scales (its d in `scale`).
-template <int TYPE>
-struct Block {
-  using W = typename Vec::W;
-  using F = typename Vec::F;
-  W w[8];
-  F scale;
-  F minc;
-  W sc0, sc1;
+// A 32-k block of one vector's columns (C of the tile's 16) is decoded as the dot products take it: the 8 groups'
+// values as unsigned bytes (Q8_0: its signed bytes, flipped to unsigned with VNNI) and its BlockScales: the float
+// scale per column (d, or d x the sub-block scale), with a min the float offset per column per unit of the
+// activations' block sum (Q4_1/Q5_1: m; Q4_K/Q5_K: -dmin x the sub-block min), and Q6_K's two int sub-block scales
+// (its d in `scale`).
+struct BlockScales {
+  Vec::F scale;
+  Vec::F minc;
+  Vec::W sc0, sc1;
 };
 
 // 32-k blocks per unit (a K-quant super-block holds 8).
 constexpr int blocks_per_unit(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K ? 8 : 1; }
 
-// Block j of unit p for vector h of the tile: the nibble split, the fifth / high two bits, the scales.
+// Group g (4 k) of block j of unit p for vector h of the tile, as the dot products take it: the nibble split, the
+// fifth / high two bits. Decoded where the dot product takes it (up to one pass of rows: a block's values are never
+// all in registers at once), or once into a decoded chunk (more rows).
 template <int TYPE>
-[[gnu::always_inline]] inline Block<TYPE> unpack(const uint8_t* p, int j, int h) {
-  using W = typename Vec::W;
-  Block<TYPE> b;
-  const int col4 = h * Vec::C * 4, col2 = h * Vec::C * 2, col1 = h * Vec::C;
-  auto nibbles = [&](const uint8_t* nib) {
-    for (int c = 0; c < 4; ++c) {
-      const W raw = Vec::load(nib + c * 64 + col4);
-      b.w[c] = Vec::lo4(raw);
-      b.w[c + 4] = Vec::hi4(raw);
-    }
-  };
-  auto high_bits = [&](const uint8_t* hi) {  // bits 4-5 of group 4h + s: bits 2s..2s+1 of chunk h
-    const W hi0 = Vec::load(hi + col4), hi1 = Vec::load(hi + 64 + col4);
-    for (int c = 0; c < 4; ++c) {
-      b.w[c] = Vec::or_(b.w[c], Vec::bits45(hi0, c));
-      b.w[c + 4] = Vec::or_(b.w[c + 4], Vec::bits45(hi1, c));
-    }
-  };
-  if constexpr (TYPE == kQ8_0 || TYPE == kQ4_0 || TYPE == kQ5_0 || with_min(TYPE)) {
-    constexpr int q_at = with_min(TYPE) ? 64 : 32;  // the values after d (and m)
-    b.scale = Vec::load_f16(p + col2);
-    if constexpr (with_min(TYPE)) b.minc = Vec::load_f16(p + 32 + col2);
-    if constexpr (TYPE == kQ8_0) {
-      for (int g = 0; g < 8; ++g) b.w[g] = Vec::load(p + 32 + g * 64 + col4);
-      if (Vec::kVnni)
-        for (int g = 0; g < 8; ++g) b.w[g] = Vec::flip(b.w[g]);  // w + 128, unsigned
-    } else {
-      nibbles(p + q_at);
-      if constexpr (TYPE == kQ5_0 || TYPE == kQ5_1) high_bits(p + q_at + 256);
-    }
-  } else if constexpr (TYPE == kQ4_K || TYPE == kQ5_K) {
-    b.scale = Vec::mul(Vec::load_f16(p + col2), Vec::load_u8f(p + 64 + j * 16 + col1));
-    const typename Vec::F dmin = Vec::load_f16(p + 32 + col2);
-    b.minc = Vec::mul(Vec::set1(-1.f), Vec::mul(dmin, Vec::load_u8f(p + 192 + j * 16 + col1)));
-    const uint8_t* nib = p + 320 + j * (TYPE == kQ4_K ? 256 : 384);
-    nibbles(nib);
-    if constexpr (TYPE == kQ5_K) high_bits(nib + 256);
-  } else {  // Q6_K
-    b.scale = Vec::load_f16(p + col2);
-    b.sc0 = Vec::load_i8(p + 32 + (2 * j) * 16 + col1);
-    b.sc1 = Vec::load_i8(p + 32 + (2 * j + 1) * 16 + col1);
-    const uint8_t* sub = p + 288 + j * 384;
-    nibbles(sub);
-    high_bits(sub + 256);
+[[gnu::always_inline]] inline Vec::W group_values(const uint8_t* p, int j, int h, int g) {
+  const int col4 = h * Vec::C * 4;
+  if constexpr (TYPE == kQ8_0) {
+    const Vec::W v = Vec::load(p + 32 + g * 64 + col4);
+    return Vec::kVnni ? Vec::flip(v) : v;  // w + 128, unsigned
+  } else {
+    const uint8_t* nib = TYPE == kQ4_K ? p + 320 + j * 256 : TYPE == kQ5_K ? p + 320 + j * 384
+                       : TYPE == kQ6_K ? p + 288 + j * 384 : p + (with_min(TYPE) ? 64 : 32);
+    const Vec::W raw = Vec::load(nib + (g % 4) * 64 + col4);
+    Vec::W v = g < 4 ? Vec::lo4(raw) : Vec::hi4(raw);
+    if constexpr (TYPE == kQ5_0 || TYPE == kQ5_1 || TYPE == kQ5_K || TYPE == kQ6_K)  // bits 2s..2s+1 of chunk g / 4
+      v = Vec::or_(v, Vec::bits45(Vec::load(nib + 256 + (g / 4) * 64 + col4), g % 4));
+    return v;
   }
-  return b;
 }
 
-// acc[r * H + h] + block blk[h] times row m0 + r's activations of its block bi (0..K/32), for R rows and NH
-// consecutive vectors of columns.
-template <int TYPE, int R, int NH>
-[[gnu::always_inline]] inline void accumulate(const Block<TYPE>* blk, const ActQ& a, int64_t m0, int64_t bi,
-                                              typename Vec::F* acc) {
+// The scales of block j of unit p for vector h of the tile, into the caller's s: a block object returned by value
+// kept its scales in memory, a store and a reload per block in the one-row loop.
+template <int TYPE>
+[[gnu::always_inline]] inline void unpack_scales(const uint8_t* p, int j, int h, BlockScales& s) {
+  const int col2 = h * Vec::C * 2, col1 = h * Vec::C;
+  if constexpr (TYPE == kQ8_0 || TYPE == kQ4_0 || TYPE == kQ5_0 || with_min(TYPE)) {
+    s.scale = Vec::load_f16(p + col2);
+    if constexpr (with_min(TYPE)) s.minc = Vec::load_f16(p + 32 + col2);
+  } else if constexpr (TYPE == kQ4_K || TYPE == kQ5_K) {
+    s.scale = Vec::mul(Vec::load_f16(p + col2), Vec::load_u8f(p + 64 + j * 16 + col1));
+    const Vec::F dmin = Vec::load_f16(p + 32 + col2);
+    s.minc = Vec::mul(Vec::set1(-1.f), Vec::mul(dmin, Vec::load_u8f(p + 192 + j * 16 + col1)));
+  } else {  // Q6_K
+    s.scale = Vec::load_f16(p + col2);
+    s.sc0 = Vec::load_i8(p + 32 + (2 * j) * 16 + col1);
+    s.sc1 = Vec::load_i8(p + 32 + (2 * j + 1) * 16 + col1);
+  }
+}
+
+// acc[r * H + h] + block bi (0..K/32) of NH consecutive vectors of columns (values w(h, g), scales s[h]) times the
+// activations of rows m0 + r of that block, for R rows.
+template <int TYPE, int R, int NH, typename Values>
+[[gnu::always_inline]] inline void accumulate(const Values& w, const BlockScales* s, const ActQ& a,
+                                              int64_t m0, int64_t bi, typename Vec::F* acc) {
   using W = typename Vec::W;
   constexpr int H = kTile / Vec::C;
-  constexpr int stride = sizeof(Block<TYPE>) / sizeof(W);  // from one block's groups to the next's
-  static_assert(stride * sizeof(W) == sizeof(Block<TYPE>), "Block<TYPE> is a whole number of vectors");
   const int64_t nb = a.k / 32;
   const int8_t* x[R];
   for (int r = 0; r < R; ++r) x[r] = a.row(m0 + r) + bi * 32;
-  W s[R * NH];
+  W sum[R * NH];
   if constexpr (TYPE == kQ6_K) {  // two sub-blocks of 16, each with its scale
     W s0[R * NH], s1[R * NH];
     const int8_t* x1[R];
     for (int r = 0; r < R; ++r) x1[r] = x[r] + 16;
-    dot_groups<4, value_max(TYPE), R, NH>(blk[0].w, stride, x, s0);
-    dot_groups<4, value_max(TYPE), R, NH>(blk[0].w + 4, stride, x1, s1);
+    dot_groups<4, value_max(TYPE), R, NH>(w, x, s0);
+    dot_groups<4, value_max(TYPE), R, NH>([&](int h, int g) __attribute__((always_inline)) { return w(h, g + 4); },
+                                          x1, s1);
     for (int r = 0; r < R; ++r) {
       const int64_t b = (m0 + r) * nb + bi;
       for (int h = 0; h < NH; ++h)
-        s[r * NH + h] = Vec::add(Vec::mullo(Vec::sub(s0[r * NH + h], 32 * a.sum16[2 * b]), blk[h].sc0),
-                                 Vec::mullo(Vec::sub(s1[r * NH + h], 32 * a.sum16[2 * b + 1]), blk[h].sc1));
+        sum[r * NH + h] = Vec::add(Vec::mullo(Vec::sub(s0[r * NH + h], 32 * a.sum16[2 * b]), s[h].sc0),
+                                   Vec::mullo(Vec::sub(s1[r * NH + h], 32 * a.sum16[2 * b + 1]), s[h].sc1));
     }
   } else {
     constexpr bool signed_values = TYPE == kQ8_0 && !Vec::kVnni;
-    dot_groups<8, signed_values ? 0 : value_max(TYPE), R, NH>(blk[0].w, stride, x, s);
+    dot_groups<8, signed_values ? 0 : value_max(TYPE), R, NH>(w, x, sum);
     if constexpr (!signed_values && !with_min(TYPE) && TYPE != kQ4_K && TYPE != kQ5_K) {
       // the values' unsigned offset (8, 16; Q8_0 with VNNI: 128) times the block's activation sum
       constexpr int offset = TYPE == kQ8_0 ? 128 : TYPE == kQ5_0 ? 16 : 8;
       for (int r = 0; r < R; ++r)
-        for (int h = 0; h < NH; ++h) s[r * NH + h] = Vec::sub(s[r * NH + h], offset * a.sum[(m0 + r) * nb + bi]);
+        for (int h = 0; h < NH; ++h)
+          sum[r * NH + h] = Vec::sub(sum[r * NH + h], offset * a.sum[(m0 + r) * nb + bi]);
     }
   }
   for (int r = 0; r < R; ++r) {
     const int64_t b = (m0 + r) * nb + bi;
     const typename Vec::F xd = Vec::set1(a.d[b]);
     for (int h = 0; h < NH; ++h)
-      acc[r * H + h] = Vec::fma(Vec::cvt(s[r * NH + h]), Vec::mul(blk[h].scale, xd), acc[r * H + h]);
+      acc[r * H + h] = Vec::fma(Vec::cvt(sum[r * NH + h]), Vec::mul(s[h].scale, xd), acc[r * H + h]);
     if constexpr (with_min(TYPE) || TYPE == kQ4_K || TYPE == kQ5_K) {  // + the min times the block's activation sum
       const typename Vec::F xsum = Vec::set1(a.d[b] * static_cast<float>(a.sum[b]));
-      for (int h = 0; h < NH; ++h) acc[r * H + h] = Vec::fma(blk[h].minc, xsum, acc[r * H + h]);
+      for (int h = 0; h < NH; ++h) acc[r * H + h] = Vec::fma(s[h].minc, xsum, acc[r * H + h]);
     }
   }
 }
 
-// R rows (m0..) of one tile over its 32-k blocks [b0, b1): out[r][0..16) = (first ? 0 : out[r]) + x_r . w over them.
-// block(bi, h) gives block bi of vector h and, NH > 1, of the NH - 1 vectors after it, consecutive: unpacked from the
-// tile in registers (NH = 1: two vectors' values would not fit the 16 AVX2 registers), or read from a decoded chunk.
+// R rows (m0..) of one tile: out[r][0..16) = (first ? 0 : out[r]) + x_r . w over the blocks that `blocks` visits.
+// blocks(use) calls use(bi, h, w, s) for each block bi it covers and vector h (and, NH > 1, the NH - 1 vectors after
+// it): the values w(0..NH, g) and scales s[NH], decoded from the tile (TileBlocks) or read from a DecodedChunk.
 template <int TYPE, int R, int NH, typename Blocks>
-void rows_over_blocks(const Blocks& block, int64_t b0, int64_t b1, const ActQ& a, int64_t m0, bool first,
-                      float* out) {
+void rows_over_blocks(const Blocks& blocks, const ActQ& a, int64_t m0, bool first, float* out) {
   using F = typename Vec::F;
   constexpr int H = kTile / Vec::C;
   F acc[R][H];
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < H; ++h) acc[r][h] = first ? Vec::fzero() : Vec::loadf(out + r * kTile + h * Vec::C);
-  for (int64_t bi = b0; bi < b1; ++bi)
-    // Unrolled, acc[][] stays in registers: in memory, each block's FMA waits on the last's store. Not at the generic
-    // level, whose 16 one-column "vectors" would not fit the registers anyway: unrolled, they took the compiler
-    // minutes per build.
-    PS_UNROLL_TILE
-    for (int h = 0; h < H; h += NH) {
-      const auto& blk = block(bi, h);  // a temporary Block (unpacked) or a reference into the chunk
-      accumulate<TYPE, R, NH>(&blk, a, m0, bi, &acc[0][h]);
-    }
+  blocks([&](int64_t bi, int h, const auto& w, const BlockScales* s) __attribute__((always_inline)) {
+    accumulate<TYPE, R, NH>(w, s, a, m0, bi, &acc[0][h]);
+  });
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < H; ++h) Vec::store(out + r * kTile + h * Vec::C, acc[r][h]);
 }
 
-// Rows 0..m_rows of the tile in passes of 4 rows (the 1-3 left over in one pass), over blocks [b0, b1).
+// Rows 0..m_rows of the tile in passes of 4 rows (the 1-3 left over in one pass).
 template <int TYPE, int NH, typename Blocks>
-void rows_in_passes(const Blocks& block, int64_t b0, int64_t b1, const ActQ& a, int64_t m_rows, bool first,
-                    float* out) {
+void rows_in_passes(const Blocks& blocks, const ActQ& a, int64_t m_rows, bool first, float* out) {
   constexpr int kRows = 4;  // rows per pass over the blocks (their accumulators stay in registers)
   int64_t m0 = 0;
-  for (; m0 + kRows <= m_rows; m0 += kRows)
-    rows_over_blocks<TYPE, kRows, NH>(block, b0, b1, a, m0, first, out + m0 * kTile);
+  for (; m0 + kRows <= m_rows; m0 += kRows) rows_over_blocks<TYPE, kRows, NH>(blocks, a, m0, first, out + m0 * kTile);
   switch (m_rows - m0) {
-    case 3: rows_over_blocks<TYPE, 3, NH>(block, b0, b1, a, m0, first, out + m0 * kTile); break;
-    case 2: rows_over_blocks<TYPE, 2, NH>(block, b0, b1, a, m0, first, out + m0 * kTile); break;
-    case 1: rows_over_blocks<TYPE, 1, NH>(block, b0, b1, a, m0, first, out + m0 * kTile); break;
+    case 3: rows_over_blocks<TYPE, 3, NH>(blocks, a, m0, first, out + m0 * kTile); break;
+    case 2: rows_over_blocks<TYPE, 2, NH>(blocks, a, m0, first, out + m0 * kTile); break;
+    case 1: rows_over_blocks<TYPE, 1, NH>(blocks, a, m0, first, out + m0 * kTile); break;
     default: break;
   }
 }
 
-// All rows of one tile: out [m_rows][16]. Up to one pass of rows, each block is unpacked in registers as the pass
-// reaches it. Beyond, unpacking per pass would redo the nibble split, the high bits and the scales for every 4 rows
-// (most of a 6-bit block's work), so the tile is unpacked once, a chunk of blocks at a time into an L1-sized buffer,
-// and every row runs over the chunk, both AVX2 halves of the tile at once.
+// The tile's blocks decoded from it as a pass of rows reaches them: unit by unit, NH vectors at a time, and in a
+// K-quant unit the 8 blocks of those vectors in turn (they share its d and dmin).
+template <int TYPE, int NH>
+struct TileBlocks {
+  const uint8_t* tile;
+  int64_t units;
+  int unit_bytes;
+  template <typename Use>
+  [[gnu::always_inline]] void operator()(Use&& use) const {
+    constexpr int H = kTile / Vec::C, per_unit = blocks_per_unit(TYPE);
+    for (int64_t u = 0; u < units; ++u) {
+      const uint8_t* p = tile + u * unit_bytes;
+      // Unrolled, the accumulators stay in registers: in memory, each block's FMA waits on the last's store. Not at
+      // the generic level, whose 16 one-column "vectors" would not fit the registers anyway: unrolled, they took the
+      // compiler minutes per build.
+      PS_UNROLL_TILE
+      for (int h = 0; h < H; h += NH)
+        for (int j = 0; j < per_unit; ++j) {
+          BlockScales s[NH];
+          for (int v = 0; v < NH; ++v) unpack_scales<TYPE>(p, j, h + v, s[v]);
+          use(u * per_unit + j, h,
+              [&](int v, int g) __attribute__((always_inline)) { return group_values<TYPE>(p, j, h + v, g); }, s);
+        }
+    }
+  }
+};
+
+// The blocks of a chunk of the tile decoded: block b0 + i of vector h has values w[i][h] and scales s[i][h].
+struct DecodedChunk {
+  static constexpr int kBlocks = 8;  // 256 k: 6 KB, L1-sized
+  Vec::W w[kBlocks][kTile / Vec::C][8];
+  BlockScales s[kBlocks][kTile / Vec::C];
+};
+
+// All rows of one tile: out [m_rows][16]. Up to one pass of rows, each block is decoded from the tile as the pass
+// reaches it: one row of a 32-k type takes both vectors of the tile at once (each activation broadcast serves both,
+// and the values are decoded group by group where the dot product takes them); otherwise one vector at a time (two
+// vectors' sums for 2-4 rows, and a K-quant's d and dmin for both, would not fit the 16 AVX2 registers). Beyond,
+// decoding per pass would redo the nibble split, the high bits and the scales for every 4 rows (most of a 6-bit
+// block's work), so the tile is decoded once, a chunk of blocks at a time into an L1-sized buffer, and every row runs
+// over the chunk, both AVX2 halves of the tile at once.
 template <int TYPE>
 void tile_all_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a, int64_t m_rows,
                    float* out /* [m_rows][16] */) {
   constexpr int H = kTile / Vec::C, per_unit = blocks_per_unit(TYPE);
+  if (m_rows == 1 && per_unit == 1)
+    return rows_over_blocks<TYPE, 1, H>(TileBlocks<TYPE, H>{tile, units, unit_bytes}, a, 0, true, out);
+  if (m_rows <= 4) return rows_in_passes<TYPE, 1>(TileBlocks<TYPE, 1>{tile, units, unit_bytes}, a, m_rows, true, out);
+  DecodedChunk chunk;
   const int64_t blocks = units * per_unit;
-  auto in_tile = [&](int64_t bi, int h) __attribute__((always_inline)) {
-    return unpack<TYPE>(tile + bi / per_unit * unit_bytes, bi % per_unit, h);
-  };
-  if (m_rows <= 4) return rows_in_passes<TYPE, 1>(in_tile, 0, blocks, a, m_rows, true, out);
-  constexpr int64_t kChunk = 8;  // blocks (256 k) per chunk: 5-7 KB unpacked
-  Block<TYPE> chunk[kChunk][H];
-  for (int64_t b0 = 0; b0 < blocks; b0 += kChunk) {
-    const int64_t b1 = std::min(blocks, b0 + kChunk);
+  for (int64_t b0 = 0; b0 < blocks; b0 += DecodedChunk::kBlocks) {
+    const int64_t b1 = std::min<int64_t>(blocks, b0 + DecodedChunk::kBlocks);
     for (int64_t bi = b0; bi < b1; ++bi)
-      for (int h = 0; h < H; ++h) chunk[bi - b0][h] = in_tile(bi, h);
-    auto decoded = [&](int64_t bi, int h) __attribute__((always_inline)) -> const Block<TYPE>& {
-      return chunk[bi - b0][h];
+      for (int h = 0; h < H; ++h) {
+        const uint8_t* p = tile + bi / per_unit * unit_bytes;
+        for (int g = 0; g < 8; ++g) chunk.w[bi - b0][h][g] = group_values<TYPE>(p, bi % per_unit, h, g);
+        unpack_scales<TYPE>(p, bi % per_unit, h, chunk.s[bi - b0][h]);
+      }
+    auto decoded = [&](auto&& use) __attribute__((always_inline)) {
+      for (int64_t bi = b0; bi < b1; ++bi) {
+        const auto& values = chunk.w[bi - b0];
+        use(bi, 0, [&](int h, int g) __attribute__((always_inline)) { return values[h][g]; }, chunk.s[bi - b0]);
+      }
     };
-    rows_in_passes<TYPE, H>(decoded, b0, b1, a, m_rows, b0 == 0, out);
+    rows_in_passes<TYPE, H>(decoded, a, m_rows, b0 == 0, out);
   }
 }
 
