@@ -9,10 +9,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("peft")
 
 from hf_reference import assert_greedy_match, hf_greedy, mixed_prompts  # noqa: E402
+from kernel_capabilities import default_build  # noqa: E402
 from lora_adapters import make_peft_adapter  # noqa: E402
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
@@ -64,15 +66,16 @@ def test_one_adapter_matches_peft_merged(llm, adapters, model_dir, tiny_tokenize
     assert [o.outputs[0].token_ids for o in outs] != [r.token_ids for r in hf_greedy(model_dir, prompts, MAX_TOKENS)]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# the weight dtypes the build's small GEMM runs: the whole-stack decode exists for those only (a dtype it cannot run
+# is not generated)
+@pytest.mark.parametrize("dtype", [d for d in ("float32", "bfloat16") if getattr(torch, d) in default_build().gemm_dtypes])
 def test_decode_steps_with_adapters_run_the_native_stack(dtype, adapters, model_dir, tiny_tokenizer, monkeypatch):
     """A decode step mixing adapters and the base model runs in the native whole-stack decode (the LoRA kernel after
     each product), PEFT-exact in float32, and bitwise as the Python layers run the same steps."""
     llm = LLM(str(model_dir), dtype=dtype, enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=128,
               num_threads=1, enable_prefix_caching=False)  # the second run must prefill exactly as the first
     manager = llm.llm_engine.runner.lora_manager
-    if manager.fused_decode is None or not manager.batched:
-        pytest.skip("no native whole-stack decode or LoRA kernel in this build")
+    assert manager.fused_decode is not None and manager.batched, "the native whole-stack decode and LoRA kernel"
     prompts = mixed_prompts(tiny_tokenizer, n=3, lengths=(5, 40), seed=8)
     loras = [adapters[0][0], None, adapters[2][0]]
     native = FusedDecodeStack.__call__
