@@ -87,13 +87,12 @@ class Int8LinearMethod(LinearMethodBase):
         here, or as a W8A8 checkpoint stores it (compressed-tensors)."""
         ops = cpu_kernels() if self.allow_native and dtype in (torch.float32, torch.bfloat16) else None
         n, k = q.shape
-        unit_rows = q8_0_rows(q, torch.ones(n)) if self.per_token_activations and ops is not None \
-            and ops.native_gguf_type(Q8_0_TYPE) else None
         if ops is not None and ops.native_small_gemm(torch.int8, k):
             layer.small_gemm_weight = ops.pack_small_gemm_weight(q)
             layer.int8_scale = scales.float()
             layer.int8_shift = 128 * q.sum(dim=1, dtype=torch.int32)  # takes back the kernel's +128 on x
-        elif unit_rows is not None:  # the channel scales apply to the output columns, in float32
+        elif self.per_token_activations and ops is not None and ops.native_gguf_type(Q8_0_TYPE) \
+                and (unit_rows := q8_0_rows(q, torch.ones(n))) is not None:  # channel scales on the output columns
             layer.q8_0_weight = (ops.gguf_repack(unit_rows, Q8_0_TYPE, n, k),
                                  torch.tensor([[Q8_0_TYPE, n]], dtype=torch.int64))
             layer.int8_scale = scales.float()
