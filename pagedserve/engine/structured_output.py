@@ -155,20 +155,22 @@ class StructuredOutputManager:
         return self._fill(len(sequence_ids), [(i, self.matchers[sid]) for i, sid in enumerate(sequence_ids)], False)
 
     def _fill(self, num_rows: int, rows: list[tuple[int, Any]], one_call: bool) -> torch.Tensor:
-        from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
+        # llguidance.numpy, not llguidance.torch: the torch module's import pulls in torch._dynamo (its
+        # @torch.compile), 4-5 s on the first constrained request of a server.
+        from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
         t0 = time.perf_counter()
         # All ones: free rows allow every token. Allocated by numpy, not torch.full: no torch op may run a parallel
         # region on the worker thread. OpenMP would give it a second thread pool, and with more pool threads than
         # cores libgomp stops spin-waiting: the engine's parallel regions would then each wake their worker by futex.
-        bitmask = torch.from_numpy(np.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=np.int32))
+        bitmask = np.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=np.int32)
         if one_call:  # on the worker: one GIL-free call for all rows, on llguidance's own thread
             fill_next_token_bitmask_par(self.ll_executor, [(matcher, row) for row, matcher in rows], bitmask)
         else:  # on the engine thread: no hand-off to another thread that would compete for the cores
             for row, matcher in rows:
                 fill_next_token_bitmask(matcher, bitmask, row)
         # Bit t%32 of word t//32 is bit t%8 of byte t//8 (x86 and ARM are little-endian).
-        bias = np.take(_BYTE_TO_BIAS, bitmask.numpy().view(np.uint8), axis=0).reshape(num_rows, -1)
+        bias = np.take(_BYTE_TO_BIAS, bitmask.view(np.uint8), axis=0).reshape(num_rows, -1)
         self.mask_time += time.perf_counter() - t0
         self.masked_rows += len(rows)
         return torch.from_numpy(bias)

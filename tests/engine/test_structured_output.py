@@ -484,9 +484,11 @@ def test_mask_bias_allows_exactly_the_grammars_tokens(llm):
 def test_mask_worker_opens_no_openmp_pool(tiny_tokenizer_dir):
     """The grammar thread runs no parallel torch op: OpenMP would give it a thread pool of its own, and with more
     pool threads than cores libgomp stops spin-waiting, so the engine's every parallel region wakes its worker by
-    futex (StructuredOutputManager._fill). A new pool shows as a new OS thread of the process."""
+    futex (StructuredOutputManager._fill). A new pool shows as a new OS thread of the process.
+    Neither way of filling masks imports torch._dynamo (llguidance.torch does): that import made a server's first
+    constrained request 4-5 s slower."""
     code = f"""
-import os, torch
+import os, sys, torch
 from transformers import AutoTokenizer
 from pagedserve.config import RequestLimits
 from pagedserve.engine.grammar_compiler import GrammarCompiler
@@ -502,9 +504,11 @@ manager.start_masks(["0"], [False]).bias.result()  # the grammar thread and llgu
 before = len(os.listdir("/proc/self/task"))
 bias = manager.start_masks([str(i) for i in range(64)], [False] * 64).bias.result()  # 64 x 2048 mask words: a parallel-sized fill
 assert bias.shape[0] == 64 and bool((bias[:, :65536] == 0).any(dim=1).all())
+manager.masks_now(["1"])  # the engine thread's way
+print("torch._dynamo imported:", "torch._dynamo" in sys.modules)
 print("new threads:", len(os.listdir("/proc/self/task")) - before)
 """
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "new threads: 0"
+    assert out.stdout.strip().splitlines()[-2:] == ["torch._dynamo imported: False", "new threads: 0"], out.stdout
