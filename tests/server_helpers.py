@@ -139,7 +139,7 @@ def start_cli_process(*args: str) -> tuple[subprocess.Popen, str]:
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             answered = True
-            if httpx.get(url + "/health").status_code == 200:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
                 break
         except httpx.HTTPError:
             answered = False

@@ -247,22 +247,22 @@ def test_disaggregated_prefill_decode_through_proxy(tiny_model_dir, redis_url):
         model = client.models.list().data[0].id
         args = dict(model=model, prompt=prompt, max_tokens=8, temperature=0)
         assert client.completions.create(**args).choices[0].text == want
-        metrics = httpx.get(decode.url + "/metrics").text
+        metrics = httpx.get(decode.url + "/metrics", timeout=60).text
         assert metric_value(metrics, "pagedserve:external_prefix_cache_hits_total") == 6 * BLOCK
         assert metric_value(metrics, "pagedserve:prompt_tokens_total") == 100 - 6 * BLOCK
-        assert metric_value(httpx.get(prefill.url + "/metrics").text, "pagedserve:generation_tokens_total") == 1
+        assert metric_value(httpx.get(prefill.url + "/metrics", timeout=60).text, "pagedserve:generation_tokens_total") == 1
         other = tokens(70, 9)  # streamed, through a fresh prompt
         want = make_llm(model_dir).generate({"prompt_token_ids": other}, params, use_tqdm=False)[0].outputs[0].text
         stream = client.completions.create(**{**args, "prompt": other}, stream=True)
         assert "".join(c.choices[0].text for c in stream if c.choices) == want
-        metrics = httpx.get(decode.url + "/metrics").text
+        metrics = httpx.get(decode.url + "/metrics", timeout=60).text
         assert metric_value(metrics, "pagedserve:external_prefix_cache_hits_total") == (6 + 4) * BLOCK
         # the prefill server goes away: the decode server computes the prompt itself, the request succeeds
         prefill.stop()
         third = tokens(40, 10)
         want = make_llm(model_dir).generate({"prompt_token_ids": third}, params, use_tqdm=False)[0].outputs[0].text
         assert client.completions.create(**{**args, "prompt": third}).choices[0].text == want
-        metrics = httpx.get(decode.url + "/metrics").text
+        metrics = httpx.get(decode.url + "/metrics", timeout=60).text
         assert metric_value(metrics, "pagedserve:external_prefix_cache_hits_total") == (6 + 4) * BLOCK
     finally:
         proxy.terminate()

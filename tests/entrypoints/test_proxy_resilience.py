@@ -230,7 +230,7 @@ def test_the_api_key_and_the_body_limit_come_before_the_body(kind):
     with standins("slow") as (upstream,), \
             relay_process(kind, [upstream.url], "--api-key", KEY, "--max-request-body-bytes", str(limit)) \
             as (proc, url):
-        httpx.post(url + "/v1/completions", headers=auth_headers(KEY), json={"model": "m", "prompt": "warm"})
+        httpx.post(url + "/v1/completions", headers=auth_headers(KEY), json={"model": "m", "prompt": "warm"}, timeout=60)
         rss_before = peak_rss_mib(proc.pid)
         for chunked in (False, True):
             sent, answer = raw_post(url, "/v1/completions", {}, 256 << 20, chunked)
@@ -238,7 +238,7 @@ def test_the_api_key_and_the_body_limit_come_before_the_body(kind):
             assert not answer or answer.startswith(b"HTTP/1.1 401"), answer[:100]
         assert peak_rss_mib(proc.pid) - rss_before < 48
         answer = httpx.post(url + "/v1/completions", content=b"x" * (limit + 1),
-                            headers={"content-type": "application/json"}).json()
+                            headers={"content-type": "application/json"}, timeout=60).json()
         assert answer["error"]["code"] == "invalid_api_key"  # the key first, even for a body over the limit
 
         def chunked_body(size: int) -> Iterator[bytes]:
@@ -246,11 +246,11 @@ def test_the_api_key_and_the_body_limit_come_before_the_body(kind):
             for i in range(0, len(prompt), 4096):
                 yield prompt[i:i + 4096]
 
-        over = httpx.post(url + "/v1/completions", headers=auth_headers(KEY), content=b"x" * (2 * limit))
+        over = httpx.post(url + "/v1/completions", headers=auth_headers(KEY), content=b"x" * (2 * limit), timeout=60)
         assert over.status_code == 413 and over.json()["error"]["code"] == "request_too_large"
         sent, answer = raw_post(url, "/v1/completions", auth_headers(KEY), 2 * limit, chunked=True, piece=65536)
         assert answer.startswith(b"HTTP/1.1 413"), answer[:100]
-        under = httpx.post(url + "/v1/completions", headers=auth_headers(KEY), content=chunked_body(limit - 4096))
+        under = httpx.post(url + "/v1/completions", headers=auth_headers(KEY), content=chunked_body(limit - 4096), timeout=60)
         assert under.status_code == 200, under.text
         assert upstream.stats()["last_body_bytes"] == len(b"".join(chunked_body(limit - 4096)))
         assert all(w["in_flight"] == 0 for w in workers(url))
@@ -320,7 +320,7 @@ def test_a_prefill_4xx_is_not_ignored(tiny_model_dir):
     server = get_server(tiny_model_dir("llama"))
     with relay_process("proxy", [server.url], "--api-key", KEY) as (_, url):
         def successes() -> float:
-            return metric_value(httpx.get(server.url + "/metrics").text, "pagedserve:request_success_total")
+            return metric_value(httpx.get(server.url + "/metrics", timeout=60).text, "pagedserve:request_success_total")
 
         before = successes()
         r = httpx.post(url + "/v1/completions", headers=auth_headers(KEY), timeout=60,

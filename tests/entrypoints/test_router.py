@@ -58,7 +58,7 @@ def test_router_routes_by_prefix_streams_and_survives_a_dead_replica(tiny_model_
         b.stop()  # a replica dies: its prefixes are served by the other, nothing fails
         for s in systems:
             assert complete(s + "after").headers["x-pagedserve-worker"] == a.url
-        workers = {w["url"]: w for w in httpx.get(url + "/workers").json()}
+        workers = {w["url"]: w for w in httpx.get(url + "/workers", timeout=60).json()}
         assert not workers[b.url]["healthy"] and workers[a.url]["in_flight"] == 0
     finally:
         router.terminate()
@@ -73,7 +73,7 @@ def test_serve_data_parallel_launches_replicas_behind_the_router(tiny_model_dir)
     model_dir = tiny_model_dir("llama")
     server = ServerProcess(model_dir, MAIN_ARGS + ("--data-parallel-size", "2"))
     try:
-        workers = httpx.get(server.url + "/workers", headers=auth_headers()).json()  # the replicas' key
+        workers = httpx.get(server.url + "/workers", headers=auth_headers(), timeout=60).json()  # the replicas' key
         assert len(workers) == 2 and all(w["healthy"] for w in workers)
         assert server.url not in {w["url"] for w in workers}
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="test-key-123")

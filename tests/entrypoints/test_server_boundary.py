@@ -31,7 +31,7 @@ def limited(tiny_model_dir):
 
 
 def scrape(url: str) -> str:
-    return httpx.get(url + "/metrics").text
+    return httpx.get(url + "/metrics", timeout=60).text
 
 
 def client(url: str) -> openai.OpenAI:
@@ -72,19 +72,19 @@ def test_injected_step_failure_fails_its_request_only_and_health_tells(limited):
     assert rest[-1]["choices"][0]["finish_reason"] == "length" and "error" not in rest[-1]
     text = scrape(url)
     assert metric_value(text, "pagedserve:engine_step_failures_total") == 1
-    assert httpx.get(url + "/health").status_code == 200  # one failure is not a dead engine
+    assert httpx.get(url + "/health", timeout=60).status_code == 200  # one failure is not a dead engine
     # streaming: the failure arrives as an error event, then [DONE]
-    with httpx.stream("POST", url + C, json={"prompt": [FAULT_TOKEN, 5], "max_tokens": 3, "stream": True}) as r:
+    with httpx.stream("POST", url + C, json={"prompt": [FAULT_TOKEN, 5], "max_tokens": 3, "stream": True}, timeout=60) as r:
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and "InjectedFault" in json.loads(events[-2])["error"]["message"]
     # two failed steps in a row (--max-consecutive-step-failures 2): /health says so, with an OpenAI body
-    health = httpx.get(url + "/health")
+    health = httpx.get(url + "/health", timeout=60)
     assert health.status_code == 503 and health.json()["error"]["code"] == "service_unavailable"
     assert "failing" in health.json()["error"]["message"]
     # ... until a step succeeds again
     ok = c.completions.create(model=model, prompt=[5, 6], max_tokens=2)
     assert ok.choices[0].finish_reason == "length"
-    health = httpx.get(url + "/health")
+    health = httpx.get(url + "/health", timeout=60)
     assert health.status_code == 200 and health.json() == {"status": "ok"}
     assert health.headers["content-type"] == "application/json"
     assert metric_value(scrape(url), "pagedserve:engine_step_failures_total") == 2
@@ -94,15 +94,15 @@ def test_injected_step_failure_fails_its_request_only_and_health_tells(limited):
 def test_request_limits(limited):
     url = limited.url
     # body over --max-request-body-bytes: 413 before the body is parsed
-    r = httpx.post(url + C, json={"prompt": "a" * 5000, "max_tokens": 1})
+    r = httpx.post(url + C, json={"prompt": "a" * 5000, "max_tokens": 1}, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     # prompts x n over --max-sequences-per-request, refused before tokenizing
-    r = httpx.post(url + C, json={"prompt": ["a", "b", "c"], "n": 3, "max_tokens": 1})
+    r = httpx.post(url + C, json={"prompt": ["a", "b", "c"], "n": 3, "max_tokens": 1}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     assert r.json()["error"]["code"] == "too_many_sequences"
-    r = httpx.post(url + C, json={"prompt": "a", "stop": [str(i) for i in range(65)], "max_tokens": 1})
+    r = httpx.post(url + C, json={"prompt": "a", "stop": [str(i) for i in range(65)], "max_tokens": 1}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
-    r = httpx.post(url + C, json={"prompt": "a", "max_tokens": 1, "stop_token_ids": [10**7], "min_tokens": 1})
+    r = httpx.post(url + C, json={"prompt": "a", "max_tokens": 1, "stop_token_ids": [10**7], "min_tokens": 1}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
 
 
@@ -112,7 +112,7 @@ def test_full_queue_is_429_with_retry_after(limited):
     filler, lines = first_event_then_rest(url, {"prompt": [5, 6], "n": 3, "max_tokens": 300, "ignore_eos": True,
                                                 "temperature": 1.0})
     try:
-        r = httpx.post(url + C, json={"prompt": [5], "n": 2, "max_tokens": 1})
+        r = httpx.post(url + C, json={"prompt": [5], "n": 2, "max_tokens": 1}, timeout=60)
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "queue_full"
         assert metric_value(scrape(url), "pagedserve:num_requests_rejected_queue_full_total") >= 1
@@ -120,7 +120,7 @@ def test_full_queue_is_429_with_retry_after(limited):
     finally:
         filler.__exit__(None, None, None)
     assert sorted(ch["index"] for ch in finals if ch["finish_reason"] == "length") == [0, 1, 2]
-    r = httpx.post(url + C, json={"prompt": [5], "n": 2, "max_tokens": 1})  # room again
+    r = httpx.post(url + C, json={"prompt": [5], "n": 2, "max_tokens": 1}, timeout=60)  # room again
     assert r.status_code == 200
 
 
@@ -166,7 +166,7 @@ def test_disconnect_storm_frees_everything(server):
     wait_for(lambda: (metric_value(t := scrape(url), "pagedserve:num_requests_running") == 0
                       and metric_value(t, "pagedserve:num_requests_waiting") == 0
                       and metric_value(t, "pagedserve:kv_cache_usage_perc") < 1e-6), timeout=60)
-    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/health", timeout=60).status_code == 200
 
 
 @pytest.mark.kernels_build
@@ -180,7 +180,7 @@ def test_ready_means_ready_with_an_empty_kernel_cache(tiny_model_dir, tmp_path):
                                                   "PAGEDSERVE_CPU_ISA": "generic", "PAGEDSERVE_PREBUILT_KERNELS": "0"})
     try:
         log_at_ready = srv.log()
-        r = httpx.post(srv.url + C, json={"prompt": "hello", "max_tokens": 4})
+        r = httpx.post(srv.url + C, json={"prompt": "hello", "max_tokens": 4}, timeout=60)
         assert r.status_code == 200
         log = srv.log()
     finally:

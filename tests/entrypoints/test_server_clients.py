@@ -57,7 +57,7 @@ def test_completions_beam_search_equals_offline(client, offline, length_penalty)
                                                 "ignore_eos": True}))
     assert [(c.index, c.text) for ch in chunks for c in ch.choices] == [(c.index, c.text) for c in out.choices]
     assert chunks[-1].usage.completion_tokens == 18
-    text = httpx.get(str(client.base_url.join("/metrics"))).text  # every beam's KV blocks back in the pool
+    text = httpx.get(str(client.base_url.join("/metrics")), timeout=60).text  # every beam's KV blocks back in the pool
     assert metric_value(text, "pagedserve:num_requests_running") == 0
     assert metric_value(text, "pagedserve:kv_cache_usage_perc") == pytest.approx(0.0, abs=1e-6)
 
@@ -66,7 +66,7 @@ def test_chat_beam_search_equals_offline(server, client, offline):
     messages = [{"role": "user", "content": "hello there"}]
     out = client.chat.completions.create(model=model_name(client), messages=messages, n=2, max_tokens=5,
                                          extra_body={"use_beam_search": True})
-    prompt = httpx.post(server.url + "/tokenize", json={"messages": messages}, headers=auth_headers()).json()["tokens"]
+    prompt = httpx.post(server.url + "/tokenize", json={"messages": messages}, headers=auth_headers(), timeout=60).json()["tokens"]
     ref = offline.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=2, max_tokens=5))[0]
     assert [c.message.content for c in out.choices] == [s.text for s in ref.sequences]
     assert [c.finish_reason for c in out.choices] == [s.finish_reason for s in ref.sequences]
@@ -194,11 +194,11 @@ VLLM_SERIES = [  # (vLLM's name, pagedserve's)
 
 def test_vllm_metric_names_are_the_same_series(server, client):
     model = model_name(client)
-    before = httpx.get(server.url + "/metrics").text
+    before = httpx.get(server.url + "/metrics", timeout=60).text
     # a prompt no other test sent: no prefix-cache hit, so its every token is a prefill token computed
     out = client.completions.create(model=model, prompt=PROMPT[::-1] + [9], max_tokens=5, temperature=0,
                                     extra_body={"ignore_eos": True})
-    text = httpx.get(server.url + "/metrics").text  # no API key: as Prometheus scrapes it
+    text = httpx.get(server.url + "/metrics", timeout=60).text  # no API key: as Prometheus scrapes it
     for vllm_name, own in VLLM_SERIES:
         assert metric_value(text, vllm_name, model_name=model) == metric_value(text, own, model_name=model), vllm_name
     # counted once: the request's tokens moved both names by exactly its usage

@@ -191,9 +191,9 @@ def test_api_key(server):
             err = check_error(r, 401, None)
             assert err["code"] == "invalid_api_key"
     # /health and /metrics stay open
-    assert httpx.get(url + "/health").status_code == 200
-    assert httpx.get(url + "/metrics").status_code == 200
-    assert httpx.post(url + C, json=body, headers=auth_headers()).status_code == 200
+    assert httpx.get(url + "/health", timeout=60).status_code == 200
+    assert httpx.get(url + "/metrics", timeout=60).status_code == 200
+    assert httpx.post(url + C, json=body, headers=auth_headers(), timeout=60).status_code == 200
 
 
 def _random_bad_request(rng: random.Random) -> tuple[str, str, bytes | None, dict, dict]:
@@ -247,7 +247,7 @@ def test_300_mixed_bad_requests_leave_server_healthy(server):
         assert 400 <= status < 500, (status, text, req)
         err = json.loads(text)["error"]
         assert set(err) == {"message", "type", "param", "code"}
-    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/health", timeout=60).status_code == 200
     after = httpx.post(server.url + C, json=reference_body, headers=auth_headers(), timeout=60).json()
     assert after["choices"][0]["text"] == before["choices"][0]["text"]
     assert after["usage"] == before["usage"]

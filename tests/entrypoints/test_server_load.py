@@ -80,7 +80,7 @@ def test_64_concurrent_streams(server):
         assert res["chunks"] >= 1
     gaps = [b - a for res in results for a, b in zip(res["times"], res["times"][1:])]
     print(f"\n64 streams x 16 tokens in {wall:.2f} s; mean gap between chunks {1000 * sum(gaps) / max(len(gaps), 1):.1f} ms")
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.url + "/metrics", timeout=60).text
     assert metric_value(text, "pagedserve:num_requests_running") == 0
 
 
@@ -99,7 +99,7 @@ def test_tiny_kv_pool_completes_everything(small_kv_server):
         assert res["done"] and not res["errors"], res["errors"]
         assert res["usage"]["completion_tokens"] == 24 and res["finish"] == ["length"]
     assert len(texts) == 1  # greedy: preemption/recompute does not change the result
-    text = httpx.get(srv.url + "/metrics").text
+    text = httpx.get(srv.url + "/metrics", timeout=60).text
     assert metric_value(text, "pagedserve:request_success_total", finished_reason="length") == 32
     assert metric_value(text, "pagedserve:num_requests_running") == 0
     assert metric_value(text, "pagedserve:kv_cache_usage_perc") == pytest.approx(0.0, abs=1e-6)
@@ -107,7 +107,7 @@ def test_tiny_kv_pool_completes_everything(small_kv_server):
     queue_sum = metric_value(text, "pagedserve:request_queue_time_seconds_sum")
     assert queue_sum > 0
     # a request that could never fit in the pool is rejected up front, not queued forever
-    r = httpx.post(srv.url + C, json={"prompt": "x", "max_tokens": 100})
+    r = httpx.post(srv.url + C, json={"prompt": "x", "max_tokens": 100}, timeout=60)
     assert r.status_code == 400 and "block" in r.json()["error"]["message"].lower()
     # no max_tokens: "as much as fits", i.e. the 80-token pool, not max_model_len (128)
     r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
@@ -121,7 +121,7 @@ def test_disconnect_mid_stream_frees_blocks(server):
     url = server.url
 
     def scrape():
-        return httpx.get(url + "/metrics").text
+        return httpx.get(url + "/metrics", timeout=60).text
 
     aborts_before = metric_value(scrape(), "pagedserve:request_success_total", finished_reason="abort")
     body = {"prompt": "the cat reads", "max_tokens": 480, "ignore_eos": True, "stream": True}
@@ -164,7 +164,7 @@ def test_disconnect_mid_stream_frees_blocks(server):
             break
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/health", timeout=60).status_code == 200
 
 
 def test_graceful_shutdown(small_kv_server):

@@ -64,19 +64,19 @@ def test_chat_with_adapter_matches_peft(server, adapters, model_dir, tiny_tokeni
 def test_load_and_unload_at_run_time(server, adapters, tiny_tokenizer):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
     body = {"lora_name": "beta", "lora_path": str(adapters[1][0])}
-    assert httpx.post(server.url + "/v1/load_lora_adapter", json=body).status_code == 401  # the API key
-    r = httpx.post(server.url + "/v1/load_lora_adapter", json=body, headers=auth_headers())
+    assert httpx.post(server.url + "/v1/load_lora_adapter", json=body, timeout=60).status_code == 401  # the API key
+    r = httpx.post(server.url + "/v1/load_lora_adapter", json=body, headers=auth_headers(), timeout=60)
     assert r.status_code == 200, r.text
-    assert httpx.post(server.url + "/v1/load_lora_adapter", json=body, headers=auth_headers()).status_code == 400
+    assert httpx.post(server.url + "/v1/load_lora_adapter", json=body, headers=auth_headers(), timeout=60).status_code == 400
     assert "beta" in {m.id for m in client.models.list().data}
     assert chat(client, "beta") == expected_text(tiny_tokenizer, adapters[1][1])
     r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/nonexistent"},
-                   headers=auth_headers())
+                   headers=auth_headers(), timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
-    r = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "beta"}, headers=auth_headers())
+    r = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "beta"}, headers=auth_headers(), timeout=60)
     assert r.status_code == 200, r.text
     assert "beta" not in {m.id for m in client.models.list().data}
     with pytest.raises(openai.NotFoundError):
         chat(client, "beta")
-    r = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "beta"}, headers=auth_headers())
+    r = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "beta"}, headers=auth_headers(), timeout=60)
     assert r.status_code == 404

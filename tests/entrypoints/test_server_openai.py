@@ -46,8 +46,8 @@ def test_models_health_version(server, client, model):
     assert card["id"] == model and card["max_model_len"] == 512
     assert card["demo_model"] is False  # the extra field saying whether this is the embedded demo model
     assert client.models.retrieve(model).id == model
-    assert httpx.get(server.url + "/health").status_code == 200
-    r = httpx.get(server.url + "/version", headers=auth_headers())
+    assert httpx.get(server.url + "/health", timeout=60).status_code == 200
+    r = httpx.get(server.url + "/version", headers=auth_headers(), timeout=60)
     assert r.status_code == 200 and r.json()["version"]
 
 
@@ -200,10 +200,10 @@ def test_stop_string(client, model):
 
 def test_tokenize_detokenize_round_trip(server):
     body = {"prompt": PROMPT, "add_special_tokens": False}
-    r = httpx.post(server.url + "/tokenize", json=body, headers=auth_headers())
+    r = httpx.post(server.url + "/tokenize", json=body, headers=auth_headers(), timeout=60)
     data = r.json()
     assert r.status_code == 200 and data["count"] == len(data["tokens"]) and data["max_model_len"] == 512
-    r2 = httpx.post(server.url + "/detokenize", json={"tokens": data["tokens"]}, headers=auth_headers())
+    r2 = httpx.post(server.url + "/detokenize", json={"tokens": data["tokens"]}, headers=auth_headers(), timeout=60)
     assert r2.status_code == 200 and r2.json() == {"prompt": PROMPT}
     with_bos = tokenize(server, prompt=PROMPT)
     assert len(with_bos) == data["count"] + 1  # add_special_tokens defaults to true (the tiny tokenizer adds <s>)
@@ -213,7 +213,7 @@ def test_tokenize_detokenize_round_trip(server):
 
 def test_metrics_names_and_counters_move(server, client, model):
     def scrape() -> str:
-        r = httpx.get(server.url + "/metrics")  # open without the API key
+        r = httpx.get(server.url + "/metrics", timeout=60)  # open without the API key
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
         return r.text
 

@@ -109,7 +109,7 @@ def test_logit_bias_over_http(client, hf_logprobs):
 
 def chat_token_id(client, token: str) -> int:
     r = httpx.post(str(client.base_url).removesuffix("/v1/") + "/tokenize", headers=auth_headers(),
-                   json={"prompt": token, "add_special_tokens": False}).json()
+                   json={"prompt": token, "add_special_tokens": False}, timeout=60).json()
     assert len(r["tokens"]) == 1
     return r["tokens"][0]
 
@@ -124,7 +124,7 @@ def chat_token_id(client, token: str) -> int:
 ])
 def test_bad_values_are_400(server, body, param):
     r = httpx.post(server.url + "/v1/completions", headers=auth_headers(),
-                   json={"prompt": PROMPT, **body})
+                   json={"prompt": PROMPT, **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
 
@@ -132,7 +132,7 @@ def test_bad_values_are_400(server, body, param):
 def test_chat_prompt_logprobs(server, client):
     body = {"model": model_name(client), "messages": [{"role": "user", "content": "the cat reads"}],
             "max_tokens": 1, "prompt_logprobs": 1}
-    r = httpx.post(server.url + "/v1/chat/completions", headers=auth_headers(), json=body).json()
+    r = httpx.post(server.url + "/v1/chat/completions", headers=auth_headers(), json=body, timeout=60).json()
     pl = r["prompt_logprobs"]
     assert pl[0] is None and len(pl) == r["usage"]["prompt_tokens"] and all(len(e) in (1, 2) for e in pl[1:])
     # streamed: the same values, once, in the first chunk after the prefill (an extension: vLLM refuses it)
@@ -162,7 +162,7 @@ def test_best_of_returns_the_highest_cumulative_logprobs(client):
     ({"truncate_prompt_tokens": 600}, "truncate_prompt_tokens"),
 ])
 def test_best_of_and_truncation_400(server, body, param):
-    r = httpx.post(server.url + "/v1/completions", headers=auth_headers(), json={"prompt": PROMPT, **body})
+    r = httpx.post(server.url + "/v1/completions", headers=auth_headers(), json={"prompt": PROMPT, **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
 

@@ -46,14 +46,14 @@ def test_server_with_ngram_speculation_returns_the_plain_servers_tokens(servers,
     assert summary["num_drafts"] > 0 and summary["num_draft_tokens"] >= summary["num_drafts"]
     assert 1.0 <= summary["mean_acceptance_length"] <= 1 + SPEC["num_speculative_tokens"]
     assert "Acceptance rate" in format_spec_decode(summary)
-    text = httpx.get(spec.url + "/metrics").text
+    text = httpx.get(spec.url + "/metrics", timeout=60).text
     assert metric_value(text, "pagedserve:spec_decode_num_accepted_tokens_total") == summary["num_accepted_tokens"] \
         + (before or {}).get("spec_decode_num_accepted_tokens", 0)
     assert not any((scrape_spec_decode_counters(plain.url) or {}).values())  # no speculation, nothing counted
 
 
 def _model(server) -> str:
-    return httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer test-key-123"}).json()["data"][0]["id"]
+    return httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer test-key-123"}, timeout=60).json()["data"][0]["id"]
 
 
 def test_bad_speculative_config_fails_startup_with_a_clear_message(tiny_model_dir):

@@ -47,26 +47,26 @@ def test_every_served_model_name_is_accepted_and_the_first_reported(server):
 def test_generation_config_folder_sets_the_defaults_a_request_leaves_unset(server):
     """temperature 0 from the folder's generation_config.json: a request without one is greedy."""
     body = {"prompt": "a b c d", "max_tokens": 8, "seed": 123}
-    default = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]["text"]
-    greedy = httpx.post(server.url + "/v1/completions", json={**body, "temperature": 0}).json()["choices"][0]["text"]
+    default = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    greedy = httpx.post(server.url + "/v1/completions", json={**body, "temperature": 0}, timeout=60).json()["choices"][0]["text"]
     assert default == greedy
     sampled = [httpx.post(server.url + "/v1/completions", json={**body, "temperature": 2.0, "top_k": 0, "seed": s}
-                          ).json()["choices"][0]["text"] for s in range(4)]
+                          , timeout=60).json()["choices"][0]["text"] for s in range(4)]
     assert any(t != greedy for t in sampled)  # a request's own temperature still wins
 
 
 def test_chat_template_flag_replaces_the_tokenizers(server, tiny_tokenizer):
-    r = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi there"}]})
+    r = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi there"}]}, timeout=60)
     assert r.status_code == 200
     assert r.json()["tokens"] == tiny_tokenizer.encode("OVERRIDE:[hi there]", add_special_tokens=False)
 
 
 def test_cors_headers_follow_the_flags(server):
-    pre = httpx.options(server.url + "/v1/models", headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST"})
+    pre = httpx.options(server.url + "/v1/models", headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST"}, timeout=60)
     assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == ORIGIN
-    got = httpx.get(server.url + "/v1/models", headers={"Origin": ORIGIN})
+    got = httpx.get(server.url + "/v1/models", headers={"Origin": ORIGIN}, timeout=60)
     assert got.headers["access-control-allow-origin"] == ORIGIN
-    other = httpx.get(server.url + "/v1/models", headers={"Origin": "http://evil.example"})
+    other = httpx.get(server.url + "/v1/models", headers={"Origin": "http://evil.example"}, timeout=60)
     assert "access-control-allow-origin" not in other.headers
 
 
@@ -75,31 +75,31 @@ def test_root_path_is_the_proxys_prefix(server):
     generates (OpenAPI servers) carry the prefix."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
     assert [m.id for m in client.models.list().data] == ["alpha"]
-    assert httpx.get(server.url + "/openapi.json").json()["servers"] == [{"url": "/api"}]
+    assert httpx.get(server.url + "/openapi.json", timeout=60).json()["servers"] == [{"url": "/api"}]
 
 
 def test_ping_and_invocations(server):
-    assert httpx.get(server.url + "/ping").status_code == 200
-    assert httpx.post(server.url + "/ping").status_code == 200
-    comp = httpx.post(server.url + "/invocations", json={"prompt": "a b c", "max_tokens": 3, "temperature": 0})
-    direct = httpx.post(server.url + "/v1/completions", json={"prompt": "a b c", "max_tokens": 3, "temperature": 0})
+    assert httpx.get(server.url + "/ping", timeout=60).status_code == 200
+    assert httpx.post(server.url + "/ping", timeout=60).status_code == 200
+    comp = httpx.post(server.url + "/invocations", json={"prompt": "a b c", "max_tokens": 3, "temperature": 0}, timeout=60)
+    direct = httpx.post(server.url + "/v1/completions", json={"prompt": "a b c", "max_tokens": 3, "temperature": 0}, timeout=60)
     assert comp.status_code == 200 and comp.json()["choices"][0]["text"] == direct.json()["choices"][0]["text"]
     chat = httpx.post(server.url + "/invocations", json={"messages": [{"role": "user", "content": "x"}],
-                                                         "max_tokens": 2})
+                                                         "max_tokens": 2}, timeout=60)
     assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
-    bad = httpx.post(server.url + "/invocations", json={"input": "x"})
+    bad = httpx.post(server.url + "/invocations", json={"input": "x"}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
-    bad = httpx.post(server.url + "/invocations", json={"prompt": "x", "max_tokens": -1})
+    bad = httpx.post(server.url + "/invocations", json={"prompt": "x", "max_tokens": -1}, timeout=60)
     assert bad.status_code == 400
 
 
 def test_reset_prefix_cache_in_dev_mode(server, tiny_model_dir):
-    assert httpx.post(server.url + "/reset_prefix_cache").status_code == 200
+    assert httpx.post(server.url + "/reset_prefix_cache", timeout=60).status_code == 200
 
 
 def test_reset_prefix_cache_absent_without_dev_mode(tiny_model_dir):
     srv = get_server(tiny_model_dir("llama"))  # the session's main server: no dev mode (shared, not started here)
-    assert httpx.post(srv.url + "/reset_prefix_cache", headers=auth_headers()).status_code == 404
+    assert httpx.post(srv.url + "/reset_prefix_cache", headers=auth_headers(), timeout=60).status_code == 404
 
 
 @pytest.mark.slow
@@ -119,14 +119,15 @@ def test_https_with_ssl_keyfile_and_certfile(tiny_model_dir, tmp_path):
         while True:
             assert proc.poll() is None, "server exited"
             try:
-                if httpx.get(f"https://127.0.0.1:{port}/health", verify=ssl.create_default_context(cafile=str(cert))).status_code == 200:
+                if httpx.get(f"https://127.0.0.1:{port}/health", verify=ssl.create_default_context(cafile=str(cert)),
+                             timeout=2.0).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline
             time.sleep(0.25)
         with pytest.raises(httpx.HTTPError):
-            httpx.get(f"http://127.0.0.1:{port}/health")
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=60)
         # a streamed body over TLS: its chunks are written straight to the (TLS) transport (direct_write.py)
         with httpx.stream("POST", f"https://127.0.0.1:{port}/v1/completions", timeout=120,
                           json={"prompt": "hi", "max_tokens": 4, "stream": True, "ignore_eos": True},
