@@ -632,6 +632,10 @@ struct DecodedChunk {
 // VPMADDUBSW and VPMADDWD, 3 instructions per 32 products on the same two pipes of a Zen 3. An unsigned operand with
 // an offset, w + 128 or x + 128, would save VPSIGNB, but VPMADDUBSW's pair sums then reach 2 x 255 x 127 and saturate
 // int16. VPSIGNB has no 512-bit form: the AVX-512 levels keep dot_groups.)
+// sum += t in sum's own register: an opaque in-place add, so that GCC neither reassociates the sums into trees
+// (V::keep's reason) nor computes each into a new register and copies it back (which took 2 of the 16 to the stack).
+[[gnu::always_inline]] inline void add_in_place(__m256i& sum, __m256i t) { asm("vpaddd %1, %0, %0" : "+x"(sum) : "x"(t)); }
+
 template <int R>
 void q8_0_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a, float* out /* [R][16] */) {
   const int64_t nb = a.k / 32;
@@ -642,14 +646,14 @@ void q8_0_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a
     const uint8_t* p = tile + u * unit_bytes;
     __m256i sum[R][2];
     for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = Vec::zero();
+#pragma GCC unroll 8
     for (int g = 0; g < 8; ++g) {
       const __m256i w0 = Vec::load(p + 32 + g * 64), w1 = Vec::load(p + 32 + g * 64 + 32);
       const __m256i abs0 = _mm256_abs_epi8(w0), abs1 = _mm256_abs_epi8(w1);
       for (int r = 0; r < R; ++r) {
         const __m256i xb = Vec::bcast(a.row(r) + u * 32 + 4 * g);
-        // each sum one register added to in order (see dot_groups' V::keep)
-        sum[r][0] = Vec::keep(Vec::dot_us(sum[r][0], abs0, _mm256_sign_epi8(xb, w0)));
-        sum[r][1] = Vec::keep(Vec::dot_us(sum[r][1], abs1, _mm256_sign_epi8(xb, w1)));
+        add_in_place(sum[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(abs0, _mm256_sign_epi8(xb, w0)), ones));
+        add_in_place(sum[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(abs1, _mm256_sign_epi8(xb, w1)), ones));
       }
     }
     const Vec::F scale0 = Vec::load_f16(p), scale1 = Vec::load_f16(p + 16);
