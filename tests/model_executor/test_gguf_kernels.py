@@ -235,7 +235,8 @@ def _check_q8_0_rows(ops):
     d = rng.uniform(0.5, 2.0, (n, k // 32))
     layout = torch.tensor([[type_id, n]])
     packed = ops.gguf_repack(torch.from_numpy(_q8_0_blocks(q, d)), type_id, n, k)
-    w = torch.from_numpy(q).double() * torch.from_numpy(d.astype(np.float16).astype(np.float64)).repeat_interleave(32, 1)
+    d16 = torch.from_numpy(d.astype(np.float16).astype(np.float64))  # the scales as the blocks store them
+    w = torch.from_numpy(q).double() * d16.repeat_interleave(32, 1)
     ones = ops.gguf_repack(torch.from_numpy(_q8_0_blocks(q, np.ones_like(d))), type_id, n, k)
     col_scale = torch.from_numpy(rng.uniform(1e-3, 1e-2, n)).float()
     for m in (2, 3, 4, 5, 6, 7, 9, 16, 33):

@@ -628,13 +628,16 @@ struct DecodedChunk {
 // take |w| x sign(w) x as dot_groups' VMAX 0 form does, but |w| is taken once per group for all R rows, each activation
 // broadcast once for both vectors, and the pass's float sums live in `out` (L1) instead of registers, so that a
 // block's 2 x R int32 sums stay in registers with no spill: rows_in_passes ran the tile twice (a vector at a time) and
-// its 2-row loop spilled. (Beyond 4 rows this loop is no faster than the decoded chunk: both are bound by VPSIGNB,
-// VPMADDUBSW and VPMADDWD, 3 instructions per 32 products on the same two pipes of a Zen 3. An unsigned operand with
-// an offset, w + 128 or x + 128, would save VPSIGNB, but VPMADDUBSW's pair sums then reach 2 x 255 x 127 and saturate
-// int16. VPSIGNB has no 512-bit form: the AVX-512 levels keep dot_groups.)
+// its 2-row loop spilled. (Beyond 4 rows this loop was measured no faster than the decoded chunk: both are bound by
+// VPSIGNB, VPMADDUBSW and VPMADDWD, which share ports on a Zen 3: 3 per 32 products, where fbgemm's 7-bit activations
+// need 2. An unsigned operand with an offset, w + 128 or x + 128, would save VPSIGNB, but VPMADDUBSW's pair sums then
+// reach 2 x 255 x 127 and saturate int16. VPSIGNB has no 512-bit form: the AVX-512 levels keep dot_groups.)
+
 // sum += t in sum's own register: an opaque in-place add, so that GCC neither reassociates the sums into trees
 // (V::keep's reason) nor computes each into a new register and copies it back (which took 2 of the 16 to the stack).
-[[gnu::always_inline]] inline void add_in_place(__m256i& sum, __m256i t) { asm("vpaddd %1, %0, %0" : "+x"(sum) : "x"(t)); }
+[[gnu::always_inline]] inline void add_in_place(__m256i& sum, __m256i t) {
+  asm("vpaddd %1, %0, %0" : "+x"(sum) : "x"(t));
+}
 
 template <int R>
 void q8_0_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a, float* out /* [R][16] */) {
