@@ -212,6 +212,58 @@ def test_gguf_gemm_per_row_activations_and_column_scales_other_levels(isa):
     _check_per_row_activations(_ops(isa))
 
 
+def _q8_0_blocks(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Q8_0 rows ([n, row bytes] uint8) of int8 values q [n, k] with float16 scales d [n, k / 32]."""
+    n, k = q.shape
+    scales = d.astype(np.float16).reshape(n, k // 32, 1).view(np.uint8)
+    return np.concatenate([scales, q.view(np.uint8).reshape(n, k // 32, 32)], axis=2).reshape(n, -1)
+
+
+def _check_q8_0_rows(ops):
+    """Q8_0 at 2-4 rows (AVX2: one pass over both vectors of a tile) and beyond (the decoded chunks' passes of 4 and
+    the 1-3 rows left over: 5, 6, 7, 9; 16 and 33), K of 22 blocks (a chunk of 8 blocks left partial), 40 columns (a
+    padded tile), weights that include the int8 extremes -128 and 127 beside full-scale activations (+-127:
+    VPMADDUBSW's pair sums nearest int16's limit, where an unsigned offset would saturate), rows of very different
+    sizes; per block of 32 and per row with column scales (W8A8), against the dequantized weights times the int8
+    activations in float64."""
+    rng = np.random.default_rng(6)
+    type_id = NATIVE_TYPES["Q8_0"][0]
+    n, k = 40, 22 * 32
+    q = rng.integers(-128, 128, (n, k), dtype=np.int8)
+    q[:8, :64] = -128  # whole blocks at the extremes: the pair sums at +-2 x 128 x 127
+    q[8:16, 64:128] = 127
+    d = rng.uniform(0.5, 2.0, (n, k // 32))
+    layout = torch.tensor([[type_id, n]])
+    packed = ops.gguf_repack(torch.from_numpy(_q8_0_blocks(q, d)), type_id, n, k)
+    d16 = torch.from_numpy(d.astype(np.float16).astype(np.float64))  # the scales as the blocks store them
+    w = torch.from_numpy(q).double() * d16.repeat_interleave(32, 1)
+    ones = ops.gguf_repack(torch.from_numpy(_q8_0_blocks(q, np.ones_like(d))), type_id, n, k)
+    col_scale = torch.from_numpy(rng.uniform(1e-3, 1e-2, n)).float()
+    for m in (2, 3, 4, 5, 6, 7, 9, 16, 33):
+        gen = torch.Generator().manual_seed(600 + m)
+        x = torch.randn(m, k, generator=gen) * torch.logspace(-2, 2, m).unsqueeze(1)
+        x[0, :128] = torch.where(torch.arange(128) % 3 == 0, -1.0, 1.0) * x[0].abs().max()  # +-127 on the extremes
+        x = _on_int8_grid(x)
+        y = ops.gguf_gemm(x, packed, layout, None).double()
+        exact = _int8_blocks(x) @ w.T
+        rel = (y - exact).abs().amax(dim=1) / exact.abs().amax(dim=1)
+        assert rel.max().item() < 1e-5, (m, rel.argmax().item())
+        x_rows = _int8_rows(x).float()
+        y_rows = ops.gguf_gemm(x_rows, ones, layout, None, col_scale, per_row_activations=True).double()
+        exact_rows = (_int8_rows(x_rows) @ torch.from_numpy(q).double().T) * col_scale.double()
+        rel = (y_rows - exact_rows).abs().amax(dim=1) / exact_rows.abs().amax(dim=1)
+        assert rel.max().item() < 1e-5, ("per row", m, rel.argmax().item())
+
+
+def test_gguf_gemm_q8_0_rows_default_level():
+    _check_q8_0_rows(_ops(None))
+
+
+@pytest.mark.parametrize("isa", OTHER_LEVELS)
+def test_gguf_gemm_q8_0_rows_other_levels(isa):
+    _check_q8_0_rows(_ops(isa))
+
+
 def test_gguf_gemm_rejects_mismatched_weight():
     ops = _ops(None)
     raw, _ = _blocks("Q4_0", 16, 64, np.random.default_rng(2))

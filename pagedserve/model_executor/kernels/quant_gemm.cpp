@@ -623,19 +623,74 @@ struct DecodedChunk {
   BlockScales s[kBlocks][kTile / Vec::C];
 };
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// Q8_0 at 2-4 rows on AVX2 (no VNNI): one pass of the R rows over both vectors of the tile at once. Its signed values
+// take |w| x sign(w) x as dot_groups' VMAX 0 form does, but |w| is taken once per group for all R rows, each activation
+// broadcast once for both vectors, and the pass's float sums live in `out` (L1) instead of registers, so that a
+// block's 2 x R int32 sums stay in registers with no spill: rows_in_passes ran the tile twice (a vector at a time) and
+// its 2-row loop spilled. (Beyond 4 rows this loop was measured no faster than the decoded chunk: both are bound by
+// VPSIGNB, VPMADDUBSW and VPMADDWD, which share ports on a Zen 3: 3 per 32 products, where fbgemm's 7-bit activations
+// need 2. An unsigned operand with an offset, w + 128 or x + 128, would save VPSIGNB, but VPMADDUBSW's pair sums then
+// reach 2 x 255 x 127 and saturate int16. VPSIGNB has no 512-bit form: the AVX-512 levels keep dot_groups.)
+
+// sum += t in sum's own register: an opaque in-place add, so that GCC neither reassociates the sums into trees
+// (V::keep's reason) nor computes each into a new register and copies it back (which took 2 of the 16 to the stack).
+[[gnu::always_inline]] inline void add_in_place(__m256i& sum, __m256i t) {
+  asm("vpaddd %1, %0, %0" : "+x"(sum) : "x"(t));
+}
+
+template <int R>
+void q8_0_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a, float* out /* [R][16] */) {
+  const int64_t nb = a.k / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) Vec::store(out + r * kTile + h * Vec::C, Vec::fzero());
+  for (int64_t u = 0; u < units; ++u) {
+    const uint8_t* p = tile + u * unit_bytes;
+    __m256i sum[R][2];
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = Vec::zero();
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      const __m256i w0 = Vec::load(p + 32 + g * 64), w1 = Vec::load(p + 32 + g * 64 + 32);
+      const __m256i abs0 = _mm256_abs_epi8(w0), abs1 = _mm256_abs_epi8(w1);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xb = Vec::bcast(a.row(r) + u * 32 + 4 * g);
+        add_in_place(sum[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(abs0, _mm256_sign_epi8(xb, w0)), ones));
+        add_in_place(sum[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(abs1, _mm256_sign_epi8(xb, w1)), ones));
+      }
+    }
+    const Vec::F scale0 = Vec::load_f16(p), scale1 = Vec::load_f16(p + 16);
+    for (int r = 0; r < R; ++r) {
+      const Vec::F xd = Vec::set1(a.d[r * nb + u]);
+      float* o = out + r * kTile;
+      Vec::store(o, Vec::fma(Vec::cvt(sum[r][0]), Vec::mul(scale0, xd), Vec::loadf(o)));
+      Vec::store(o + Vec::C, Vec::fma(Vec::cvt(sum[r][1]), Vec::mul(scale1, xd), Vec::loadf(o + Vec::C)));
+    }
+  }
+}
+#endif
+
 // All rows of one tile: out [m_rows][16]. Up to one pass of rows, each block is decoded from the tile as the pass
 // reaches it: one row of a 32-k type takes both vectors of the tile at once (each activation broadcast serves both,
 // and the values are decoded group by group where the dot product takes them); otherwise one vector at a time (two
 // vectors' sums for 2-4 rows, and a K-quant's d and dmin for both, would not fit the 16 AVX2 registers). Beyond,
 // decoding per pass would redo the nibble split, the high bits and the scales for every 4 rows (most of a 6-bit
 // block's work), so the tile is decoded once, a chunk of blocks at a time into an L1-sized buffer, and every row runs
-// over the chunk, both AVX2 halves of the tile at once.
+// over the chunk, both AVX2 halves of the tile at once. (Q8_0 at 2-4 rows on AVX2: q8_0_rows, both vectors at once.)
 template <int TYPE>
 void tile_all_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a, int64_t m_rows,
                    float* out /* [m_rows][16] */) {
   constexpr int H = kTile / Vec::C, per_unit = blocks_per_unit(TYPE);
   if (m_rows == 1 && per_unit == 1)
     return rows_over_blocks<TYPE, 1, H>(TileBlocks<TYPE, H>{tile, units, unit_bytes}, a, 0, true, out);
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if constexpr (TYPE == kQ8_0) switch (m_rows) {
+    case 2: return q8_0_rows<2>(tile, units, unit_bytes, a, out);
+    case 3: return q8_0_rows<3>(tile, units, unit_bytes, a, out);
+    case 4: return q8_0_rows<4>(tile, units, unit_bytes, a, out);
+    default: break;
+  }
+#endif
   if (m_rows <= 4) return rows_in_passes<TYPE, 1>(TileBlocks<TYPE, 1>{tile, units, unit_bytes}, a, m_rows, true, out);
   DecodedChunk chunk;
   const int64_t blocks = units * per_unit;
