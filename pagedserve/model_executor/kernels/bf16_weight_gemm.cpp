@@ -17,6 +17,7 @@ namespace {
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kCols = 4;  // output columns per tile: their weight rows stream side by side
 constexpr int64_t kRows = 3;  // rows of x per tile: 3 x 4 accumulators, a weight vector and x in 16 registers
+constexpr int64_t kPrefetchTiles = 2;  // how far ahead (in column tiles) the weights are prefetched
 
 inline __m256 widen8(const uint16_t* w) {
   return _mm256_castsi256_ps(
@@ -37,7 +38,13 @@ void tile(const float* x, int64_t m0, const uint16_t* w, int64_t n0, int64_t k, 
     for (int j = 0; j < NC; ++j) acc[m][j] = _mm256_setzero_ps();
   const uint16_t* wr = w + n0 * k;
   const float* xr = x + m0 * k;
+  // The next tile's NC weight rows are the kPrefetchTiles-th NC * k values ahead, one contiguous run: a cache line
+  // of it per 8 k here (8 bfloat16 of NC rows = NC x 16 bytes a step; NC * k * 2 bytes over k / 8 steps = 16 NC).
+  // Without it a tile's NC interleaved short streams (an expert's 768-k rows are 1.5 KB) end before the hardware
+  // prefetcher has ramped up: 4.6 GB/s on one thread against 7.9 for 2048-k rows.
+  const char* ahead = reinterpret_cast<const char*>(wr + kPrefetchTiles * NC * k);
   for (int64_t s = 0; s < k; s += 8) {
+    for (int p = 0; p < NC * 16; p += 64) _mm_prefetch(ahead + s * 2 * NC + p, _MM_HINT_T0);
     for (int j = 0; j < NC; ++j) {
       const __m256 wv = widen8(wr + j * k + s);
       for (int m = 0; m < MT; ++m) acc[m][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr + m * k + s), acc[m][j]);
