@@ -220,7 +220,7 @@ def test_bf16_small_gemm_row_limit_follows_amx(amx, monkeypatch):
 @pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 31, 32, 33, 64, 65] if BF16_SMALL_GEMM else [])
 @pytest.mark.parametrize("k, n, bias", [(576, 960, False), (1536, 584, True), (64, 40, True), (96, 16, False)])
 def test_bf16_small_gemm_on_amx_tiles_and_vdpbf16ps(rows, k, n, bias):
-    """The bfloat16 small GEMM with and without AMX tiles (where the CPU and OS give them: 2+ rows, K % 32 == 0)
+    """The bfloat16 small GEMM with and without AMX tiles (where the CPU and OS give them: K % 32 == 0)
     against a float32 product: row tiles of 16 and 32, odd block counts (584 = 36.5 x 16), bias."""
     from pagedserve.model_executor.kernels import cpu_kernels
 

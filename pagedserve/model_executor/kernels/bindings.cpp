@@ -63,7 +63,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_bf16_pairs", &lora_bf16_pairs, "whether lora_add takes bfloat16 weights in pairs of k (a [slots, "
         "in/2, S x R, 2], b [slots, R/2, out', 2]) in this build");
   m.def("amx_tiles", &ps::amx_tiles,
-        "whether small_gemm calls of 2+ rows (bfloat16, K % 32 == 0; int8 weights, K % 64 == 0, with AMX-INT8) and "
+        "whether small_gemm calls (bfloat16: any rows, K % 32 == 0; int8 weights: 2+ rows, K % 64 == 0, with AMX-INT8) and "
         "bfloat16 prefill and decode attention run on AMX tiles");
   m.def("set_amx_tiles", &set_amx_tiles, "turn the AMX path on or off where available; returns amx_tiles()");
   m.def("small_gemm_chunks", &small_gemm_chunks,

@@ -42,7 +42,7 @@ ONEDNN_MIN_ROWS = 2
 # Up to this many rows the "native" backend runs the packed small GEMM, above it oneDNN: the native kernel is
 # 1.2-1.9x faster than oneDNN from 1 to 32 rows in float32 and bfloat16, and level with it from 64 to 2048 rows.
 NATIVE_GEMM_MAX_ROWS = 128
-# On CPUs with AMX-BF16 the native kernel runs bfloat16 products of 2+ rows on the tiles, which stream the weights
+# On CPUs with AMX-BF16 the native kernel runs bfloat16 products on the tiles, which stream the weights
 # faster than oneDNN's AMX kernels up to 32 rows and level or behind from 64; where the OS denies the tiles, its
 # VDPBF16PS kernel beats oneDNN's tiles only up to 6 rows.
 NATIVE_BF16_AMX_MAX_ROWS = 32
