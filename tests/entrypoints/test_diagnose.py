@@ -63,13 +63,14 @@ TINY_KV_POOL = Scenario(
 # first request's streamed chunks, and a lagging client gets merged chunks, so chunk 40 may come after the 60th
 # token (a CI run once read "none" with no ITL spike at all, as if the long prompts had missed the decodes): they
 # arrive by chunk 25 of 60. A stall must outlast two slow (p90) decode steps, and on a loaded CI machine (two
-# runs at once) the p90 decode step once reached half of a 700-token mixed step's 8 ms: 1500-token prompts.
-LONG_PROMPT_TOKENS = 1500
+# runs at once) the p90 decode step once reached half of a 700-token mixed step's 8 ms: 1800-token prompts. Two
+# stalls make the verdict; with three long prompts, a loaded run once saw too few (verdict "none"): five of them.
+LONG_PROMPT_TOKENS = 1800
 LONG_PROMPTS_AMONG_DECODES = Scenario(
     dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, max_position_embeddings=2048),
     dict(num_kv_blocks=512, block_size=16, max_model_len=2048, max_num_batched_tokens=2048),
     {0: [(f"d{i}", prompt(8, i), 60) for i in range(8)],
-     **{step: [(f"long{k}", prompt(LONG_PROMPT_TOKENS, 100 + k), 4)] for k, step in enumerate((5, 15, 25))}},
+     **{step: [(f"long{k}", prompt(LONG_PROMPT_TOKENS, 100 + k), 4)] for k, step in enumerate((5, 10, 15, 20, 25))}},
     "token_budget", ("--max-num-batched-tokens", "--long-prefill-token-threshold"))
 # Two seats: the verdict needs decode batches below B_sat (where step time starts to grow with the batch). B_sat
 # comes from a line fitted to the step times of each batch size, which a loaded machine can skew; with 4 seats a
