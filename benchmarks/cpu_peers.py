@@ -42,7 +42,8 @@ Precision groups (pagedserve flag / vLLM flag / OpenVINO setting):
   bf16  --dtype bfloat16       / --dtype bfloat16  / fp32 IR, INFERENCE_PRECISION_HINT=bf16, KV cache bf16
   int8  --quantization int8    / (skipped: vLLM CPU has no weight-only int8 for an unquantized checkpoint)
         (int8 weights, fp32      / int8 IR (`--weight-format int8`), INFERENCE_PRECISION_HINT=--ov-int8-hint
-         activations, fp32 KV)     (f32), KV cache f32; OpenVINO also quantizes activations dynamically here
+         activations, fp32 KV)     (f32), KV cache f32 (bf16 with the bf16 hint: OpenVINO's paged attention
+                                   demands it); OpenVINO also quantizes activations dynamically here
 
 GGUF groups (issue 52): `--gguf LABEL=FILE` (repeated) adds a group LABEL in which every engine runs the weights of
 one GGUF file (llama-quantize's Q4_0 / Q4_K_M / Q8_0 ... of --model):
@@ -326,7 +327,8 @@ def engine_flags(engine: str, precision: str, args) -> tuple[list[str] | dict | 
         return ["--dtype", dt], f"--dtype {dt} (KV {dt})"
     # openvino: IR weight format + properties
     hint = {"fp32": "f32", "bf16": "bf16", "int8": args.ov_int8_hint}[precision]
-    kv = {"fp32": "f32", "bf16": "bf16", "int8": "f32"}[precision]
+    # OpenVINO's paged attention takes a bf16 KV cache only with the bf16 hint (and demands it then)
+    kv = {"fp32": "f32", "bf16": "bf16", "int8": "bf16" if hint == "bf16" else "f32"}[precision]
     fmt = "int8" if precision == "int8" else "fp32"
     props = {"INFERENCE_PRECISION_HINT": hint, "KV_CACHE_PRECISION": kv, "KEY_CACHE_PRECISION": kv,
              "VALUE_CACHE_PRECISION": kv, "INFERENCE_NUM_THREADS": args.threads}
