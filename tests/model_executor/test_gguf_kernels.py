@@ -152,9 +152,11 @@ def test_gguf_gemm_bfloat16_activations():
 
 
 def test_gguf_gemm_mixed_parts_and_bias():
-    """A fused layer's shards of different types (Q4_K_M's Q4_K q/k and Q6_K v) side by side, with a bias."""
+    """A fused layer's shards of different types (Q4_K_M's Q4_K q/k and Q6_K v) side by side, with a bias: 3 rows
+    (a tile at a time) and 9 (AVX-512 runs three tiles of a shard at once: shards of 5 tiles (3, then 1 and 1), 1 and
+    3 (the last padded), never a run across two shards)."""
     ops, rng = _ops(None), np.random.default_rng(1)
-    k, parts = 256, [("Q4_K", 32), ("Q4_K", 16), ("Q6_K", 24)]
+    k, parts = 256, [("Q4_K", 80), ("Q4_K", 16), ("Q6_K", 40)]
     packed, ws = [], []
     for name, n in parts:
         raw, w = _blocks(name, n, k, rng)
@@ -163,11 +165,12 @@ def test_gguf_gemm_mixed_parts_and_bias():
     w = torch.cat(ws)
     gen = torch.Generator().manual_seed(1)
     bias = torch.randn(w.shape[0], generator=gen)
-    x = _on_int8_grid(torch.randn(3, k, generator=gen))
     layout = torch.tensor([[NATIVE_TYPES[name][0], n] for name, n in parts])
-    y = ops.gguf_gemm(x, torch.cat(packed), layout, bias)
-    exact = _int8_blocks(x) @ w.T + bias.double()
-    assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < 1e-5
+    for m in (3, 9):
+        x = _on_int8_grid(torch.randn(m, k, generator=gen))
+        y = ops.gguf_gemm(x, torch.cat(packed), layout, bias)
+        exact = _int8_blocks(x) @ w.T + bias.double()
+        assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < 1e-5, m
 
 
 def _int8_rows(x: torch.Tensor) -> torch.Tensor:

@@ -512,12 +512,12 @@ template <int TYPE>
 }
 
 // acc[r * H + h] + block bi (0..K/32) of NH consecutive vectors of columns (values w(h, g), scales s[h]) times the
-// activations of rows m0 + r of that block, for R rows.
-template <int TYPE, int R, int NH, typename Values>
+// activations of rows m0 + r of that block, for R rows (H: the vectors of the COLS columns a pass covers).
+template <int TYPE, int R, int NH, int COLS, typename Values>
 [[gnu::always_inline]] inline void accumulate(const Values& w, const BlockScales* s, const ActQ& a,
                                               int64_t m0, int64_t bi, typename Vec::F* acc) {
   using W = typename Vec::W;
-  constexpr int H = kTile / Vec::C;
+  constexpr int H = COLS / Vec::C;
   const int64_t nb = a.k / 32;
   const int8_t* x[R];
   for (int r = 0; r < R; ++r) x[r] = a.row(m0 + r) + bi * 32;
@@ -558,33 +558,35 @@ template <int TYPE, int R, int NH, typename Values>
   }
 }
 
-// R rows (m0..) of one tile: out[r][0..16) = (first ? 0 : out[r]) + x_r . w over the blocks that `blocks` visits.
-// blocks(use) calls use(bi, h, w, s) for each block bi it covers and vector h (and, NH > 1, the NH - 1 vectors after
-// it): the values w(0..NH, g) and scales s[NH], decoded from the tile (TileBlocks) or read from a DecodedChunk.
-template <int TYPE, int R, int NH, typename Blocks>
+// R rows (m0..) of COLS columns (one tile, or several side by side): out[r][0..COLS) = (first ? 0 : out[r]) + x_r . w
+// over the blocks that `blocks` visits. blocks(use) calls use(bi, h, w, s) for each block bi it covers and vector h
+// (and, NH > 1, the NH - 1 vectors after it): the values w(0..NH, g) and scales s[NH], decoded from the tile
+// (TileBlocks) or read from a DecodedChunk.
+template <int TYPE, int R, int NH, int COLS, typename Blocks>
 void rows_over_blocks(const Blocks& blocks, const ActQ& a, int64_t m0, bool first, float* out) {
   using F = typename Vec::F;
-  constexpr int H = kTile / Vec::C;
+  constexpr int H = COLS / Vec::C;
   F acc[R][H];
   for (int r = 0; r < R; ++r)
-    for (int h = 0; h < H; ++h) acc[r][h] = first ? Vec::fzero() : Vec::loadf(out + r * kTile + h * Vec::C);
+    for (int h = 0; h < H; ++h) acc[r][h] = first ? Vec::fzero() : Vec::loadf(out + r * COLS + h * Vec::C);
   blocks([&](int64_t bi, int h, const auto& w, const BlockScales* s) __attribute__((always_inline)) {
-    accumulate<TYPE, R, NH>(w, s, a, m0, bi, &acc[0][h]);
+    accumulate<TYPE, R, NH, COLS>(w, s, a, m0, bi, &acc[0][h]);
   });
   for (int r = 0; r < R; ++r)
-    for (int h = 0; h < H; ++h) Vec::store(out + r * kTile + h * Vec::C, acc[r][h]);
+    for (int h = 0; h < H; ++h) Vec::store(out + r * COLS + h * Vec::C, acc[r][h]);
 }
 
-// Rows 0..m_rows of the tile in passes of 4 rows (the 1-3 left over in one pass).
-template <int TYPE, int NH, typename Blocks>
+// Rows 0..m_rows in passes of 4 rows (the 1-3 left over in one pass).
+template <int TYPE, int NH, int COLS, typename Blocks>
 void rows_in_passes(const Blocks& blocks, const ActQ& a, int64_t m_rows, bool first, float* out) {
   constexpr int kRows = 4;  // rows per pass over the blocks (their accumulators stay in registers)
   int64_t m0 = 0;
-  for (; m0 + kRows <= m_rows; m0 += kRows) rows_over_blocks<TYPE, kRows, NH>(blocks, a, m0, first, out + m0 * kTile);
+  for (; m0 + kRows <= m_rows; m0 += kRows)
+    rows_over_blocks<TYPE, kRows, NH, COLS>(blocks, a, m0, first, out + m0 * COLS);
   switch (m_rows - m0) {
-    case 3: rows_over_blocks<TYPE, 3, NH>(blocks, a, m0, first, out + m0 * kTile); break;
-    case 2: rows_over_blocks<TYPE, 2, NH>(blocks, a, m0, first, out + m0 * kTile); break;
-    case 1: rows_over_blocks<TYPE, 1, NH>(blocks, a, m0, first, out + m0 * kTile); break;
+    case 3: rows_over_blocks<TYPE, 3, NH, COLS>(blocks, a, m0, first, out + m0 * COLS); break;
+    case 2: rows_over_blocks<TYPE, 2, NH, COLS>(blocks, a, m0, first, out + m0 * COLS); break;
+    case 1: rows_over_blocks<TYPE, 1, NH, COLS>(blocks, a, m0, first, out + m0 * COLS); break;
     default: break;
   }
 }
@@ -616,11 +618,14 @@ struct TileBlocks {
   }
 };
 
-// The blocks of a chunk of the tile decoded: block b0 + i of vector h has values w[i][h] and scales s[i][h].
+// The blocks of a chunk of NT tiles decoded: block b0 + i of vector h (of the NT x 16 columns) has values w[i][h] and
+// scales s[i][h].
+template <int NT>
 struct DecodedChunk {
-  static constexpr int kBlocks = 8;  // 256 k: 6 KB, L1-sized
-  Vec::W w[kBlocks][kTile / Vec::C][8];
-  BlockScales s[kBlocks][kTile / Vec::C];
+  static constexpr int kBlocks = 8;  // 256 k: 6 KB a tile (18 KB for three), L1-sized
+  static constexpr int H = NT * kTile / Vec::C;
+  Vec::W w[kBlocks][H][8];
+  BlockScales s[kBlocks][H];
 };
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -670,37 +675,45 @@ void q8_0_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a
 }
 #endif
 
-// All rows of one tile: out [m_rows][16]. Up to one pass of rows, each block is decoded from the tile as the pass
-// reaches it: one row of a 32-k type takes both vectors of the tile at once (each activation broadcast serves both,
-// and the values are decoded group by group where the dot product takes them); otherwise one vector at a time (two
-// vectors' sums for 2-4 rows, and a K-quant's d and dmin for both, would not fit the 16 AVX2 registers). Beyond,
-// decoding per pass would redo the nibble split, the high bits and the scales for every 4 rows (most of a 6-bit
-// block's work), so the tile is decoded once, a chunk of blocks at a time into an L1-sized buffer, and every row runs
-// over the chunk, both AVX2 halves of the tile at once. (Q8_0 at 2-4 rows on AVX2: q8_0_rows, both vectors at once.)
-template <int TYPE>
-void tile_all_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a, int64_t m_rows,
-                   float* out /* [m_rows][16] */) {
-  constexpr int H = kTile / Vec::C, per_unit = blocks_per_unit(TYPE);
-  if (m_rows == 1 && per_unit == 1)
-    return rows_over_blocks<TYPE, 1, H>(TileBlocks<TYPE, H>{tile, units, unit_bytes}, a, 0, true, out);
+// All rows of NT consecutive tiles (tile_bytes apart): out [m_rows][NT x 16]. Up to one pass of rows (NT = 1), each
+// block is decoded from the tile as the pass reaches it: one row of a 32-k type takes both vectors of the tile at once
+// (each activation broadcast serves both, and the values are decoded group by group where the dot product takes
+// them); otherwise one vector at a time (two vectors' sums for 2-4 rows, and a K-quant's d and dmin for both, would
+// not fit the 16 AVX2 registers). Beyond, decoding per pass would redo the nibble split, the high bits and the scales
+// for every 4 rows (most of a 6-bit block's work), so the tiles are decoded once, a chunk of blocks at a time into an
+// L1-sized buffer, and every row runs over the chunk, all NT x 16 columns at once: both AVX2 halves of a tile, or,
+// with AVX-512 (a tile one vector), three tiles, so that each activation broadcast serves three VPDPBUSD (with one
+// tile, one broadcast per VPDPBUSD held the many-row product at about 200 GMAC/s a core on a Zen 4, where our int8
+// small GEMM reaches 320-430; three tiles: 1.2-1.6x, BENCHMARKS section 45). (Q8_0 at 2-4 rows on AVX2: q8_0_rows,
+// both vectors at once.)
+template <int TYPE, int NT>
+void tile_all_rows(const uint8_t* tile, int64_t tile_bytes, int64_t units, int unit_bytes, const ActQ& a,
+                   int64_t m_rows, float* out /* [m_rows][NT x 16] */) {
+  constexpr int HT = kTile / Vec::C, per_unit = blocks_per_unit(TYPE);
+  if constexpr (NT == 1) {
+    if (m_rows == 1 && per_unit == 1)
+      return rows_over_blocks<TYPE, 1, HT, kTile>(TileBlocks<TYPE, HT>{tile, units, unit_bytes}, a, 0, true, out);
 #if defined(__AVX2__) && !defined(__AVX512F__)
-  if constexpr (TYPE == kQ8_0) switch (m_rows) {
-    case 2: return q8_0_rows<2>(tile, units, unit_bytes, a, out);
-    case 3: return q8_0_rows<3>(tile, units, unit_bytes, a, out);
-    case 4: return q8_0_rows<4>(tile, units, unit_bytes, a, out);
-    default: break;
-  }
+    if constexpr (TYPE == kQ8_0) switch (m_rows) {
+      case 2: return q8_0_rows<2>(tile, units, unit_bytes, a, out);
+      case 3: return q8_0_rows<3>(tile, units, unit_bytes, a, out);
+      case 4: return q8_0_rows<4>(tile, units, unit_bytes, a, out);
+      default: break;
+    }
 #endif
-  if (m_rows <= 4) return rows_in_passes<TYPE, 1>(TileBlocks<TYPE, 1>{tile, units, unit_bytes}, a, m_rows, true, out);
-  DecodedChunk chunk;
+    if (m_rows <= 4)
+      return rows_in_passes<TYPE, 1, kTile>(TileBlocks<TYPE, 1>{tile, units, unit_bytes}, a, m_rows, true, out);
+  }
+  using Chunk = DecodedChunk<NT>;
+  Chunk chunk;
   const int64_t blocks = units * per_unit;
-  for (int64_t b0 = 0; b0 < blocks; b0 += DecodedChunk::kBlocks) {
-    const int64_t b1 = std::min<int64_t>(blocks, b0 + DecodedChunk::kBlocks);
+  for (int64_t b0 = 0; b0 < blocks; b0 += Chunk::kBlocks) {
+    const int64_t b1 = std::min<int64_t>(blocks, b0 + Chunk::kBlocks);
     for (int64_t bi = b0; bi < b1; ++bi)
-      for (int h = 0; h < H; ++h) {
-        const uint8_t* p = tile + bi / per_unit * unit_bytes;
-        for (int g = 0; g < 8; ++g) chunk.w[bi - b0][h][g] = group_values<TYPE>(p, bi % per_unit, h, g);
-        unpack_scales<TYPE>(p, bi % per_unit, h, chunk.s[bi - b0][h]);
+      for (int h = 0; h < Chunk::H; ++h) {
+        const uint8_t* p = tile + h / HT * tile_bytes + bi / per_unit * unit_bytes;
+        for (int g = 0; g < 8; ++g) chunk.w[bi - b0][h][g] = group_values<TYPE>(p, bi % per_unit, h % HT, g);
+        unpack_scales<TYPE>(p, bi % per_unit, h % HT, chunk.s[bi - b0][h]);
       }
     auto decoded = [&](auto&& use) __attribute__((always_inline)) {
       for (int64_t bi = b0; bi < b1; ++bi) {
@@ -708,21 +721,32 @@ void tile_all_rows(const uint8_t* tile, int64_t units, int unit_bytes, const Act
         use(bi, 0, [&](int h, int g) __attribute__((always_inline)) { return values[h][g]; }, chunk.s[bi - b0]);
       }
     };
-    rows_in_passes<TYPE, H>(decoded, a, m_rows, b0 == 0, out);
+    rows_in_passes<TYPE, Chunk::H, NT * kTile>(decoded, a, m_rows, b0 == 0, out);
   }
 }
 
-void run_tile(int64_t type, const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a, int64_t m_rows,
-              float* out) {
+// Tiles decoded side by side for more than 4 rows (tile_all_rows): three with AVX-512 (4 rows x 3 vectors: 12 int32
+// sums and 12 float accumulators of the 32 registers; two tiles measured 0.9-1.0x three), one with AVX2 (whose tile
+// is already two vectors of its 16 registers) and at the generic level.
+#if defined(__AVX512F__)
+constexpr int kTilesPerPass = 3;
+#else
+constexpr int kTilesPerPass = 1;
+#endif
+
+// NT (1 or kTilesPerPass) consecutive tiles of one type, all rows: out [m_rows][NT x 16].
+template <int NT>
+void run_tiles(int64_t type, const uint8_t* tile, int64_t tile_bytes, int64_t units, int unit_bytes, const ActQ& a,
+               int64_t m_rows, float* out) {
   switch (type) {
-    case kQ8_0: return tile_all_rows<kQ8_0>(tile, units, unit_bytes, a, m_rows, out);
-    case kQ4_0: return tile_all_rows<kQ4_0>(tile, units, unit_bytes, a, m_rows, out);
-    case kQ5_0: return tile_all_rows<kQ5_0>(tile, units, unit_bytes, a, m_rows, out);
-    case kQ4_1: return tile_all_rows<kQ4_1>(tile, units, unit_bytes, a, m_rows, out);
-    case kQ5_1: return tile_all_rows<kQ5_1>(tile, units, unit_bytes, a, m_rows, out);
-    case kQ4_K: return tile_all_rows<kQ4_K>(tile, units, unit_bytes, a, m_rows, out);
-    case kQ5_K: return tile_all_rows<kQ5_K>(tile, units, unit_bytes, a, m_rows, out);
-    default: return tile_all_rows<kQ6_K>(tile, units, unit_bytes, a, m_rows, out);
+    case kQ8_0: return tile_all_rows<kQ8_0, NT>(tile, tile_bytes, units, unit_bytes, a, m_rows, out);
+    case kQ4_0: return tile_all_rows<kQ4_0, NT>(tile, tile_bytes, units, unit_bytes, a, m_rows, out);
+    case kQ5_0: return tile_all_rows<kQ5_0, NT>(tile, tile_bytes, units, unit_bytes, a, m_rows, out);
+    case kQ4_1: return tile_all_rows<kQ4_1, NT>(tile, tile_bytes, units, unit_bytes, a, m_rows, out);
+    case kQ5_1: return tile_all_rows<kQ5_1, NT>(tile, tile_bytes, units, unit_bytes, a, m_rows, out);
+    case kQ4_K: return tile_all_rows<kQ4_K, NT>(tile, tile_bytes, units, unit_bytes, a, m_rows, out);
+    case kQ5_K: return tile_all_rows<kQ5_K, NT>(tile, tile_bytes, units, unit_bytes, a, m_rows, out);
+    default: return tile_all_rows<kQ6_K, NT>(tile, tile_bytes, units, unit_bytes, a, m_rows, out);
   }
 }
 
@@ -806,25 +830,43 @@ torch::Tensor gguf_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor lay
   const torch::Tensor bias_f = column_floats(bias, "bias"), col_scale_f = column_floats(col_scale, "col_scale");
   const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const float* col_scale_ptr = col_scale_f.defined() ? col_scale_f.data_ptr<float>() : nullptr;
-  const int64_t all_tiles = first_tile.back();
+  // the work: runs of per_pass consecutive tiles of one part (several only for more than 4 rows), a part's last
+  // tiles that do not fill one a tile each
+  struct Run {
+    int64_t part, tile, tiles;
+  };
+  const int64_t per_pass = m_rows > 4 ? kTilesPerPass : 1;
+  std::vector<Run> runs;
+  for (int64_t s = 0; s < parts; ++s) {
+    const int64_t tiles = first_tile[s + 1] - first_tile[s];
+    for (int64_t t = 0; t < tiles;) {
+      const int64_t n_run = tiles - t >= per_pass ? per_pass : 1;
+      runs.push_back({s, t, n_run});
+      t += n_run;
+    }
+  }
   const uint8_t* weights = packed.data_ptr<uint8_t>();
   ps::with_act_type(x.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     T* o = ps::ptr<T>(out);
 #pragma omp parallel
     {
-      std::vector<float> buf(m_rows * kTile);
+      std::vector<float> buf(m_rows * kTile * per_pass);
 #pragma omp for schedule(static)
-      for (int64_t gt = 0; gt < all_tiles; ++gt) {
-        const size_t s = std::upper_bound(first_tile.begin(), first_tile.end(), gt) - first_tile.begin() - 1;
-        const int64_t t = gt - first_tile[s], units = k / infos[s].block;
-        run_tile(part[2 * s], weights + offset[s] + t * units * infos[s].unit_bytes, units, infos[s].unit_bytes, a,
-                 m_rows, buf.data());
-        const int64_t c0 = t * kTile, cols = std::min<int64_t>(kTile, part[2 * s + 1] - c0);
+      for (size_t i = 0; i < runs.size(); ++i) {
+        const Run& run = runs[i];
+        const int64_t s = run.part, units = k / infos[s].block, tile_bytes = units * infos[s].unit_bytes;
+        const uint8_t* tile = weights + offset[s] + run.tile * tile_bytes;
+        if (run.tiles == kTilesPerPass)
+          run_tiles<kTilesPerPass>(part[2 * s], tile, tile_bytes, units, infos[s].unit_bytes, a, m_rows, buf.data());
+        else
+          run_tiles<1>(part[2 * s], tile, tile_bytes, units, infos[s].unit_bytes, a, m_rows, buf.data());
+        const int64_t width = run.tiles * kTile, c0 = run.tile * kTile;
+        const int64_t cols = std::min<int64_t>(width, part[2 * s + 1] - c0);
         for (int64_t m = 0; m < m_rows; ++m)
           for (int64_t c = 0; c < cols; ++c) {
             const int64_t col = col0[s] + c0 + c;
-            const float y = buf[m * kTile + c] * (col_scale_ptr ? col_scale_ptr[col] : 1.f);
+            const float y = buf[m * width + c] * (col_scale_ptr ? col_scale_ptr[col] : 1.f);
             o[m * n_total + col] = ps::from_float<T>(y + (bias_ptr ? bias_ptr[col] : 0.f));
           }
       }
