@@ -830,21 +830,15 @@ torch::Tensor gguf_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor lay
   const torch::Tensor bias_f = column_floats(bias, "bias"), col_scale_f = column_floats(col_scale, "col_scale");
   const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const float* col_scale_ptr = col_scale_f.defined() ? col_scale_f.data_ptr<float>() : nullptr;
-  // the work: runs of per_pass consecutive tiles of one part (several only for more than 4 rows), a part's last
-  // tiles that do not fill one a tile each
-  struct Run {
-    int64_t part, tile, tiles;
-  };
+  // the work: runs of per_pass consecutive tiles of one part (several only for more than 4 rows), then the part's
+  // last tiles that do not fill one, a tile each; part s's runs are [first_run[s], first_run[s + 1])
   const int64_t per_pass = m_rows > 4 ? kTilesPerPass : 1;
-  std::vector<Run> runs;
+  std::vector<int64_t> first_run{0};
   for (int64_t s = 0; s < parts; ++s) {
     const int64_t tiles = first_tile[s + 1] - first_tile[s];
-    for (int64_t t = 0; t < tiles;) {
-      const int64_t n_run = tiles - t >= per_pass ? per_pass : 1;
-      runs.push_back({s, t, n_run});
-      t += n_run;
-    }
+    first_run.push_back(first_run.back() + tiles / per_pass + tiles % per_pass);
   }
+  const int64_t all_runs = first_run.back();
   const uint8_t* weights = packed.data_ptr<uint8_t>();
   ps::with_act_type(x.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -853,15 +847,17 @@ torch::Tensor gguf_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor lay
     {
       std::vector<float> buf(m_rows * kTile * per_pass);
 #pragma omp for schedule(static)
-      for (size_t i = 0; i < runs.size(); ++i) {
-        const Run& run = runs[i];
-        const int64_t s = run.part, units = k / infos[s].block, tile_bytes = units * infos[s].unit_bytes;
-        const uint8_t* tile = weights + offset[s] + run.tile * tile_bytes;
-        if (run.tiles == kTilesPerPass)
+      for (int64_t r = 0; r < all_runs; ++r) {
+        const size_t s = std::upper_bound(first_run.begin(), first_run.end(), r) - first_run.begin() - 1;
+        const int64_t j = r - first_run[s], full = (first_tile[s + 1] - first_tile[s]) / per_pass;
+        const int64_t t = j < full ? j * per_pass : full * per_pass + (j - full), n_tiles = j < full ? per_pass : 1;
+        const int64_t units = k / infos[s].block, tile_bytes = units * infos[s].unit_bytes;
+        const uint8_t* tile = weights + offset[s] + t * tile_bytes;
+        if (n_tiles == kTilesPerPass)
           run_tiles<kTilesPerPass>(part[2 * s], tile, tile_bytes, units, infos[s].unit_bytes, a, m_rows, buf.data());
         else
           run_tiles<1>(part[2 * s], tile, tile_bytes, units, infos[s].unit_bytes, a, m_rows, buf.data());
-        const int64_t width = run.tiles * kTile, c0 = run.tile * kTile;
+        const int64_t width = n_tiles * kTile, c0 = t * kTile;
         const int64_t cols = std::min<int64_t>(width, part[2 * s + 1] - c0);
         for (int64_t m = 0; m < m_rows; ++m)
           for (int64_t c = 0; c < cols; ++c) {
