@@ -13,7 +13,7 @@
 // weight: Q8_0 8.5, Q4_0 4.5, Q4_1 5, Q5_0 6.5, Q5_1 7, Q4_K 4.625, Q5_K 6.625, Q6_K 6.56 (GGUF: 8.5, 4.5, 5, 5.5, 6,
 // 4.5, 5.5, 6.56; the 5-bit types keep their fifth bit in Q6_K's 2-bit planes, one bit unused).
 //
-//   Q8_0 unit (32 k):  d[16] f16 | q[8 groups][16 cols][4] int8
+//   Q8_0 unit (32 k):  d[16] f16 | q[8 groups][16 cols][4] int8 (with VNNI stored as q + 128, VPDPBUSD's unsigned)
 //   Q4_0 unit (32 k):  d[16] f16 | nib[4 chunks][16][4]: low nibbles group c, high nibbles group c + 4 (w = d (q - 8))
 //   Q5_0 unit (32 k):  Q4_0's | hi[2][16][4] as Q6_K's (bit 5 zero)  (w = d (q - 16))
 //   Q4_1 unit (32 k):  d[16] f16 | m[16] f16 | nib as Q4_0's  (w = d q + m)
@@ -202,7 +202,6 @@ struct Vec {
     return _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(v, _mm_cvtsi32_si128(2 * s)), _mm512_set1_epi8(3)), 4);
   }
   static W or_(W a, W b) { return _mm512_or_si512(a, b); }
-  static W flip(W v) { return _mm512_xor_si512(v, _mm512_set1_epi8(char(0x80))); }
   static W bcast(const int8_t* x) {
     int32_t v;
     std::memcpy(&v, x, 4);
@@ -260,7 +259,6 @@ struct Vec {
     return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * s)), _mm256_set1_epi8(3)), 4);
   }
   static W or_(W a, W b) { return _mm256_or_si256(a, b); }
-  static W flip(W v) { return _mm256_xor_si256(v, _mm256_set1_epi8(char(0x80))); }
   static W bcast(const int8_t* x) {
     int32_t v;
     std::memcpy(&v, x, 4);
@@ -309,7 +307,6 @@ struct Vec {
   static W hi4(W v) { return (v >> 4) & 0x0F0F0F0Fu; }
   static W bits45(W v, int s) { return ((v >> (2 * s)) & 0x03030303u) << 4; }
   static W or_(W a, W b) { return a | b; }
-  static W flip(W v) { return v ^ 0x80808080u; }
   static W bcast(const int8_t* x) { return load(reinterpret_cast<const uint8_t*>(x)); }
   static W zero() { return 0; }
   static W dot_us(W acc, W w, W x) {
@@ -390,7 +387,7 @@ void quantize_acts(const T* x, int64_t m_rows, int64_t k, bool per_row, ActQ& a)
 }
 
 // ------------------------------------------------------------------------------------------------ the tile kernel
-// The largest value a type's packed weights take as unsigned bytes (Q8_0: flipped to w + 128, VNNI only).
+// The largest value a type's packed weights take as unsigned bytes (Q8_0: stored as w + 128, VNNI only).
 constexpr int value_max(int type) {
   return type == kQ8_0 ? 255 : type == kQ6_K ? 63 : (type == kQ5_0 || type == kQ5_1 || type == kQ5_K) ? 31 : 15;
 }
@@ -459,7 +456,7 @@ template <int N, int VMAX, int R, int NH, typename V = Vec, typename Values>
 }
 
 // A 32-k block of one vector's columns (C of the tile's 16) is decoded as the dot products take it: the 8 groups'
-// values as unsigned bytes (Q8_0: its signed bytes, flipped to unsigned with VNNI) and its BlockScales: the float
+// values as unsigned bytes (Q8_0: its signed bytes, stored as w + 128 with VNNI) and its BlockScales: the float
 // scale per column (d, or d x the sub-block scale), with a min the float offset per column per unit of the
 // activations' block sum (Q4_1/Q5_1: m; Q4_K/Q5_K: -dmin x the sub-block min), and Q6_K's two int sub-block scales
 // (its d in `scale`).
@@ -479,8 +476,7 @@ template <int TYPE>
 [[gnu::always_inline]] inline Vec::W group_values(const uint8_t* p, int j, int h, int g) {
   const int col4 = h * Vec::C * 4;
   if constexpr (TYPE == kQ8_0) {
-    const Vec::W v = Vec::load(p + 32 + g * 64 + col4);
-    return Vec::kVnni ? Vec::flip(v) : v;  // w + 128, unsigned
+    return Vec::load(p + 32 + g * 64 + col4);  // with VNNI stored as w + 128 (gguf_repack)
   } else {
     const uint8_t* nib = TYPE == kQ4_K ? p + 320 + j * 256 : TYPE == kQ5_K ? p + 320 + j * 384
                        : TYPE == kQ6_K ? p + 288 + j * 384 : p + (with_min(TYPE) ? 64 : 32);
@@ -618,6 +614,29 @@ struct TileBlocks {
   }
 };
 
+// The 32-k blocks of NT consecutive tiles (tile_bytes apart), every vector of the NT x 16 columns at once, read from
+// the tiles as a pass of rows reaches them: Q8_0's, whose stored values are the dot products' operands (no decoding).
+template <int TYPE, int NT>
+struct TilesBlocks {
+  const uint8_t* tile;
+  int64_t tile_bytes, units;
+  int unit_bytes;
+  template <typename Use>
+  [[gnu::always_inline]] void operator()(Use&& use) const {
+    constexpr int HT = kTile / Vec::C, H = NT * HT;
+    for (int64_t u = 0; u < units; ++u) {
+      const uint8_t* p[H];
+      BlockScales s[H];
+      for (int h = 0; h < H; ++h) {
+        p[h] = tile + h / HT * tile_bytes + u * unit_bytes;
+        unpack_scales<TYPE>(p[h], 0, h % HT, s[h]);
+      }
+      use(u, 0, [&](int h, int g) __attribute__((always_inline)) { return group_values<TYPE>(p[h], 0, h % HT, g); },
+          s);
+    }
+  }
+};
+
 // The blocks of a chunk of NT tiles decoded: block b0 + i of vector h (of the NT x 16 columns) has values w[i][h] and
 // scales s[i][h].
 template <int NT>
@@ -684,8 +703,12 @@ void q8_0_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a
 // L1-sized buffer, and every row runs over the chunk, all NT x 16 columns at once: both AVX2 halves of a tile, or,
 // with AVX-512 (a tile one vector), three tiles, so that each activation broadcast serves three VPDPBUSD (with one
 // tile, one broadcast per VPDPBUSD held the many-row product at about 200 GMAC/s a core on a Zen 4, where our int8
-// small GEMM reaches 320-430; three tiles: 1.2-1.6x, BENCHMARKS section 45). (Q8_0 at 2-4 rows on AVX2: q8_0_rows,
-// both vectors at once.)
+// small GEMM reaches 320-430; three tiles: 1.2-1.6x, BENCHMARKS section 45). Q8_0's values need no decoding with
+// VNNI (stored as the unsigned operand): its passes read the three tiles themselves (TilesBlocks), which on a Zen 5
+// was 1.1-1.27x the decoded chunk at 16 rows and 1.0-1.13x at 64 (the chunk's stores and reloads of every value
+// gone), over the whole K (in stretches of 8 blocks, as the chunk, 0.91-0.96x at 64 rows); a 4-bit type's passes
+// decoding its nibbles themselves ran 0.76-0.94x the chunk. (Q8_0 at 2-4 rows on AVX2: q8_0_rows, both vectors at
+// once.)
 template <int TYPE, int NT>
 void tile_all_rows(const uint8_t* tile, int64_t tile_bytes, int64_t units, int unit_bytes, const ActQ& a,
                    int64_t m_rows, float* out /* [m_rows][NT x 16] */) {
@@ -703,6 +726,10 @@ void tile_all_rows(const uint8_t* tile, int64_t tile_bytes, int64_t units, int u
 #endif
     if (m_rows <= 4)
       return rows_in_passes<TYPE, 1, kTile>(TileBlocks<TYPE, 1>{tile, units, unit_bytes}, a, m_rows, true, out);
+  }
+  if constexpr (TYPE == kQ8_0 && NT > 1) {
+    return rows_in_passes<TYPE, NT * HT, NT * kTile>(TilesBlocks<TYPE, NT>{tile, tile_bytes, units, unit_bytes}, a,
+                                                     m_rows, true, out);
   }
   using Chunk = DecodedChunk<NT>;
   Chunk chunk;
@@ -777,7 +804,11 @@ torch::Tensor gguf_repack(torch::Tensor raw, int64_t type, int64_t n, int64_t k)
         const int64_t col = t * kTile + c;
         blocks[c] = col < n ? src + col * stride + u * info.raw_bytes : nullptr;
       }
-      pack_unit(static_cast<int>(type), blocks, dst + (t * units + u) * info.unit_bytes);
+      uint8_t* unit = dst + (t * units + u) * info.unit_bytes;
+      pack_unit(static_cast<int>(type), blocks, unit);
+      // Q8_0's values as VPDPBUSD takes them, unsigned w + 128, once here instead of on every read
+      if (type == kQ8_0 && Vec::kVnni)
+        for (int i = 32; i < info.unit_bytes; ++i) unit[i] ^= 0x80;
     }
   return packed;
 }
