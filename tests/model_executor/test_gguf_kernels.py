@@ -152,11 +152,12 @@ def test_gguf_gemm_bfloat16_activations():
 
 
 def test_gguf_gemm_mixed_parts_and_bias():
-    """A fused layer's shards of different types (Q4_K_M's Q4_K q/k and Q6_K v) side by side, with a bias: 3 rows
-    (a tile at a time) and 9 (AVX-512 runs three tiles of a shard at once: shards of 5 tiles (3, then 1 and 1), 1 and
-    3 (the last padded), never a run across two shards)."""
+    """A fused layer's shards of different types (Q4_K_M's Q4_K q/k and Q6_K v, and a Q8_0 one) side by side, with a
+    bias: 3 rows (a tile at a time, but on AVX-512 Q8_0's shard in runs of three tiles) and 9 (AVX-512 runs three
+    tiles of every shard at once: shards of 5 tiles (3, then 1 and 1), 1 and 3 (the last padded), never a run across
+    two shards)."""
     ops, rng = _ops(None), np.random.default_rng(1)
-    k, parts = 256, [("Q4_K", 80), ("Q4_K", 16), ("Q6_K", 40)]
+    k, parts = 256, [("Q4_K", 80), ("Q8_0", 80), ("Q4_K", 16), ("Q6_K", 40)]
     packed, ws = [], []
     for name, n in parts:
         raw, w = _blocks(name, n, k, rng)

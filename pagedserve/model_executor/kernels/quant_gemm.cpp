@@ -707,8 +707,8 @@ void q8_0_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a
 // VNNI (stored as the unsigned operand): its passes read the three tiles themselves (TilesBlocks), which on a Zen 5
 // was 1.1-1.27x the decoded chunk at 16 rows and 1.0-1.13x at 64 (the chunk's stores and reloads of every value
 // gone), over the whole K (in stretches of 8 blocks, as the chunk, 0.91-0.96x at 64 rows); a 4-bit type's passes
-// decoding its nibbles themselves ran 0.76-0.94x the chunk. (Q8_0 at 2-4 rows on AVX2: q8_0_rows, both vectors at
-// once.)
+// decoding its nibbles themselves ran 0.76-0.94x the chunk. Q8_0 takes this path at 1-4 rows too (gguf_gemm). (Q8_0
+// at 2-4 rows on AVX2: q8_0_rows, both vectors at once.)
 template <int TYPE, int NT>
 void tile_all_rows(const uint8_t* tile, int64_t tile_bytes, int64_t units, int unit_bytes, const ActQ& a,
                    int64_t m_rows, float* out /* [m_rows][NT x 16] */) {
@@ -861,13 +861,15 @@ torch::Tensor gguf_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor lay
   const torch::Tensor bias_f = column_floats(bias, "bias"), col_scale_f = column_floats(col_scale, "col_scale");
   const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const float* col_scale_ptr = col_scale_f.defined() ? col_scale_f.data_ptr<float>() : nullptr;
-  // the work: runs of per_pass consecutive tiles of one part (several only for more than 4 rows), then the part's
-  // last tiles that do not fill one, a tile each; part s's runs are [first_run[s], first_run[s + 1])
-  const int64_t per_pass = m_rows > 4 ? kTilesPerPass : 1;
+  // the work: runs of per_pass(s) consecutive tiles of part s (several for more than 4 rows, and for Q8_0 at every
+  // row count: three tiles a pass at 1-4 rows ran 1.03-1.07x / 1.15-1.21x one at 1 / 4 rows on a Zen 5, where Q4_0's
+  // decoded nibbles gained at 2 rows and lost at 4), then the part's last tiles that do not fill one, a tile each;
+  // part s's runs are [first_run[s], first_run[s + 1])
+  const auto per_pass = [&](int64_t s) { return m_rows > 4 || part[2 * s] == kQ8_0 ? kTilesPerPass : 1; };
   std::vector<int64_t> first_run{0};
   for (int64_t s = 0; s < parts; ++s) {
     const int64_t tiles = first_tile[s + 1] - first_tile[s];
-    first_run.push_back(first_run.back() + tiles / per_pass + tiles % per_pass);
+    first_run.push_back(first_run.back() + tiles / per_pass(s) + tiles % per_pass(s));
   }
   const int64_t all_runs = first_run.back();
   const uint8_t* weights = packed.data_ptr<uint8_t>();
@@ -876,12 +878,12 @@ torch::Tensor gguf_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor lay
     T* o = ps::ptr<T>(out);
 #pragma omp parallel
     {
-      std::vector<float> buf(m_rows * kTile * per_pass);
+      std::vector<float> buf(m_rows * kTile * kTilesPerPass);
 #pragma omp for schedule(static)
       for (int64_t r = 0; r < all_runs; ++r) {
         const size_t s = std::upper_bound(first_run.begin(), first_run.end(), r) - first_run.begin() - 1;
-        const int64_t j = r - first_run[s], full = (first_tile[s + 1] - first_tile[s]) / per_pass;
-        const int64_t t = j < full ? j * per_pass : full * per_pass + (j - full), n_tiles = j < full ? per_pass : 1;
+        const int64_t run = per_pass(s), j = r - first_run[s], full = (first_tile[s + 1] - first_tile[s]) / run;
+        const int64_t t = j < full ? j * run : full * run + (j - full), n_tiles = j < full ? run : 1;
         const int64_t units = k / infos[s].block, tile_bytes = units * infos[s].unit_bytes;
         const uint8_t* tile = weights + offset[s] + t * tile_bytes;
         if (n_tiles == kTilesPerPass)
