@@ -9,13 +9,21 @@ embedding's float rows kept for lookups) in a type with a native kernel (quantiz
 stay in their blocks, as stored: their raw rows (in transformers' row order) are written with their type, and
 config.json gets quantization_config {"quant_method": "gguf", "linear_types": {module: type}}. A fused q/k/v or
 gate/up layer stays quantized only if all its projections do. Everything else is dequantized to float32.
+
+The linears kept in blocks are never dequantized: transformers is shown each of them as a column of its row
+numbers (a float32 [N, 1] tensor), so what it hands back is the row order it would have put the dequantized rows
+in. Dequantizing them all, as transformers' own loader does, holds 4 bytes per parameter at once (an 8B model's
+32 GB, more than a 24 GB machine has). The file is parsed once for transformers' three loads (config, tokenizer,
+tensors): each parse read the whole vocabulary again, most of a conversion's time.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 logger = logging.getLogger("pagedserve")
@@ -61,18 +69,24 @@ def gguf_checkpoint_dir(path: Path) -> Path:
 
 
 def _convert(path: Path, out: Path) -> None:
+    import gguf
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     folder, name = str(path.parent), path.name
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    reader = gguf.GGUFReader(str(path))
+    with _parsed_once(reader):
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     with torch.device("meta"):  # only the parameter names, for transformers' GGUF -> HF name map
         skeleton = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
-    quantized = _quantized_linears(path, tensors)
+    kept = _block_linears(reader)
+    tensors = _load_tensors(path, skeleton, reader, kept)
+    quantized = _quantized_linears(reader, kept, tensors)
+    if quantized is None:  # a kept linear came back as more than a reordering of its rows: dequantize everything
+        tensors = _load_tensors(path, skeleton, reader, {})
+        quantized = _quantized_linears(reader, {}, tensors)
     if "lm_head" in quantized:  # the head multiplies the blocks; the embedding keeps its float rows for lookups
         config.tie_word_embeddings = False
         tensors.pop("lm_head.weight", None)
@@ -97,42 +111,101 @@ def _convert(path: Path, out: Path) -> None:
     (out / _DONE).write_text(json.dumps({"gguf_file": str(path)}))
 
 
-def _quantized_linears(path: Path, tensors: dict) -> dict:
+def _linear_module(t, names: set) -> str | None:
+    """The checkpoint module of GGUF tensor t if it is a decoder layer's linear weight or the LM head (`output`, or
+    `token_embd` where there is no `output`), else None."""
+    parts = t.name.split(".")  # blk.<i>.<name>.weight
+    if t.name == "output.weight" or (t.name == "token_embd.weight" and "output.weight" not in names):
+        return "lm_head"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LINEAR_NAMES and parts[3] == "weight":
+        return f"model.layers.{parts[1]}.{_LINEAR_NAMES[parts[2]]}"
+    return None
+
+
+def _block_linears(reader) -> dict:
+    """{GGUF tensor name: module} of the linears that can stay in their blocks (a native type, 2-D), but the tied
+    head's `token_embd`, whose float rows the embedding needs anyway."""
+    from pagedserve.model_executor.quantization.gguf import NATIVE_TYPES, row_bytes
+
+    names = {t.name for t in reader.tensors}
+    kept = {}
+    for t in reader.tensors:
+        module = _linear_module(t, names)
+        if module is None or t.name == "token_embd.weight" or t.tensor_type.name not in NATIVE_TYPES:
+            continue
+        if len(t.shape) == 2 and t.data.shape == (int(t.shape[1]), row_bytes(t.tensor_type.name, int(t.shape[0]))):
+            kept[t.name] = module
+    return kept
+
+
+@contextmanager
+def _parsed_once(reader):
+    """transformers' GGUF loads (config, tokenizer, tensors) handed `reader` instead of parsing the file again each:
+    its metadata, every vocabulary string read through numpy, took ~9 s a parse for Qwen3's 151,936 tokens."""
+    import gguf
+
+    reader_class = gguf.GGUFReader
+    gguf.GGUFReader = lambda *args, **kwargs: reader  # transformers imports it from the package when it loads
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = reader_class
+
+
+def _load_tensors(path: Path, skeleton, reader, kept: dict) -> dict:
+    """transformers' tensors of the file (its names, its processing), with each tensor named in `kept` read as the
+    column of its row numbers instead of its dequantized rows."""
+    import gguf
+    import numpy as np
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    numbered = copy.copy(reader)
+    f32 = gguf.GGMLQuantizationType.F32
+    numbered.tensors = [t._replace(tensor_type=f32, data=np.arange(t.data.shape[0], dtype=np.float32)[:, None])
+                        if t.name in kept else t for t in reader.tensors]
+    with _parsed_once(numbered):
+        return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+
+
+def _quantized_linears(reader, kept: dict, tensors: dict) -> dict | None:
     """{module: (type name, qweight [N, row bytes] uint8, qtype [N] uint8)} of the decoder layers' linear weights
-    kept quantized. The raw rows are put in the order of transformers' dequantized `tensors` (llama's q/k rows are
-    permuted back): found by matching the dequantized rows, and checked equal; a tensor whose rows do not match
-    exactly is dequantized instead."""
+    kept quantized, their raw rows in the order of transformers' `tensors`: for those in `kept` the row numbers it
+    returned (None if one is not a reordering of its rows); a tied head's from matching its dequantized rows against
+    the embedding's (and every linear's when `kept` is empty). A kept shard of a fused layer that cannot stay
+    quantized whole is dequantized into `tensors`."""
     import gguf
     import numpy as np
     import torch
 
     from pagedserve.model_executor.quantization.gguf import NATIVE_TYPES, row_bytes
 
-    found = {}
-    reader = gguf.GGUFReader(str(path))
+    found, orders = {}, {}
     names = {t.name for t in reader.tensors}
     for t in reader.tensors:
-        parts = t.name.split(".")  # blk.<i>.<name>.weight; output.weight, or token_embd.weight for a tied head
-        if t.name == "output.weight" or (t.name == "token_embd.weight" and "output.weight" not in names):
-            module = "lm_head"
-            target = tensors.get("lm_head.weight", tensors.get("model.embed_tokens.weight"))
-        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in _LINEAR_NAMES and parts[3] == "weight":
-            module = f"model.layers.{parts[1]}.{_LINEAR_NAMES[parts[2]]}"
-            target = tensors.get(f"{module}.weight")
-        else:
-            continue
+        module = _linear_module(t, names)
         type_name = t.tensor_type.name
-        if type_name not in NATIVE_TYPES or target is None or target.dim() != 2:
+        if module is None or type_name not in NATIVE_TYPES or len(t.shape) != 2:
             continue
-        n, k = target.shape
+        n, k = int(t.shape[1]), int(t.shape[0])
         raw = np.asarray(t.data).reshape(n, -1)
         if raw.shape[1] != row_bytes(type_name, k):
             continue
-        rows = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, t.tensor_type))).float()
-        order = _row_order(rows, target.float())
-        if order is None:
-            logger.warning("GGUF tensor %s: rows not matched to %s; dequantized.", t.name, module)
-            continue
+        if t.name in kept:
+            column = tensors.get(f"{module}.weight")
+            order = column.reshape(-1).long() if column is not None and column.shape == (n, 1) else None
+            if order is None or not torch.equal(order.sort().values, torch.arange(n)):
+                return None
+        else:  # dequantized by transformers (the tied head; every linear after a fallback): its rows matched
+            target = (tensors.get("lm_head.weight", tensors.get("model.embed_tokens.weight")) if module == "lm_head"
+                      else tensors.get(f"{module}.weight"))
+            if target is None or target.dim() != 2:
+                continue
+            rows = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, t.tensor_type))).float()
+            order = _row_order(rows, target.float())
+            if order is None:
+                logger.warning("GGUF tensor %s: rows not matched to %s; dequantized.", t.name, module)
+                continue
+        orders[module] = (t, order)
         qweight = torch.from_numpy(raw.copy())[order]
         qtype = torch.full((n,), NATIVE_TYPES[type_name][0], dtype=torch.uint8)
         found[module] = (type_name, qweight, qtype)
@@ -152,6 +225,10 @@ def _quantized_linears(path: Path, tensors: dict) -> dict:
                 padded = torch.zeros(qweight.shape[0], width, dtype=torch.uint8)
                 padded[:, :qweight.shape[1]] = qweight
                 found[m] = (type_name, padded, qtype)
+    for module, (t, order) in orders.items():  # a kept linear left out above: its float rows in place of the numbers
+        if module not in found and t.name in kept:
+            rows = gguf.quants.dequantize(np.asarray(t.data).reshape(int(t.shape[1]), -1), t.tensor_type)
+            tensors[f"{module}.weight"] = torch.from_numpy(np.ascontiguousarray(rows)).float()[order]
     return found
 
 

@@ -105,6 +105,16 @@ def test_gguf_q4_k_m_mix_matches_hf(tmp_path, stack_steps):
     _check(path, native=True, stack_steps=stack_steps)
 
 
+def test_gguf_fused_layer_partly_in_blocks_matches_hf(tmp_path):
+    """q/k in Q8_0 beside an F16 v: the fused q/k/v layer cannot stay in blocks whole, so the conversion, which reads
+    q and k as transformers' row order only (never dequantized up front), dequantizes them after all, their rows in
+    that order (llama's q/k are permuted back): the layer runs in float, HF-exact; gate/up/down stay in blocks."""
+    llm = _check(make_tiny_gguf("llama", "Q8_0", tmp_path, layer_types={"attn_v": "F16"}), native=True)
+    layer = llm.llm_engine.runner.model.layers[0]
+    assert getattr(layer.self_attn.qkv_proj, "gguf_parts", None) is None and layer.self_attn.qkv_proj.weight is not None
+    assert layer.mlp.gate_up_proj.gguf_parts is not None
+
+
 def test_gguf_tokenizer_and_chat_template_from_metadata(tmp_path):
     path = make_tiny_gguf("qwen2", "Q8_0", tmp_path)
     llm = LLM(str(path), num_threads=1, dtype="float32")
