@@ -115,6 +115,24 @@ def test_gguf_fused_layer_partly_in_blocks_matches_hf(tmp_path):
     assert layer.mlp.gate_up_proj.gguf_parts is not None
 
 
+def test_gguf_conversion_falls_back_when_rows_are_not_reordered(tmp_path, monkeypatch):
+    """If transformers hands back a kept linear as anything but a reordering of its row numbers (a processor that
+    changed the values), the conversion dequantizes everything through transformers and matches rows, as before."""
+    load_tensors, calls = gguf_loader._load_tensors, []
+
+    def first_call_spoiled(path, skeleton, reader, kept):
+        tensors = load_tensors(path, skeleton, reader, kept)
+        calls.append(bool(kept))
+        if kept:
+            tensors["model.layers.0.self_attn.q_proj.weight"].zero_()
+        return tensors
+
+    monkeypatch.setattr(gguf_loader, "_load_tensors", first_call_spoiled)
+    llm = _check(make_tiny_gguf("llama", "Q8_0", tmp_path), native=True)
+    assert calls == [True, False]
+    assert llm.llm_engine.runner.model.layers[0].self_attn.qkv_proj.gguf_parts is not None
+
+
 def test_gguf_tokenizer_and_chat_template_from_metadata(tmp_path):
     path = make_tiny_gguf("qwen2", "Q8_0", tmp_path)
     llm = LLM(str(path), num_threads=1, dtype="float32")
