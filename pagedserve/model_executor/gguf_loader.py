@@ -111,31 +111,30 @@ def _convert(path: Path, out: Path) -> None:
     (out / _DONE).write_text(json.dumps({"gguf_file": str(path)}))
 
 
-def _linear_module(t, names: set) -> str | None:
-    """The checkpoint module of GGUF tensor t if it is a decoder layer's linear weight or the LM head (`output`, or
-    `token_embd` where there is no `output`), else None."""
+def _block_module(t, names: set) -> str | None:
+    """The checkpoint module of GGUF tensor t if it can stay in its blocks: a decoder layer's linear weight or the LM
+    head (`output`, or `token_embd` where there is no `output`), 2-D, in a type with a native kernel; else None."""
+    from pagedserve.model_executor.quantization.gguf import NATIVE_TYPES, row_bytes
+
     parts = t.name.split(".")  # blk.<i>.<name>.weight
     if t.name == "output.weight" or (t.name == "token_embd.weight" and "output.weight" not in names):
-        return "lm_head"
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LINEAR_NAMES and parts[3] == "weight":
-        return f"model.layers.{parts[1]}.{_LINEAR_NAMES[parts[2]]}"
-    return None
+        module = "lm_head"
+    elif len(parts) == 4 and parts[0] == "blk" and parts[2] in _LINEAR_NAMES and parts[3] == "weight":
+        module = f"model.layers.{parts[1]}.{_LINEAR_NAMES[parts[2]]}"
+    else:
+        return None
+    type_name = t.tensor_type.name
+    if type_name not in NATIVE_TYPES or len(t.shape) != 2:
+        return None
+    return module if t.data.shape == (int(t.shape[1]), row_bytes(type_name, int(t.shape[0]))) else None
 
 
 def _block_linears(reader) -> dict:
-    """{GGUF tensor name: module} of the linears that can stay in their blocks (a native type, 2-D), but the tied
-    head's `token_embd`, whose float rows the embedding needs anyway."""
-    from pagedserve.model_executor.quantization.gguf import NATIVE_TYPES, row_bytes
-
+    """{GGUF tensor name: module} of the tensors that stay in their blocks, but the tied head's `token_embd`, whose
+    float rows the embedding needs anyway: transformers is shown these as their row numbers."""
     names = {t.name for t in reader.tensors}
-    kept = {}
-    for t in reader.tensors:
-        module = _linear_module(t, names)
-        if module is None or t.name == "token_embd.weight" or t.tensor_type.name not in NATIVE_TYPES:
-            continue
-        if len(t.shape) == 2 and t.data.shape == (int(t.shape[1]), row_bytes(t.tensor_type.name, int(t.shape[0]))):
-            kept[t.name] = module
-    return kept
+    modules = {t.name: _block_module(t, names) for t in reader.tensors if t.name != "token_embd.weight"}
+    return {name: module for name, module in modules.items() if module is not None}
 
 
 @contextmanager
@@ -183,19 +182,16 @@ def _quantized_linears(reader, kept: dict, tensors: dict) -> dict | None:
     import numpy as np
     import torch
 
-    from pagedserve.model_executor.quantization.gguf import NATIVE_TYPES, row_bytes
+    from pagedserve.model_executor.quantization.gguf import NATIVE_TYPES
 
     found, orders = {}, {}
     names = {t.name for t in reader.tensors}
     for t in reader.tensors:
-        module = _linear_module(t, names)
-        type_name = t.tensor_type.name
-        if module is None or type_name not in NATIVE_TYPES or len(t.shape) != 2:
+        module = _block_module(t, names)
+        if module is None:
             continue
-        n, k = int(t.shape[1]), int(t.shape[0])
-        raw = np.asarray(t.data).reshape(n, -1)
-        if raw.shape[1] != row_bytes(type_name, k):
-            continue
+        type_name, n = t.tensor_type.name, int(t.shape[1])
+        raw = np.asarray(t.data)
         if t.name in kept:
             column = tensors.get(f"{module}.weight")
             order = column.reshape(-1).long() if column is not None and column.shape == (n, 1) else None
@@ -233,7 +229,7 @@ def _quantized_linears(reader, kept: dict, tensors: dict) -> dict | None:
                 found[m] = (type_name, padded, qtype)
     for module, (t, order) in orders.items():  # a kept linear left out above: its float rows in place of the numbers
         if module not in found and t.name in kept:
-            rows = gguf.quants.dequantize(np.asarray(t.data).reshape(int(t.shape[1]), -1), t.tensor_type)
+            rows = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
             tensors[f"{module}.weight"] = torch.from_numpy(np.ascontiguousarray(rows)).float()[order]
     return found
 
