@@ -1,5 +1,6 @@
 """Tiny GGUF files written here with the `gguf` package (llama.cpp's own Python writer): a tiny random checkpoint
-of tests/tiny_models.py (llama or qwen2) with its tokenizer (byte-level BPE as llama.cpp's "gpt2" tokenizer model)
+of tests/tiny_models.py (llama, qwen2, or the MoE qwen2-moe / qwen3-moe: experts stacked per layer and projection as
+llama.cpp's `ffn_*_exps`, routers F32) with its tokenizer (byte-level BPE as llama.cpp's "gpt2" tokenizer model)
 and chat template in the metadata, its linear weights in one tensor type, norms in F32.
 
     path = make_tiny_gguf("llama", "Q4_0", out_dir)
@@ -22,14 +23,21 @@ TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1") + K_QUANT
 
 _NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+          # MoE layers (qwen2moe/qwen3moe): the router, Qwen2-MoE's shared expert and its gate
+          "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+          "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+          "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+_GGUF_ARCH = {"qwen2-moe": "qwen2moe", "qwen3-moe": "qwen3moe"}  # else the tiny arch's name
+_EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:  # convert_hf_to_gguf.py LlamaModel.permute
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _random_k_blocks(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+def random_k_blocks(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random K-quant super-blocks whose f16 scales keep weights near 1/sqrt(cols) in size."""
     import gguf
 
@@ -54,8 +62,14 @@ def make_tiny_gguf(arch: str, tensor_type: str, out_dir, *, seed: int = 0, quant
 
     out_dir = Path(out_dir)
     layer_types = layer_types or {}
+    if arch == "qwen3-moe":  # llama.cpp's qwen3moe has experts in every layer (no mlp_only_layers)
+        overrides.setdefault("mlp_only_layers", [])
+    if arch == "qwen2-moe":  # the shared expert's down projection in whole blocks of 32 (the tiny model's is 48)
+        overrides.setdefault("shared_expert_intermediate_size", 64)
     k_quant = {tensor_type, *layer_types.values()} & set(K_QUANTS)
     widen = dict(hidden_size=256, intermediate_size=512, head_dim=64) if k_quant else {}
+    if k_quant and arch in _GGUF_ARCH:  # the experts' down projection reads rows of moe_intermediate_size
+        widen.update(moe_intermediate_size=256, shared_expert_intermediate_size=256 if arch == "qwen2-moe" else 0)
     ckpt = make_tiny_checkpoint(arch, out_dir / "hf", seed=seed, **widen, **overrides)
     cfg = json.loads((ckpt / "config.json").read_text())
     weights = load_file(str(ckpt / "model.safetensors"))
@@ -63,7 +77,7 @@ def make_tiny_gguf(arch: str, tensor_type: str, out_dir, *, seed: int = 0, quant
     rng = np.random.default_rng(seed)
 
     path = out_dir / f"tiny-{arch}-{'-'.join([tensor_type, *layer_types.values()])}.gguf"
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), _GGUF_ARCH.get(arch, arch))
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -76,6 +90,13 @@ def make_tiny_gguf(arch: str, tensor_type: str, out_dir, *, seed: int = 0, quant
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if num_experts:
+        w.add_expert_count(num_experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
 
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     added = {t["id"] for t in tok.get("added_tokens", [])}
@@ -97,7 +118,8 @@ def make_tiny_gguf(arch: str, tensor_type: str, out_dir, *, seed: int = 0, quant
         if not quantize or qtype == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, data)
         elif type_name in K_QUANTS:
-            w.add_tensor(name, _random_k_blocks(qtype, *data.shape, rng), raw_dtype=qtype)
+            blocks = random_k_blocks(qtype, int(np.prod(data.shape[:-1])), data.shape[-1], rng)
+            w.add_tensor(name, blocks.reshape(*data.shape[:-1], -1), raw_dtype=qtype)
         else:
             w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
 
@@ -113,7 +135,14 @@ def make_tiny_gguf(arch: str, tensor_type: str, out_dir, *, seed: int = 0, quant
                     continue
                 if arch.startswith("llama") and gg in ("attn_q", "attn_k"):
                     t = _permute(t, heads if gg == "attn_q" else kv_heads)
-                put(f"blk.{i}.{gg}.{kind}", t, kind == "weight" and t.ndim == 2, layer_types.get(gg, tensor_type))
+                if gg == "ffn_gate_inp_shexp":  # llama.cpp writes the shared expert's gate as a vector
+                    t = t.reshape(-1)
+                linear = kind == "weight" and t.ndim == 2 and gg != "ffn_gate_inp"  # routers stay F32
+                put(f"blk.{i}.{gg}.{kind}", t, linear, layer_types.get(gg, tensor_type))
+        for hf, gg in _EXPERT_NAMES.items():  # [experts, rows, cols], as llama.cpp stacks them
+            stacked = [weights.get(f"model.layers.{i}.mlp.experts.{e}.{hf}.weight") for e in range(num_experts or 0)]
+            if stacked and stacked[0] is not None:
+                put(f"blk.{i}.{gg}.weight", np.stack(stacked), True, layer_types.get(gg, tensor_type))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

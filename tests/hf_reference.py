@@ -48,6 +48,22 @@ class HFResult:
 
 
 @functools.lru_cache(maxsize=4)
+def _gguf_config(path: Path):
+    """transformers' config of a GGUF file, with the MoE experts' widths its GGUF map does not read (it keeps the
+    config class's defaults) taken from the file's metadata."""
+    import gguf
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    fields = gguf.GGUFReader(str(path)).fields
+    arch = fields["general.architecture"].contents()
+    for key, attr in (("expert_feed_forward_length", "moe_intermediate_size"),
+                      ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")):
+        if f"{arch}.{key}" in fields:
+            setattr(config, attr, int(fields[f"{arch}.{key}"].contents()))
+    return config
+
+
 def load_hf_model(model_dir: str):
     """Load a checkpoint (or a GGUF file) in float32, eval mode, with eos disabled in its generation config."""
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -56,7 +72,8 @@ def load_hf_model(model_dir: str):
     hf_logging.disable_progress_bar()
     path = Path(model_dir)
     if path.suffix == ".gguf":  # transformers dequantizes a GGUF file itself
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                     config=_gguf_config(path))
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()

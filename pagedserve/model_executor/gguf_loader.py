@@ -8,7 +8,11 @@ The decoder layers' linear weights and the LM head (`output`, or the tied `token
 embedding's float rows kept for lookups) in a type with a native kernel (quantization/gguf.py: Q8_0, Q4_0, Q5_0, Q4_K, Q6_K)
 stay in their blocks, as stored: their raw rows (in transformers' row order) are written with their type, and
 config.json gets quantization_config {"quant_method": "gguf", "linear_types": {module: type}}. A fused q/k/v or
-gate/up layer stays quantized only if all its projections do. Everything else is dequantized to float32.
+gate/up layer stays quantized only if all its projections do. An MoE layer's experts (llama.cpp stacks them, one
+tensor per projection: `ffn_{gate,up,down}_exps`) are read here, not by transformers: in native types they are
+written as stored, [experts, rows, row bytes], and run on the same kernel (layers/fused_moe/experts.py); the experts'
+widths, which transformers' GGUF config map does not read, come from the metadata. Everything else is dequantized
+to float32.
 
 The linears kept in blocks are never dequantized: transformers is shown each of them as a column of its row
 numbers (a float32 [N, 1] tensor), so what it hands back is the row order it would have put the dequantized rows
@@ -30,13 +34,22 @@ logger = logging.getLogger("pagedserve")
 
 _CACHE_ROOT = Path.home() / ".cache" / "pagedserve" / "gguf"
 _DONE = "pagedserve_gguf.json"  # written last: a directory without it is an interrupted conversion
-_FORMAT = "3"  # of the converted directory (2: quantized linears kept as blocks, 3: Q4_1/Q5_1/Q5_K too); cache key
+_FORMAT = "4"  # of the converted directory (2: quantized linears kept as blocks, 3: Q4_1/Q5_1/Q5_K too, 4: MoE experts
+# in blocks); cache key
 
-# llama.cpp's per-layer linear tensors -> the checkpoint's module names; fused groups of our layers
+# llama.cpp's per-layer linear tensors -> the checkpoint's module names (Qwen2-MoE's shared expert: *_shexp); fused
+# groups of our layers
 _LINEAR_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                  "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                 "ffn_down": "mlp.down_proj"}
-_FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+                 "ffn_down": "mlp.down_proj", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                 "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+_FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"),
+          ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"))
+# an MoE layer's experts, stacked [experts, rows, row bytes] in one tensor per projection
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# metadata transformers' GGUF config map leaves out (it keeps Qwen3MoeConfig's default 768, right for 30B-A3B only)
+_MOE_SIZES = {"expert_feed_forward_length": "moe_intermediate_size",
+              "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
 
 
 def is_gguf_file(path: Path) -> bool:
@@ -79,6 +92,7 @@ def _convert(path: Path, out: Path) -> None:
     with _parsed_once(reader):
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    _set_moe_sizes(reader, config)
     with torch.device("meta"):  # only the parameter names, for transformers' GGUF -> HF name map
         skeleton = AutoModelForCausalLM.from_config(config)
     kept = _block_linears(reader)
@@ -87,6 +101,7 @@ def _convert(path: Path, out: Path) -> None:
     if quantized is None:  # a kept linear came back as more than a reordering of its rows: dequantize everything
         tensors = _load_tensors(path, skeleton, reader, {})
         quantized = _quantized_linears(reader, {}, tensors)
+    expert_files, expert_types = _experts(reader)
     if "lm_head" in quantized:  # the head multiplies the blocks; the embedding keeps its float rows for lookups
         config.tie_word_embeddings = False
         tensors.pop("lm_head.weight", None)
@@ -102,13 +117,65 @@ def _convert(path: Path, out: Path) -> None:
     for module, (_, qweight, qtype) in quantized.items():
         files.pop(f"{module}.weight", None)
         files[f"{module}.qweight"], files[f"{module}.qtype"] = qweight, qtype
+    files.update(expert_files)
     save_file(files, str(out / "model.safetensors"))
-    if quantized:
+    if quantized or expert_types:
         cfg = json.loads((out / "config.json").read_text())
-        cfg["quantization_config"] = {"quant_method": "gguf",
-                                      "linear_types": {m: t for m, (t, _, _) in sorted(quantized.items())}}
+        linear_types = {m: t for m, (t, _, _) in quantized.items()} | expert_types
+        cfg["quantization_config"] = {"quant_method": "gguf", "linear_types": dict(sorted(linear_types.items()))}
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / _DONE).write_text(json.dumps({"gguf_file": str(path)}))
+
+
+def _set_moe_sizes(reader, config) -> None:
+    """The experts' (and Qwen2-MoE's shared expert's) width from the file's metadata into `config`."""
+    arch = reader.fields["general.architecture"].contents()
+    for key, attr in _MOE_SIZES.items():
+        field = reader.fields.get(f"{arch}.{key}")
+        if field is not None:
+            setattr(config, attr, int(field.contents()))
+
+
+def _expert_tensor(t) -> tuple[int, str] | None:
+    """(layer, projection) of an MoE layer's stacked experts tensor `blk.<i>.ffn_<p>_exps.weight`, else None."""
+    parts = t.name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _EXPERT_NAMES and parts[3] == "weight":
+        return int(parts[1]), _EXPERT_NAMES[parts[2]]
+    return None
+
+
+def _experts(reader) -> tuple[dict, dict]:
+    """(safetensors entries, {module: type}) of the MoE layers' experts, read here rather than by transformers:
+    a layer whose three projections are all in native types keeps them as stored ([experts, rows, row bytes] uint8
+    as `model.layers.<i>.mlp.experts.<proj>.qweight`, their types in linear_types); another is dequantized to the
+    hub's per-expert float32 weights. Each expert's rows are in the checkpoint's order (llama.cpp permutes none)."""
+    import gguf
+    import numpy as np
+    import torch
+
+    from pagedserve.model_executor.quantization.gguf import NATIVE_TYPES, row_bytes
+
+    layers: dict[int, dict] = {}
+    for t in reader.tensors:
+        found = _expert_tensor(t)
+        if found is not None:
+            layers.setdefault(found[0], {})[found[1]] = t
+    files, types = {}, {}
+    for i, projections in sorted(layers.items()):
+        prefix = f"model.layers.{i}.mlp.experts"
+        native = len(projections) == len(_EXPERT_NAMES) and all(
+            t.tensor_type.name in NATIVE_TYPES and len(t.shape) == 3
+            and t.data.shape == (int(t.shape[2]), int(t.shape[1]), row_bytes(t.tensor_type.name, int(t.shape[0])))
+            for t in projections.values())
+        for proj, t in projections.items():
+            if native:
+                files[f"{prefix}.{proj}.qweight"] = torch.from_numpy(np.array(t.data))
+                types[f"{prefix}.{proj}"] = t.tensor_type.name
+                continue
+            rows = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)))
+            for e in range(rows.shape[0]):
+                files[f"{prefix}.{e}.{proj}.weight"] = rows[e].float().contiguous()
+    return files, types
 
 
 def _block_module(t, names: set) -> str | None:
@@ -167,7 +234,8 @@ def _load_tensors(path: Path, skeleton, reader, kept: dict) -> dict:
     numbered = copy.copy(reader)
     f32 = gguf.GGMLQuantizationType.F32
     numbered.tensors = [t._replace(tensor_type=f32, data=np.arange(t.data.shape[0], dtype=np.float32)[:, None])
-                        if t.name in kept else t for t in reader.tensors]
+                        if t.name in kept else t for t in reader.tensors
+                        if _expert_tensor(t) is None]  # the experts are read by _experts
     with _parsed_once(numbered):
         return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
 
@@ -212,8 +280,8 @@ def _quantized_linears(reader, kept: dict, tensors: dict) -> dict | None:
         qtype = torch.full((n,), NATIVE_TYPES[type_name][0], dtype=torch.uint8)
         found[module] = (type_name, qweight, qtype)
     for group in _FUSED:  # a fused layer is quantized only whole; its shards' rows padded to one width
-        for layer in {m.rsplit(".", 2)[0] for m in found if m != "lm_head"}:
-            members = [f"{layer}.{name}" for name in group]
+        for parent in {m[:-len(name)] for m in found for name in group if m.endswith(f".{name}")}:
+            members = [parent + name for name in group]
             present = [m for m in members if m in found]
             if not present:
                 continue

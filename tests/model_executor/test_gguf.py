@@ -133,6 +133,52 @@ def test_gguf_conversion_falls_back_when_rows_are_not_reordered(tmp_path, monkey
     assert llm.llm_engine.runner.model.layers[0].self_attn.qkv_proj.gguf_parts is not None
 
 
+def _converted_names(llm) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(llm.llm_engine.model_config.model_dir / "model.safetensors"), framework="pt") as f:
+        return set(f.keys())
+
+
+# (Qwen3-MoE at hidden 64 in Q8_0/Q4_0 is left to the no-kernel test and the layer test below: with the int8
+# activations of every GGUF linear its random routers flip experts past near ties, attention's alone did: 19 of 72
+# tokens before the first divergence with the experts in float)
+@pytest.mark.parametrize("arch,tensor_type,layer_types", [
+    ("qwen2-moe", "Q8_0", None), ("qwen2-moe", "Q4_0", None), ("qwen3-moe", "Q4_K", {"ffn_down_exps": "Q6_K"})])
+def test_gguf_moe_experts_in_blocks_match_hf(tmp_path, arch, tensor_type, layer_types):
+    """An MoE file's stacked experts (llama.cpp's ffn_{gate,up,down}_exps) stay in their blocks from the file to the
+    native experts call: the converted checkpoint holds them as stored, never as float weights, each expert's gate|up
+    product runs as two parts of one block-quantized product (Q4_K_M's mix: Q4_K gate/up, Q6_K down); the experts'
+    width comes from the file's metadata (transformers' GGUF config map leaves it at Qwen3-MoE's default 768)."""
+    llm = _check(make_tiny_gguf(arch, tensor_type, tmp_path, layer_types=layer_types), native=True)
+    experts = llm.llm_engine.runner.model.layers[1].mlp.experts
+    assert experts.w13_weight is None and experts.native13.layout.tolist()[0][0] == NATIVE_TYPES[tensor_type][0]
+    names = _converted_names(llm)
+    assert "model.layers.1.mlp.experts.gate_proj.qweight" in names
+    assert not any(".experts.0." in n for n in names)
+    if arch == "qwen2-moe":  # the shared expert's linears in blocks too
+        assert llm.llm_engine.runner.model.layers[1].mlp.shared_expert.gate_up_proj.gguf_parts is not None
+
+
+def test_gguf_moe_experts_without_native_kernels_match_hf(tmp_path, monkeypatch):
+    """Without the native kernels the experts' blocks are dequantized at load: HF-exact."""
+    monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "0")
+    monkeypatch.setattr(kernels, "_default", None)
+    llm = _check(make_tiny_gguf("qwen3-moe", "Q4_0", tmp_path))
+    experts = llm.llm_engine.runner.model.layers[1].mlp.experts
+    assert experts.native13 is None and experts.w13_weight is not None
+
+
+def test_gguf_moe_experts_in_a_type_without_kernel_are_dequantized(tmp_path):
+    """A layer whose experts are not all in native types (F16 gate here) gets the hub's per-expert float weights;
+    the other linears stay in blocks."""
+    llm = _check(make_tiny_gguf("qwen2-moe", "Q8_0", tmp_path, layer_types={"ffn_gate_exps": "F16"}), native=True)
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight" in _converted_names(llm)
+    layer = llm.llm_engine.runner.model.layers[1]
+    assert layer.mlp.experts.native13.layout is None  # float experts, on the float kernels
+    assert layer.self_attn.qkv_proj.gguf_parts is not None
+
+
 def test_gguf_tokenizer_and_chat_template_from_metadata(tmp_path):
     path = make_tiny_gguf("qwen2", "Q8_0", tmp_path)
     llm = LLM(str(path), num_threads=1, dtype="float32")

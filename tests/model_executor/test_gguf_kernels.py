@@ -1,16 +1,18 @@
 """The native GGUF block-quantized GEMM (kernels/quant_gemm.cpp) against the `gguf` package's own dequantization of
 the same blocks: exact (float rounding) against the kernel's arithmetic - the dequantized weights times the
 activations quantized to int8 per block of 32 - and close to the float product, for each type kept quantized, on
-each instruction-set level this CPU runs (the default one in the fast tier, the others built on demand)."""
+each instruction-set level this CPU runs (the default one in the fast tier, the others built on demand); and an MoE
+layer's experts on GGUF blocks against the same blocks dequantized."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from gguf_files import _random_k_blocks
+from gguf_files import random_k_blocks
 
 from pagedserve.model_executor import kernels
-from pagedserve.model_executor.quantization.gguf import NATIVE_TYPES, type_runs
+from pagedserve.model_executor.layers.fused_moe import FusedMoE, fused_experts, select_experts
+from pagedserve.model_executor.quantization.gguf import NATIVE_TYPES, GGUFConfig, type_runs
 
 gguf = pytest.importorskip("gguf")
 
@@ -23,7 +25,7 @@ def _blocks(name: str, n: int, k: int, rng: np.random.Generator) -> tuple[np.nda
     """Random rows of type `name` ([n, row bytes] uint8) and their float64 dequantization."""
     qtype = gguf.GGMLQuantizationType[name]
     if name.endswith("_K"):  # gguf-py has no K-quant quantizer: random blocks with bounded scales
-        raw = _random_k_blocks(qtype, n, k, rng)
+        raw = random_k_blocks(qtype, n, k, rng)
     else:
         raw = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
     return raw, torch.from_numpy(gguf.quants.dequantize(raw, qtype)).double()
@@ -280,3 +282,37 @@ def test_gguf_gemm_rejects_mismatched_weight():
 def test_type_runs():
     assert type_runs(torch.tensor([12, 12, 14, 14, 14, 12], dtype=torch.uint8)) == [(0, 2, 12), (2, 3, 14),
                                                                                      (5, 1, 12)]
+
+
+@pytest.mark.parametrize("types", [("Q8_0", "Q8_0", "Q8_0"), ("Q4_0", "Q5_0", "Q4_1"), ("Q4_K", "Q4_K", "Q6_K"),
+                                   ("Q5_K", "Q4_K", "Q5_1")])
+@pytest.mark.parametrize("rows", [1, 40])  # 40: with 8 experts, the experts spread over the threads
+@pytest.mark.parametrize("isa", [None, *OTHER_LEVELS])
+def test_gguf_experts_layer_matches_dequantized_weights(types, rows, isa, monkeypatch):
+    """The experts layer on its GGUF blocks (gate and up possibly of different types: two parts of one product) against
+    the same blocks dequantized by the `gguf` package, through F.linear: within the int8 activations' rounding."""
+    monkeypatch.setattr(kernels, "_default", _ops(isa))
+    experts, hidden, inter = 8, 256, 256
+    rng = np.random.default_rng(0)
+    prefix = "layers.1.mlp.experts"
+    config = GGUFConfig(checkpoint_config={"linear_types": {
+        f"model.{prefix}.{p}": t for p, t in zip(("gate_proj", "up_proj", "down_proj"), types)}})
+    layer = FusedMoE(experts, hidden, inter, config, prefix)
+    for proj, type_name in zip(("gate_proj", "up_proj", "down_proj"), types):
+        param = getattr(layer, f"{proj}_qweight")
+        qtype, rows_k = gguf.GGMLQuantizationType[type_name], inter if proj == "down_proj" else hidden
+        if type_name.endswith("_K"):
+            blocks = random_k_blocks(qtype, param.shape[0] * param.shape[1], rows_k, rng)
+        else:
+            w = rng.standard_normal((param.shape[0] * param.shape[1], rows_k)).astype(np.float32) * 0.05
+            blocks = gguf.quants.quantize(w, qtype)
+        param.data.copy_(torch.from_numpy(blocks.reshape(param.shape)))
+    w13, w2 = layer.method.dequantized(layer)
+    layer.process_weights_after_loading()
+    assert layer.native13 is not None and layer.native13.layout[:, 0].tolist() == [NATIVE_TYPES[t][0] for t in types[:2]]
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, hidden, generator=gen)
+    weights, ids = select_experts(torch.randn(rows, experts, generator=gen), 2, True)
+    want = fused_experts(x, w13, w2, weights, ids)
+    got = layer(x, weights, ids)
+    assert ((got - want).norm() / want.norm()).item() < 0.03

@@ -178,7 +178,7 @@ def test_native_experts_refuse_a_pair_outside_the_tokens():
     w13, w2 = torch.zeros(2, 8, 8, dtype=torch.bfloat16), torch.zeros(2, 8, 4, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="names token 3 of 2"):
         ops.fused_moe_experts(torch.zeros(2, 8), torch.tensor([0, 3]), torch.ones(2), [1, 1], w13, w2, 8, 8,
-                              None, None, None, None, None, None, 0, 0.0, 0.0)
+                              None, None, None, None, None, None, None, None, 0, 0.0, 0.0)
 
 
 def _bf16_path(ops, k: int) -> str:

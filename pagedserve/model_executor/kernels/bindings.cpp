@@ -24,7 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("out") = py::none());
   m.def("fused_moe_experts", &fused_moe_experts, "an MoE layer's experts on packed stacks: the (token, slot) pairs "
         "sorted by expert (pair_tokens, pair_weights; counts per expert), each expert act(x[rows] W13^T + b13) W2^T + "
-        "b2, and per token the sum of its pairs' rows times their weights; int8 with scales and shifts; activation 0 "
+        "b2, and per token the sum of its pairs' rows times their weights; int8 with scales and shifts, GGUF blocks "
+        "with their parts' layouts; activation 0 "
         "silu, 1 gpt-oss's clamped SwiGLU");
   m.def("native_bf16_weight_gemm", &native_bf16_weight_gemm, "whether bf16_weight_gemm runs in this build (AVX2) for "
         "this K (a multiple of 8)");

@@ -2,8 +2,8 @@
 // tokens routed to it, gathered here), y = act(rows W13^T + b13) W2^T + b2 on its weights, then each token's output
 // is the sum of its experts' rows scaled by their routing weights. The products, by the stack's kind: packed for
 // small_gemm (float32, bfloat16 [E, N/16, ...]) or small_gemm_int8 (int8, with scales and shifts); on CPUs where the
-// small GEMM does not run the dtype (AVX2), Q8_0 blocks for gguf_gemm (uint8 [E, bytes]: int8 experts) or bfloat16
-// as stored for bf16_weight_gemm ([E, N, K]).
+// small GEMM does not run the dtype (AVX2), GGUF blocks for gguf_gemm (uint8 [E, bytes] with the parts' layout: a
+// GGUF file's experts kept as stored, or int8 experts as Q8_0) or bfloat16 as stored for bf16_weight_gemm ([E, N, K]).
 //
 // Why one call: each small_gemm call is its own parallel region, so a layer of ~110 active experts (16-32 tokens on
 // Qwen3-30B-A3B) cost ~220 thread barriers, each stalled whenever a thread is descheduled. Here, with at least two
@@ -35,17 +35,13 @@ torch::Tensor activate(const torch::Tensor& h, int64_t activation, double alpha,
 
 torch::Tensor project(const torch::Tensor& x, const torch::Tensor& packed, int64_t e, int64_t n,
                       const c10::optional<torch::Tensor>& scale, const c10::optional<torch::Tensor>& shift,
-                      const c10::optional<torch::Tensor>& bias) {
+                      const c10::optional<torch::Tensor>& layout, const c10::optional<torch::Tensor>& bias) {
   c10::optional<torch::Tensor> b;
   if (bias.has_value() && bias->defined()) b = bias->select(0, e);
   if (scale.has_value() && scale->defined())
     return small_gemm_int8(x, packed.select(0, e), scale->select(0, e), shift->select(0, e), n, b);
-  if (packed.scalar_type() == torch::kByte) {  // Q8_0 blocks repacked by gguf_repack: one part of n columns
-    auto layout = torch::empty({1, 2}, torch::kLong);
-    layout.data_ptr<int64_t>()[0] = 8;  // Q8_0's ggml type id
-    layout.data_ptr<int64_t>()[1] = n;
-    return gguf_gemm(x, packed.select(0, e), layout, b);
-  }
+  if (packed.scalar_type() == torch::kByte)  // blocks repacked by gguf_repack, every expert's parts alike
+    return gguf_gemm(x, packed.select(0, e), *layout, b);
   if (packed.dim() == 3) return bf16_weight_gemm(x, packed.select(0, e), b);  // bfloat16 [E, N, K] as stored
   return small_gemm(x, packed.select(0, e), n, b);
 }
@@ -81,9 +77,14 @@ torch::Tensor fused_moe_experts(torch::Tensor x, torch::Tensor pair_tokens, torc
                                 std::vector<int64_t> counts, torch::Tensor w13, torch::Tensor w2, int64_t n13,
                                 int64_t n2, c10::optional<torch::Tensor> scale13, c10::optional<torch::Tensor> shift13,
                                 c10::optional<torch::Tensor> scale2, c10::optional<torch::Tensor> shift2,
+                                c10::optional<torch::Tensor> layout13, c10::optional<torch::Tensor> layout2,
                                 c10::optional<torch::Tensor> b13, c10::optional<torch::Tensor> b2, int64_t activation,
                                 double alpha, double limit) {
   TORCH_CHECK(x.dim() == 2 && ps::is_act_dtype(x.scalar_type()), "fused_moe_experts: x [T, H] float32 or bfloat16");
+  const auto given = [](const c10::optional<torch::Tensor>& t) { return t.has_value() && t->defined(); };
+  TORCH_CHECK((w13.scalar_type() == torch::kByte) == given(layout13) &&
+                  (w2.scalar_type() == torch::kByte) == given(layout2),
+              "fused_moe_experts: a uint8 (GGUF block) stack comes with its parts' layout, and only it");
   TORCH_CHECK(static_cast<int64_t>(counts.size()) == w13.size(0) && w2.size(0) == w13.size(0),
               "fused_moe_experts: one count per expert of the packed stacks");
   TORCH_CHECK(pair_tokens.dim() == 1 && pair_tokens.scalar_type() == torch::kLong && pair_weights.dim() == 1 &&
@@ -114,9 +115,9 @@ torch::Tensor fused_moe_experts(torch::Tensor x, torch::Tensor pair_tokens, torc
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t e = experts[i];
       auto rows = x.index_select(0, tok.narrow(0, starts[i], counts[e]));
-      auto h = project(rows, w13, e, n13, scale13, shift13, b13);
+      auto h = project(rows, w13, e, n13, scale13, shift13, layout13, b13);
       y.narrow(0, starts[i], counts[e]).copy_(project(activate(h, activation, alpha, limit), w2, e, n2, scale2, shift2,
-                                                      b2));
+                                                      layout2, b2));
     }
   };
   const int64_t n = static_cast<int64_t>(experts.size());

@@ -59,6 +59,7 @@ torch::Tensor fused_moe_experts(torch::Tensor x, torch::Tensor pair_tokens, torc
                                 std::vector<int64_t> counts, torch::Tensor w13, torch::Tensor w2, int64_t n13,
                                 int64_t n2, c10::optional<torch::Tensor> scale13, c10::optional<torch::Tensor> shift13,
                                 c10::optional<torch::Tensor> scale2, c10::optional<torch::Tensor> shift2,
+                                c10::optional<torch::Tensor> layout13, c10::optional<torch::Tensor> layout2,
                                 c10::optional<torch::Tensor> b13, c10::optional<torch::Tensor> b2, int64_t activation,
                                 double alpha, double limit);
 // bf16_weight_gemm.cpp

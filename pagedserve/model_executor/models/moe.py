@@ -22,7 +22,9 @@ from pagedserve.model_executor.model_config import ModelConfig
 from pagedserve.model_executor.models.decoder_lm import DecoderForCausalLM
 
 _EXPERT = re.compile(r"^(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_SHARED = re.compile(r"^(layers\.\d+\.mlp\.shared_expert)\.(gate_proj|up_proj)\.weight$")
+# a GGUF file's experts kept in blocks (quantization/gguf.py: GGUFExpertsMethod), one stacked tensor per projection
+_EXPERT_BLOCKS = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.qweight$")
+_SHARED = re.compile(r"^(layers\.\d+\.mlp\.shared_expert)\.(gate_proj|up_proj)\.(weight|qweight|qtype)$")
 _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -73,13 +75,17 @@ class _MoeForCausalLM(DecoderForCausalLM):
             offset = 0 if proj == "gate_proj" else size
             params[f"{prefix}.experts.w13_weight"].data[e, offset:offset + size].copy_(tensor)
             return f"{prefix}.experts.w13_weight"
-        m = _SHARED.match(name)
+        m = _EXPERT_BLOCKS.match(name)
         if m is not None:
-            param = params[f"{m[1]}.gate_up_proj.weight"]
+            params[f"{m[1]}.{m[2]}_qweight"].data.copy_(tensor)
+            return f"{m[1]}.{m[2]}_qweight"
+        m = _SHARED.match(name)
+        if m is not None:  # its float weight, or a GGUF file's blocks and their types (rows padded to one width)
+            param = params[f"{m[1]}.gate_up_proj.{m[3]}"]
             size = param.shape[0] // 2
             offset = 0 if m[2] == "gate_proj" else size
             param.data[offset:offset + size].copy_(tensor)
-            return f"{m[1]}.gate_up_proj.weight#{int(offset > 0)}"  # the shared rule's shard keys
+            return f"{m[1]}.gate_up_proj.{m[3]}#{int(offset > 0)}"  # the shared rule's shard keys
         return None
 
 

@@ -113,6 +113,46 @@ class GGUFLinearMethod(LinearMethodBase):
         return NativeLinearTensors(packed, layer.bias, None, None, sys.maxsize, gguf_layout=layout)
 
 
+class GGUFExpertsMethod:
+    """An MoE layer's experts kept in their GGUF blocks (layers/fused_moe/experts.py: FusedMoE): the file's stacked
+    gate, up and down tensors [experts, rows, row bytes] as stored, each projection in one type; once loaded,
+    repacked per expert for the native experts call (gate|up as two parts of one product), or dequantized to the
+    float weights where it does not run."""
+
+    PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, types: tuple[str, str, str]) -> None:
+        self.types = dict(zip(self.PROJECTIONS, types))
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden: int, intermediate: int) -> None:
+        for proj, type_name in self.types.items():
+            k = intermediate if proj == "down_proj" else hidden
+            n = hidden if proj == "down_proj" else intermediate
+            blocks = torch.empty(num_experts, n, row_bytes(type_name, k), dtype=torch.uint8)
+            setattr(layer, f"{proj}_qweight", nn.Parameter(blocks, requires_grad=False))
+        layer.register_buffer("gguf_dtype", torch.empty(0), persistent=False)  # the dtype the experts compute in
+
+    def native_parts(self, layer: nn.Module) -> list[list[tuple[torch.Tensor, int]]] | None:
+        """[(blocks [experts, rows, row bytes], ggml type id), ...] of the gate|up product and of the down product,
+        or None where the native kernels do not run these types in the layer's dtype."""
+        ops = cpu_kernels() if layer.gguf_dtype.dtype in (torch.float32, torch.bfloat16) else None
+        ids = {proj: NATIVE_TYPES[t][0] for proj, t in self.types.items()}
+        if ops is None or not all(ops.native_gguf_type(t) for t in ids.values()):
+            return None
+        return [[(getattr(layer, f"{p}_qweight").data, ids[p]) for p in ("gate_proj", "up_proj")],
+                [(layer.down_proj_qweight.data, ids["down_proj"])]]
+
+    def dequantized(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float w13 [experts, 2I, H] and w2 [experts, H, I] of the blocks, in the layer's dtype."""
+        def rows(proj: str, in_features: int) -> torch.Tensor:
+            blocks = getattr(layer, f"{proj}_qweight").data
+            flat = dequantize_rows(blocks.reshape(-1, blocks.shape[-1]), NATIVE_TYPES[self.types[proj]][0], in_features)
+            return flat.view(*blocks.shape[:2], in_features).to(layer.gguf_dtype.dtype)
+
+        hidden, intermediate = layer.down_proj_qweight.shape[1], layer.gate_proj_qweight.shape[1]
+        return torch.cat([rows("gate_proj", hidden), rows("up_proj", hidden)], dim=1), rows("down_proj", intermediate)
+
+
 class GGUFConfig(CheckpointQuantizationConfig):
     name = "gguf"
 
@@ -124,8 +164,11 @@ class GGUFConfig(CheckpointQuantizationConfig):
             raise ValueError(f"quantization='gguf': no kernel for tensor types {unknown}; supported: "
                              f"{', '.join(NATIVE_TYPES)}.")
 
-    def get_linear_method(self, layer: nn.Module, prefix: str = "") -> LinearMethodBase:
+    def get_linear_method(self, layer: nn.Module, prefix: str = "") -> LinearMethodBase | GGUFExpertsMethod:
         parent, _, leaf = prefix.rpartition(".")  # "layers.0.self_attn.qkv_proj" -> model.layers.0.self_attn.q_proj ...
+        if leaf == "experts":  # an MoE layer's experts ("layers.1.mlp.experts"): in blocks if the file kept them
+            types = tuple(self.linear_types.get(f"model.{prefix}.{p}") for p in GGUFExpertsMethod.PROJECTIONS)
+            return self.float_config.method if None in types else GGUFExpertsMethod(types)
         module = f"model.{parent}." if parent else ""  # the LM head: "lm_head"
         types = [self.linear_types.get(module + name) for name in FUSED_SHARDS.get(leaf, (leaf,))]
         if None in types:

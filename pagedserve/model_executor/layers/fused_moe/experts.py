@@ -11,7 +11,9 @@ dropped, and one native call (kernels/moe_experts.cpp) gathers every expert's ro
 outputs per token (no ATen index ops: on a shared 2-core CPU index_add_ alone took 50-110 ms a layer). Where the
 small GEMM does not run the dtype (AVX2 CPUs: no VNNI, no AVX512-BF16) the same call takes int8 experts as the same
 per-channel int8 weights in Q8_0 blocks (the block-quantized kernel's int8 dot products, VPMADDUBSW) and bfloat16
-experts as stored (bf16_weight_gemm: float32 arithmetic on the widened weights). Each expert's product goes to the
+experts as stored (bf16_weight_gemm: float32 arithmetic on the widened weights). A GGUF file's experts
+(quantization/gguf.py: GGUFExpertsMethod) keep the file's blocks, repacked per expert for the same block-quantized
+kernel (gate and up as two parts of one product, each in its own type). Each expert's product goes to the
 native kernel at every row count: only one copy of the experts is kept (they are most of an MoE model's bytes), and
 an expert's rows are few (a 512-token prefill chunk routes ~32 rows to each of Qwen3-30B-A3B's 128 experts). On CUDA
 (with Triton) the Triton fused-MoE kernel (triton_moe.py). Elsewhere (`--linear-backend torch`, CPUs without the
@@ -30,7 +32,7 @@ from torch import nn
 from pagedserve.model_executor.kernels import cpu_kernels
 from pagedserve.model_executor.layers.activation import SwigluOAI, silu_and_mul
 from pagedserve.model_executor.quantization.base import QuantizationConfig
-from pagedserve.model_executor.quantization.gguf import NATIVE_TYPES
+from pagedserve.model_executor.quantization.gguf import NATIVE_TYPES, GGUFExpertsMethod
 from pagedserve.model_executor.quantization.int8 import Int8LinearMethod, q8_0_rows, quantize_per_channel
 from pagedserve.model_executor.quantization.unquantized import UnquantizedLinearMethod
 
@@ -77,6 +79,7 @@ class _PackedStack:
     and for int8 the per-column scales and shifts [E, N]."""
 
     copies_weights = True
+    layout = None
 
     def __init__(self, w: torch.Tensor, int8: bool) -> None:
         ops = cpu_kernels()
@@ -91,23 +94,35 @@ class _PackedStack:
             self.scale = self.shift = None
 
 
-class _Q8_0Stack:
-    """One projection of every int8 expert where the small GEMM runs no int8 (AVX2 CPUs without VNNI): the same
-    per-channel int8 weights as Q8_0 blocks (quantization/int8.py: q8_0_rows) repacked for the native block-quantized
-    kernel (gguf_gemm), which multiplies them with int8 dot products against activations quantized per block of 32:
-    a quarter of the bytes per product of the dequantized float32 experts F.linear would read. `build` gives None
-    where a weight does not fit Q8_0 (K not a multiple of 32, a scale outside float16's range)."""
+class _BlockStack:
+    """One product of every expert in GGUF blocks repacked for the native block-quantized kernel (gguf_gemm), which
+    multiplies them with int8 dot products against activations quantized per block of 32: packed [E, bytes] (expert
+    e's parts one after another in row e) and the parts' layout [parts, 2] (type, width), the same for every expert.
+    Two sources: a GGUF file's experts kept as stored (`from_blocks`; gate|up as two parts), and int8 experts where
+    the small GEMM runs no int8 (AVX2 CPUs without VNNI: `from_int8`, the same per-channel int8 weights as Q8_0
+    blocks, quantization/int8.py: q8_0_rows) - a quarter of the bytes per product of the dequantized float32 experts
+    F.linear would read."""
 
     copies_weights = True
-    TYPE = NATIVE_TYPES["Q8_0"][0]  # the only uint8 stack kernels/moe_experts.cpp takes
+    Q8_0 = NATIVE_TYPES["Q8_0"][0]
     scale = shift = None
 
-    def __init__(self, packed: torch.Tensor, n: int) -> None:
-        self.packed = packed  # [E, bytes]: expert e's repacked blocks in row e
-        self.n = n
+    def __init__(self, packed: torch.Tensor, layout: list[tuple[int, int]]) -> None:
+        self.packed = packed
+        self.layout = torch.tensor(layout, dtype=torch.int64)
+        self.n = sum(width for _, width in layout)
 
     @classmethod
-    def build(cls, w: torch.Tensor) -> _Q8_0Stack | None:
+    def from_blocks(cls, parts: list[tuple[torch.Tensor, int]], k: int) -> _BlockStack:
+        """parts: (blocks [E, rows, row bytes] as stored, ggml type id) along the product's output columns."""
+        ops = cpu_kernels()
+        packed = [torch.cat([ops.gguf_repack(blocks[e], t, blocks.shape[1], k) for blocks, t in parts])
+                  for e in range(parts[0][0].shape[0])]
+        return cls(torch.stack(packed), [(t, blocks.shape[1]) for blocks, t in parts])
+
+    @classmethod
+    def from_int8(cls, w: torch.Tensor) -> _BlockStack | None:
+        """None where a weight does not fit Q8_0 (K not a multiple of 32, a scale outside float16's range)."""
         ops = cpu_kernels()
         n, k = w.shape[1], w.shape[2]
         packed = []
@@ -115,8 +130,8 @@ class _Q8_0Stack:
             rows = q8_0_rows(*quantize_per_channel(w[e]))
             if rows is None:
                 return None
-            packed.append(ops.gguf_repack(rows, cls.TYPE, n, k))
-        return cls(torch.stack(packed), n)
+            packed.append(ops.gguf_repack(rows, cls.Q8_0, n, k))
+        return cls(torch.stack(packed), [(cls.Q8_0, n)])
 
 
 class _StoredStack:
@@ -125,7 +140,7 @@ class _StoredStack:
     F.linear there reads the weight once per row, at a fraction of the memory bandwidth)."""
 
     copies_weights = False
-    scale = shift = None
+    scale = shift = layout = None
 
     def __init__(self, w: torch.Tensor) -> None:
         self.packed = w.contiguous()
@@ -143,16 +158,23 @@ class FusedMoE(nn.Module):
         self.num_experts = num_experts
         self.activation = activation
         self.method = quant_config.get_linear_method(self, prefix)
-        if not isinstance(self.method, (Int8LinearMethod, UnquantizedLinearMethod)):
-            raise ValueError(f"MoE experts run float or int8 (--quantization int8) weights; quantization "
+        if not isinstance(self.method, (Int8LinearMethod, UnquantizedLinearMethod, GGUFExpertsMethod)):
+            raise ValueError(f"MoE experts run float, int8 (--quantization int8) or GGUF-block weights; quantization "
                              f"{quant_config.name!r} is not built for them.")
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+        if isinstance(self.method, GGUFExpertsMethod):  # the file's blocks; float weights only if dequantized
+            self.method.create_weights(self, num_experts, hidden, intermediate)
+            self.w13_weight = self.w2_weight = None
+        else:
+            self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
+            self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
         self.w13_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate), requires_grad=False) if bias else None
         self.w2_bias = nn.Parameter(torch.zeros(num_experts, hidden), requires_grad=False) if bias else None
         self.native13 = self.native2 = None  # the stacks the native call reads, once loaded where it runs
 
     def process_weights_after_loading(self) -> None:
+        if isinstance(self.method, GGUFExpertsMethod):
+            self._process_gguf_blocks()
+            return
         w13, w2 = self.w13_weight.detach(), self.w2_weight.detach()
         int8 = isinstance(self.method, Int8LinearMethod)
         allow = self.method.allow_native if int8 else self.method.backend == "native"
@@ -171,6 +193,21 @@ class FusedMoE(nn.Module):
                                    for q, s in (quantize_per_channel(w[e]) for e in range(w.shape[0]))])
                 setattr(self, name, nn.Parameter(deq, requires_grad=False))
 
+    def _process_gguf_blocks(self) -> None:
+        """The file's blocks repacked per expert for the native call, or, where it does not run (no native kernels,
+        float16), dequantized into the float weights F.linear reads."""
+        parts = self.method.native_parts(self) if self.gguf_dtype.device.type == "cpu" else None
+        if parts is not None:
+            gate_up, down = parts
+            self.native13 = _BlockStack.from_blocks(gate_up, self.down_proj_qweight.shape[1])
+            self.native2 = _BlockStack.from_blocks(down, self.gate_proj_qweight.shape[1])
+        else:
+            w13, w2 = self.method.dequantized(self)
+            self.w13_weight = nn.Parameter(w13, requires_grad=False)
+            self.w2_weight = nn.Parameter(w2, requires_grad=False)
+        for proj in GGUFExpertsMethod.PROJECTIONS:
+            delattr(self, f"{proj}_qweight")
+
     @staticmethod
     def _native_stacks(ops, w13: torch.Tensor, w2: torch.Tensor, int8: bool) -> tuple | None:
         """The two stacks for the native call on this CPU, best first: the small GEMM's packed weights where it runs
@@ -179,9 +216,9 @@ class FusedMoE(nn.Module):
         wdtype = torch.int8 if int8 else w13.dtype
         if ops.native_small_gemm(wdtype, k13) and ops.native_small_gemm(wdtype, k2):
             return _PackedStack(w13, int8), _PackedStack(w2, int8)
-        if int8 and ops.native_gguf_type(_Q8_0Stack.TYPE):
-            q13 = _Q8_0Stack.build(w13)
-            q2 = _Q8_0Stack.build(w2) if q13 is not None else None
+        if int8 and ops.native_gguf_type(_BlockStack.Q8_0):
+            q13 = _BlockStack.from_int8(w13)
+            q2 = _BlockStack.from_int8(w2) if q13 is not None else None
             return (q13, q2) if q2 is not None else None
         if wdtype == torch.bfloat16 and ops.native_bf16_weight_gemm(k13) and ops.native_bf16_weight_gemm(k2):
             return _StoredStack(w13), _StoredStack(w2)
@@ -199,8 +236,8 @@ class FusedMoE(nn.Module):
         # InferenceMode") whenever the experts spread over the threads (two or more per thread).
         with torch.inference_mode(False):
             return cpu_kernels().fused_moe_experts(x, pair_tokens, pair_weights, counts, a.packed, b.packed, a.n, b.n,
-                                                   a.scale, a.shift, b.scale, b.shift, self.w13_bias, self.w2_bias,
-                                                   code, alpha, limit)
+                                                   a.scale, a.shift, b.scale, b.shift, a.layout, b.layout,
+                                                   self.w13_bias, self.w2_bias, code, alpha, limit)
 
     def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         b13 = None if self.w13_bias is None else self.w13_bias[e]

@@ -17,6 +17,7 @@ from pagedserve.model_executor.layers.fused_moe.experts import FusedMoE
 from pagedserve.model_executor.layers.linear import Linear
 from pagedserve.model_executor.parallel_state import ParallelState
 from pagedserve.model_executor.quantization.base import QuantizationConfig
+from pagedserve.model_executor.quantization.gguf import GGUFExpertsMethod
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +55,8 @@ class SparseMoeBlock(nn.Module):
         self.gate = Linear(hidden, num_experts, False, quant_config.float_config, f"{prefix}.gate")
         self.experts = FusedMoE(num_experts, hidden, local_intermediate(intermediate, parallel, "moe_intermediate_size"),
                                 quant_config, f"{prefix}.experts")
+        if parallel.tp_size > 1 and isinstance(self.experts.method, GGUFExpertsMethod):
+            raise ValueError("A GGUF file's MoE experts kept in their blocks run with tensor_parallel_size=1.")
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate:
             shared = local_intermediate(shared_intermediate, parallel, "shared_expert_intermediate_size")
