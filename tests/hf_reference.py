@@ -47,7 +47,6 @@ class HFResult:
         return [(int(i), float(v)) for i, v in zip(idx, vals)]
 
 
-@functools.lru_cache(maxsize=4)
 def _gguf_config(path: Path):
     """transformers' config of a GGUF file, with the MoE experts' widths its GGUF map does not read (it keeps the
     config class's defaults) taken from the file's metadata."""
@@ -64,6 +63,7 @@ def _gguf_config(path: Path):
     return config
 
 
+@functools.lru_cache(maxsize=4)
 def load_hf_model(model_dir: str):
     """Load a checkpoint (or a GGUF file) in float32, eval mode, with eos disabled in its generation config."""
     from transformers import AutoModelForCausalLM, GenerationConfig
