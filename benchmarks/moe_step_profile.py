@@ -4,7 +4,8 @@
         --batches 1,16
 
 One engine per precision (float32, bfloat16 or int8: `--quantization int8`, float32 activations, as
-benchmarks/cpu_peers.py runs it); per batch size B, B requests of `--context` random prompt tokens are prefilled,
+benchmarks/cpu_peers.py runs it; "as-stored": the checkpoint's own format, e.g. a GGUF file as --model, float32
+activations); per batch size B, B requests of `--context` random prompt tokens are prefilled,
 then `--steps` decode steps are timed (after `--warmup`): the whole step, and inside it (forward hooks, timed with
 perf_counter: the CPU runs the ops synchronously) the attention block's projections (qkv_proj, o_proj) and the rest of attention (norms, rotary,
 the paged kernel), the router (its linear and top-k), the experts (the sort by expert and, timed apart, the native
@@ -86,7 +87,7 @@ def load(args, precision: str):
     from pagedserve import LLM
 
     quantization = "int8" if precision == "int8" else None
-    dtype = "float32" if quantization else precision
+    dtype = "float32" if quantization or precision == "as-stored" else precision
     batch = max(args.batches)
     t = time.perf_counter()
     llm = LLM(args.model, dtype=dtype, quantization=quantization, num_threads=args.num_threads,

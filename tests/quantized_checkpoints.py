@@ -191,9 +191,8 @@ def quantize_checkpoint(float_dir: Path, fmt: str, out_dir, *, group_size: int =
         in_features = w.shape[1]
         group = in_features if group_size == -1 else group_size
         g_idx = torch.arange(in_features) // group
-        if desc_act:  # one random input order per layer input: q/k/v share theirs, gate/up theirs
-            layer = name.split(".")[2]
-            key = (layer, "attn" if module in _ATTN_IN else "mlp" if module in _MLP_IN else module)
+        if desc_act:  # one random input order per layer input: q/k/v share theirs, gate/up (each expert's) theirs
+            key = (prefix.rsplit(".", 1)[0], "in" if module in _ATTN_IN + _MLP_IN else module)
             if key not in orders:
                 orders[key] = torch.randperm(in_features, generator=gen)
             g_idx = torch.empty_like(g_idx)

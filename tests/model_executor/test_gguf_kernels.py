@@ -316,3 +316,34 @@ def test_gguf_experts_layer_matches_dequantized_weights(types, rows, isa, monkey
     want = fused_experts(x, w13, w2, weights, ids)
     got = layer(x, weights, ids)
     assert ((got - want).norm() / want.norm()).item() < 0.03
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_int4_weights_as_gguf_rows(symmetric, group_size):
+    """4-bit checkpoint weights (int4.py: Int4Weights) as GGUF rows: Q4_0 for symmetric ones, exactly (float16
+    scales, as GPTQ stores them); Q4_1 otherwise, its m the float16 rounding of lo; Q4_0 rows rewritten as Q4_1
+    exactly; and None where blocks cannot hold them (act-order's input order, groups of 16)."""
+    from pagedserve.model_executor.quantization.gguf import int4_gguf_rows, q4_0_as_q4_1
+    from pagedserve.model_executor.quantization.int4 import Int4Weights
+
+    gen = torch.Generator().manual_seed(0)
+    n, k = 16, 256
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    scale = (torch.rand(n, k // group_size, generator=gen) * 0.01 + 1e-3).half().float()
+    zeros = torch.full_like(scale, 8) if symmetric else torch.randint(0, 16, scale.shape, generator=gen).float()
+    weights = Int4Weights(q, scale, -zeros * scale, group_size, torch.float32)
+    rows, type_name = int4_gguf_rows(weights)
+    assert type_name == ("Q4_0" if symmetric else "Q4_1")
+    got = torch.from_numpy(gguf.quants.dequantize(rows.numpy(), gguf.GGMLQuantizationType[type_name]))
+    want = weights.dequantize()
+    if symmetric:
+        assert torch.equal(got, want)
+        as_q4_1 = torch.from_numpy(gguf.quants.dequantize(q4_0_as_q4_1(rows).numpy(), gguf.GGMLQuantizationType.Q4_1))
+        assert torch.equal(as_q4_1, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=0, atol=float(scale.max()) * 16 * 2 ** -10)
+    assert int4_gguf_rows(Int4Weights(q, scale, -zeros * scale, group_size, torch.float32, torch.arange(k))) is None
+    fine = group_size // 16  # the same weights in groups of 16
+    assert int4_gguf_rows(Int4Weights(q, scale.repeat_interleave(fine, 1), (-zeros * scale).repeat_interleave(fine, 1),
+                                      16, torch.float32)) is None

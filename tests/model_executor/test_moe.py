@@ -327,9 +327,13 @@ def test_moe_bf16_and_int8_experts_follow_transformers(arch, dtype, quantization
 
 
 def test_experts_refuse_a_quantization_they_do_not_run():
-    from pagedserve.model_executor.quantization.int4 import Int4Config
-    with pytest.raises(ValueError, match="quantization 'int4' is not built for them"):
-        FusedMoE(4, 64, 32, Int4Config(), "layers.0.mlp.experts")
+    from pagedserve.model_executor.quantization.compressed_tensors import CompressedTensorsConfig
+    w8a8 = {"config_groups": {"group_0": {
+        "targets": ["Linear"], "format": "int-quantized",
+        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}}}}
+    with pytest.raises(ValueError, match="quantization 'compressed-tensors' is not built for them"):
+        FusedMoE(4, 64, 32, CompressedTensorsConfig(checkpoint_config=w8a8), "layers.0.mlp.experts")
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineArgs
 from pagedserve.model_executor.kernels import cpu_kernels
+from pagedserve.model_executor.quantization.gguf import NATIVE_TYPES
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
 WIDE = dict(hidden_size=128, intermediate_size=256)  # inputs of 128 and 256: groups of 128 fit every layer
@@ -213,3 +214,68 @@ def test_gptq_target_with_float_draft_model(tmp_path):
     prompts = mixed_prompts(llm.get_tokenizer(), 2, lengths=(5, 40), seed=9)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
     assert_greedy_match(outs, hf_greedy(ref, prompts, GREEDY.max_tokens))
+
+
+# Qwen2-MoE (shared expert of 64 channels: whole groups of 32): experts in every checkpoint format, each expert's
+# projections read as stored; 4-bit ones become GGUF Q4_0 (symmetric) / Q4_1 blocks on the block-quantized kernel
+# (int8 activations per block of 32: the near-tie rule, half identical), act-order and FP8 ones float experts.
+MOE = dict(shared_expert_intermediate_size=64)
+
+
+@pytest.mark.parametrize("fmt,settings,kind", [
+    ("gptq", dict(group_size=32, symmetric=True), "Q4_0"),
+    ("awq", dict(group_size=32), "Q4_1"),
+    ("ct-w4a16", dict(group_size=32, symmetric=True), "Q4_0"),
+    ("gptq", dict(group_size=32, desc_act=True), "float"),  # act-order: blocks cannot hold the input order
+    ("fp8", dict(fp8_block=(32, 32)), "float"),
+])
+def test_moe_experts_in_checkpoint_formats_match_hf(tmp_path, fmt, settings, kind):
+    if fmt.startswith("ct-"):
+        pytest.importorskip("compressed_tensors")
+    ckpt, ref = make_quantized_checkpoint("qwen2-moe", fmt, tmp_path, **settings, **MOE)
+    llm = LLM(str(ckpt), dtype="float32", num_threads=1)
+    prompts = mixed_prompts(llm.get_tokenizer(), 6, lengths=(5, 60), seed=7)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    experts = llm.llm_engine.runner.model.layers[1].mlp.experts
+    assert experts.checkpoint_experts is None  # the checkpoint's tensors are gone once converted
+    if cpu_kernels() is not None:
+        layout = experts.native13.layout
+        assert (layout[:, 0].tolist() == [NATIVE_TYPES[kind][0]] * 2) if kind != "float" else layout is None
+    assert_greedy_match(outs, hf_greedy(ref, prompts, GREEDY.max_tokens),
+                        min_identical_frac=0.5 if kind != "float" else 0.9)
+
+
+def test_moe_experts_under_quantization_int4_match_their_rounded_weights(tmp_path):
+    """`--quantization int4` on a float MoE checkpoint: each expert rounded per group as the dense layers are
+    (int4.py: quantize_rtn_int4), held as Q4_1 blocks: the layer's output as the rounded weights' own, within the int8
+    activations' rounding."""
+    from tiny_models import make_tiny_checkpoint
+
+    from pagedserve.model_executor.layers.fused_moe import fused_experts, select_experts
+    from pagedserve.model_executor.quantization.int4 import dequantize_rtn_int4, group_size_for, quantize_rtn_int4
+
+    ckpt = make_tiny_checkpoint("qwen2-moe", tmp_path / "float", **MOE)
+    llm = LLM(str(ckpt), quantization="int4", dtype="float32", num_threads=1)
+    experts = llm.llm_engine.runner.model.layers[1].mlp.experts
+    if cpu_kernels() is not None:
+        assert experts.native13.layout[:, 0].tolist() == [NATIVE_TYPES["Q4_1"][0]] * 2
+    weights = load_file(str(ckpt / "model.safetensors"))
+
+    def rounded(proj: str) -> torch.Tensor:
+        ws = [weights[f"model.layers.1.mlp.experts.{e}.{proj}.weight"].float() for e in range(experts.num_experts)]
+        return torch.stack([dequantize_rtn_int4(*quantize_rtn_int4(w, group_size_for(w.shape[1]))) for w in ws])
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 64, generator=gen)  # the tiny model's hidden size
+    topk_weights, topk_ids = select_experts(torch.randn(9, experts.num_experts, generator=gen), 2, False)
+    want = fused_experts(x, torch.cat([rounded("gate_proj"), rounded("up_proj")], dim=1), rounded("down_proj"),
+                         topk_weights, topk_ids)
+    got = experts(x, topk_weights, topk_ids)
+    assert ((got - want).norm() / want.norm()).item() < 0.03
+
+
+def test_moe_int8_checkpoint_experts_are_value_error(tmp_path):
+    pytest.importorskip("compressed_tensors")
+    ckpt, _ = make_quantized_checkpoint("qwen2-moe", "ct-w8a8", tmp_path, **MOE)
+    with pytest.raises(ValueError, match="not built for them"):
+        LLM(str(ckpt), dtype="float32", num_threads=1)

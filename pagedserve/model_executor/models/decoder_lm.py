@@ -174,7 +174,7 @@ class DecoderForCausalLM(nn.Module):
                 param = params[pname]
                 sizes = self._shard_sizes(target)
                 offset = sum(sizes[:shard])
-                _load_shard(param, tensor, offset, sizes[shard],
+                load_shard(param, tensor, offset, sizes[shard],
                             any(f"{pname}#{i}" in loaded for i in range(len(fused))))
                 loaded.add(f"{pname}#{shard}")
             elif name in params and hasattr(params[name], "output_dim"):  # a quantized checkpoint's tensor
@@ -254,7 +254,7 @@ class DecoderForCausalLM(nn.Module):
         return tensor
 
 
-def _load_shard(param: torch.Tensor, tensor: torch.Tensor, offset: int, size: int, another_loaded: bool) -> None:
+def load_shard(param: torch.Tensor, tensor: torch.Tensor, offset: int, size: int, another_loaded: bool) -> None:
     """One checkpoint projection into its fused parameter: output features [offset, offset + size), rows of a float
     weight. A quantized checkpoint's tensor (quantization/packed.py) says where its output features lie (`output_dim`,
     `packed_factor` of them to an element), or that it has none: then each shard holds the whole tensor, and where

@@ -19,12 +19,12 @@ from pagedserve.model_executor.layers.decoder import DecoderOptions
 from pagedserve.model_executor.layers.fused_moe import FusedMoE, SparseMoeBlock
 from pagedserve.model_executor.layers.fused_moe.layer import local_intermediate
 from pagedserve.model_executor.model_config import ModelConfig
-from pagedserve.model_executor.models.decoder_lm import DecoderForCausalLM
+from pagedserve.model_executor.models.decoder_lm import DecoderForCausalLM, load_shard
 
-_EXPERT = re.compile(r"^(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
 # a GGUF file's experts kept in blocks (quantization/gguf.py: GGUFExpertsMethod), one stacked tensor per projection
 _EXPERT_BLOCKS = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.qweight$")
-_SHARED = re.compile(r"^(layers\.\d+\.mlp\.shared_expert)\.(gate_proj|up_proj)\.(weight|qweight|qtype)$")
+_SHARED = re.compile(r"^(layers\.\d+\.mlp\.shared_expert)\.(gate_proj|up_proj)\.(\w+)$")
 _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -66,7 +66,11 @@ class _MoeForCausalLM(DecoderForCausalLM):
 
     def load_extra_weight(self, name: str, tensor: torch.Tensor, params: dict) -> str | None:
         m = _EXPERT.match(name)
-        if m is not None and f"{m[1]}.experts.w13_weight" in params:
+        if m is not None and f"{m[1]}.experts.checkpoint_experts.{m[2]}.{m[3]}.{m[4]}" in params:
+            key = f"{m[1]}.experts.checkpoint_experts.{m[2]}.{m[3]}.{m[4]}"  # a 4-bit format's tensor, as stored
+            params[key].data.copy_(tensor)
+            return key
+        if m is not None and m[4] == "weight" and f"{m[1]}.experts.w13_weight" in params:
             prefix, e, proj = m[1], int(m[2]), m[3]
             if proj == "down_proj":
                 params[f"{prefix}.experts.w2_weight"].data[e].copy_(tensor)
@@ -80,12 +84,13 @@ class _MoeForCausalLM(DecoderForCausalLM):
             params[f"{m[1]}.{m[2]}_qweight"].data.copy_(tensor)
             return f"{m[1]}.{m[2]}_qweight"
         m = _SHARED.match(name)
-        if m is not None:  # its float weight, or a GGUF file's blocks and their types (rows padded to one width)
+        if m is not None:  # its float weight, or a quantized format's tensors (their output features where they say)
             param = params[f"{m[1]}.gate_up_proj.{m[3]}"]
-            size = param.shape[0] // 2
-            offset = 0 if m[2] == "gate_proj" else size
-            param.data[offset:offset + size].copy_(tensor)
-            return f"{m[1]}.gate_up_proj.{m[3]}#{int(offset > 0)}"  # the shared rule's shard keys
+            dim = getattr(param, "output_dim", 0)
+            size = 0 if dim is None else param.shape[dim] * getattr(param, "packed_factor", 1) // 2
+            shard = int(m[2] == "up_proj")
+            load_shard(param, tensor, shard * size, size, False)
+            return f"{m[1]}.gate_up_proj.{m[3]}#{shard}"  # the shared rule's shard keys
         return None
 
 

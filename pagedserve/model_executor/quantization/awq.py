@@ -16,15 +16,14 @@ import torch
 from torch import nn
 
 from pagedserve.model_executor.quantization.base import LinearMethodBase
-from pagedserve.model_executor.quantization.int4 import Int4LinearMethod
+from pagedserve.model_executor.quantization.int4 import Int4LinearMethod, Int4Weights
 from pagedserve.model_executor.quantization.packed import (
     CheckpointQuantizationConfig,
     add_bias_and_int4_state,
     add_param,
     check_group_size,
-    drop_params,
-    set_zero_point_int4_weight,
     unpack_int4,
+    zero_point_int4_weights,
 )
 
 if TYPE_CHECKING:
@@ -45,11 +44,12 @@ class AWQLinearMethod(Int4LinearMethod):
         add_param(layer, "scales", (groups, out_features), torch.float32, output_dim=1)
         add_bias_and_int4_state(layer, out_features, bias, group)
 
-    def process_weights_after_loading(self, layer: Linear) -> None:
+    checkpoint_params = ("qweight", "qzeros", "scales")
+
+    def int4_weights(self, layer: nn.Module) -> Int4Weights:
         q = unpack_int4(layer.qweight.data, 1, AWQ_ORDER)  # [K, N]
         zeros = unpack_int4(layer.qzeros.data, 1, AWQ_ORDER)  # [G, N]
-        set_zero_point_int4_weight(layer, q.t(), zeros.t(), layer.scales.data.t(), layer.int4_group_size)
-        drop_params(layer, "qweight", "qzeros", "scales")
+        return zero_point_int4_weights(q.t(), zeros.t(), layer.scales.data.t(), layer.int4_group_size)
 
 
 class AWQConfig(CheckpointQuantizationConfig):

@@ -25,7 +25,7 @@ from torch import nn
 
 from pagedserve.model_executor.quantization.base import LinearMethodBase
 from pagedserve.model_executor.quantization.fp8 import Fp8DequantLinearMethod
-from pagedserve.model_executor.quantization.int4 import Int4LinearMethod
+from pagedserve.model_executor.quantization.int4 import Int4LinearMethod, Int4Weights
 from pagedserve.model_executor.quantization.int8 import Int8LinearMethod, clear_int8_weights
 from pagedserve.model_executor.quantization.packed import (
     CheckpointQuantizationConfig,
@@ -35,8 +35,8 @@ from pagedserve.model_executor.quantization.packed import (
     drop_params,
     layer_names,
     matches,
-    set_zero_point_int4_weight,
     unpack_int4,
+    zero_point_int4_weights,
 )
 
 if TYPE_CHECKING:
@@ -60,13 +60,14 @@ class CompressedTensorsW4A16(Int4LinearMethod):
             add_param(layer, "weight_g_idx", (in_features,), torch.int32, output_dim=None, shared_by_shards=True)
         add_bias_and_int4_state(layer, out_features, bias, group)
 
-    def process_weights_after_loading(self, layer: Linear) -> None:
+    checkpoint_params = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+
+    def int4_weights(self, layer: nn.Module) -> Int4Weights:
         q = unpack_int4(layer.weight_packed.data, 1)  # [N, K]: the signed values + 8
         zeros = unpack_int4(layer.weight_zero_point.data, 0) if not self.symmetric \
             else torch.full_like(layer.weight_scale.data, 8, dtype=torch.int32)
-        set_zero_point_int4_weight(layer, q, zeros, layer.weight_scale.data, layer.int4_group_size,
-                                   layer.weight_g_idx.data if self.group_actorder else None)
-        drop_params(layer, "weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+        return zero_point_int4_weights(q, zeros, layer.weight_scale.data, layer.int4_group_size,
+                                       layer.weight_g_idx.data if self.group_actorder else None)
 
 
 class CompressedTensorsW8A8Int8(Int8LinearMethod):

@@ -46,14 +46,18 @@ class Fp8DequantLinearMethod(UnquantizedLinearMethod):
         if self.static_input_scale:
             add_param(layer, "input_scale", (1,), torch.float32, output_dim=None)
 
-    def process_weights_after_loading(self, layer: Linear) -> None:
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        """The layer's weight times its scales, in place (the model dtype); an MoE expert's too."""
         w = layer.weight.data
         if self.block_size is None:
             scale = layer.weight_scale.data
         else:
             bn, bk = self.block_size
             scale = layer.weight_scale_inv.data.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:, :w.shape[1]]
-        w.mul_(scale.to(w.dtype))
+        return w.mul_(scale.to(w.dtype))
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        self.dequantize(layer)
         drop_params(layer, "weight_scale", "weight_scale_inv", "input_scale")
         super().process_weights_after_loading(layer)
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from pagedserve.model_executor.kernels import cpu_kernels
 from pagedserve.model_executor.quantization.base import LinearMethodBase, NativeLinearTensors
+from pagedserve.model_executor.quantization.int4 import Int4Weights
 from pagedserve.model_executor.quantization.packed import (
     FUSED_SHARDS,
     CheckpointQuantizationConfig,
@@ -111,6 +112,34 @@ class GGUFLinearMethod(LinearMethodBase):
             return None
         packed, layout = layer.gguf_parts
         return NativeLinearTensors(packed, layer.bias, None, None, sys.maxsize, gguf_layout=layout)
+
+
+def int4_gguf_rows(weights: Int4Weights) -> tuple[torch.Tensor, str] | None:
+    """GGUF rows [N, row bytes] uint8 of 4-bit weights (an int4 checkpoint's, quantization/int4.py), read by the same
+    kernel: Q4_0 (w = (q - 8) d) where every lo is -8 scale (symmetric: exact, the scales float16 as GPTQ stores
+    them), else Q4_1 (w = q d + m, m = lo rounded to float16). None where blocks of 32 cannot hold them: groups not
+    a whole number of blocks, or act-order's input order."""
+    if weights.input_perm is not None or weights.group_size % 32:
+        return None
+    n, k = weights.q.shape
+    scale = weights.scale.float()
+    per_block = weights.group_size // 32
+    nibbles = weights.q.to(torch.uint8).reshape(n, k // 32, 32)
+    parts = [scale.repeat_interleave(per_block, 1).to(torch.float16).view(torch.uint8).reshape(n, -1, 2)]  # d
+    symmetric = torch.equal(weights.lo.float(), -8 * scale)
+    if not symmetric:
+        parts.append(weights.lo.float().repeat_interleave(per_block, 1).to(torch.float16).view(torch.uint8)
+                     .reshape(n, -1, 2))  # m
+    parts.append(nibbles[..., :16] | (nibbles[..., 16:] << 4))  # byte j: value j (low nibble), j + 16 (high)
+    return torch.cat(parts, dim=-1).reshape(n, -1), "Q4_0" if symmetric else "Q4_1"
+
+
+def q4_0_as_q4_1(rows: torch.Tensor) -> torch.Tensor:
+    """Q4_0 rows rewritten as Q4_1, exactly (m = -8 d): one type for a stack whose experts mix the two."""
+    n = rows.shape[0]
+    blocks = rows.reshape(n, -1, 18)
+    m = (blocks[..., :2].contiguous().view(torch.float16) * -8).view(torch.uint8)
+    return torch.cat([blocks[..., :2], m, blocks[..., 2:]], dim=-1).reshape(n, -1)
 
 
 class GGUFExpertsMethod:

@@ -19,15 +19,14 @@ import torch
 from torch import nn
 
 from pagedserve.model_executor.quantization.base import LinearMethodBase
-from pagedserve.model_executor.quantization.int4 import Int4LinearMethod
+from pagedserve.model_executor.quantization.int4 import Int4LinearMethod, Int4Weights
 from pagedserve.model_executor.quantization.packed import (
     CheckpointQuantizationConfig,
     add_bias_and_int4_state,
     add_param,
     check_group_size,
-    drop_params,
-    set_zero_point_int4_weight,
     unpack_int4,
+    zero_point_int4_weights,
 )
 
 if TYPE_CHECKING:
@@ -48,12 +47,13 @@ class GPTQLinearMethod(Int4LinearMethod):
         add_param(layer, "g_idx", (in_features,), torch.int32, output_dim=None, shared_by_shards=True)
         add_bias_and_int4_state(layer, out_features, bias, group)
 
-    def process_weights_after_loading(self, layer: Linear) -> None:
+    checkpoint_params = ("qweight", "qzeros", "scales", "g_idx")
+
+    def int4_weights(self, layer: nn.Module) -> Int4Weights:
         q = unpack_int4(layer.qweight.data, 0)  # [K, N]
         zeros = unpack_int4(layer.qzeros.data, 1) + self.zero_offset  # [G, N]
-        set_zero_point_int4_weight(layer, q.t(), zeros.t(), layer.scales.data.t(), layer.int4_group_size,
-                                   layer.g_idx.data)
-        drop_params(layer, "qweight", "qzeros", "scales", "g_idx")
+        return zero_point_int4_weights(q.t(), zeros.t(), layer.scales.data.t(), layer.int4_group_size,
+                                       layer.g_idx.data)
 
 
 class GPTQConfig(CheckpointQuantizationConfig):

@@ -8,6 +8,7 @@ whole-stack decode over it) is not built yet, so these layers run outside the na
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,37 +47,70 @@ def dequantize_rtn_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) 
     return (groups * scale[..., None] + lo[..., None]).reshape(n, k)
 
 
-def set_int4_kernel_weight(layer: Linear, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, group_size: int,
-                           dtype: torch.dtype) -> None:
-    """The kernel's copy of w[n, k] = q[n, k] * scale[n, k // group_size] + lo[n, k // group_size] (q in 0..15) on
-    `layer`: what RTN and the int4 checkpoint formats (GPTQ, AWQ, compressed-tensors: lo = -zero * scale) all are.
-    A group of a multiple of the kernel's group sizes (a whole row: per channel) is cut into kernel groups that
-    share its scale and lo, exactly."""
+@dataclass
+class Int4Weights:
+    """w[n, k] = q[n, k] * scale[n, k // group_size] + lo[n, k // group_size] (q in 0..15): what RTN and the int4
+    checkpoint formats (GPTQ, AWQ, compressed-tensors: lo = -zero * scale) all are; with act-order the input channels
+    of q sorted by group (input_perm: x's columns in that order). dtype: of the scales the layer computes with."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    lo: torch.Tensor
+    group_size: int
+    dtype: torch.dtype
+    input_perm: torch.Tensor | None = None
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 w [N, K] in the checkpoint's input order."""
+        w = dequantize_rtn_int4(self.q, self.scale.float(), self.lo.float())
+        if self.input_perm is not None:
+            w = w[:, self.input_perm.argsort()]
+        return w
+
+
+def set_int4_kernel_weight(layer: Linear, weights: Int4Weights) -> None:
+    """The kernel's copy of `weights` on `layer`. A group of a multiple of the kernel's group sizes (a whole row: per
+    channel) is cut into kernel groups that share its scale and lo, exactly."""
+    q, group_size = weights.q, weights.group_size
     kernel_group = next((g for g in KERNEL_GROUP_SIZES if group_size % g == 0), None)
     if kernel_group is None or q.shape[0] % 16:
         raise ValueError(f"The CPU int4 kernel needs groups of a multiple of 32 input channels and output widths "
                          f"that are multiples of 16; got group size {group_size}, {q.shape[0]} outputs.")
     repeat = group_size // kernel_group
-    scale, lo = scale.float().repeat_interleave(repeat, dim=1), lo.float().repeat_interleave(repeat, dim=1)
+    scale = weights.scale.float().repeat_interleave(repeat, dim=1)
+    lo = weights.lo.float().repeat_interleave(repeat, dim=1)
     layer.int4_weight = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
     # the kernel dequantizes (q - 8) * scale + zero: its zero is the group's value at q = 8
     zeros = lo + 8 * scale
-    layer.int4_scale_zeros = torch.stack([scale.t(), zeros.t()], dim=-1).to(dtype).contiguous()
+    layer.int4_scale_zeros = torch.stack([scale.t(), zeros.t()], dim=-1).to(weights.dtype).contiguous()
     layer.int4_group_size = kernel_group
+    layer.int4_input_perm = weights.input_perm
 
 
 class Int4LinearMethod(LinearMethodBase):
+    """RTN int4 of a float checkpoint; the int4 checkpoint formats subclass it, each reading its own tensors
+    (`int4_weights`, then `checkpoint_params` dropped). An MoE layer's experts take the same `int4_weights` of each
+    expert's projections (layers/fused_moe/experts.py)."""
+
+    checkpoint_params: tuple[str, ...] = ("weight",)
+
     def create_weights(self, layer: Linear, in_features: int, out_features: int, bias: bool) -> None:
         super().create_weights(layer, in_features, out_features, bias)
         layer.int4_weight = layer.int4_scale_zeros = None
         layer.int4_group_size = group_size_for(in_features)
         layer.int4_input_perm = None  # GPTQ's act-order: the input channels in the order of their groups
 
-    def process_weights_after_loading(self, layer: Linear) -> None:
+    def int4_weights(self, layer: nn.Module) -> Int4Weights:
         w = layer.weight.detach()
         q, scale, lo = quantize_rtn_int4(w, layer.int4_group_size)
-        set_int4_kernel_weight(layer, q, scale, lo, layer.int4_group_size, w.dtype)
-        layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+        return Int4Weights(q, scale, lo, layer.int4_group_size, w.dtype)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        set_int4_kernel_weight(layer, self.int4_weights(layer))
+        for name in self.checkpoint_params:  # kept only as empty placeholders
+            if getattr(layer, name, None) is not None:
+                setattr(layer, name, nn.Parameter(torch.empty(0, dtype=getattr(layer, name).dtype),
+                                                  requires_grad=False))
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])

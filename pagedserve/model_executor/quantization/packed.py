@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pagedserve.model_executor.quantization.base import QuantizationConfig
-from pagedserve.model_executor.quantization.int4 import set_int4_kernel_weight
+from pagedserve.model_executor.quantization.int4 import Int4Weights
 from pagedserve.model_executor.quantization.unquantized import UnquantizedConfig
 
 if TYPE_CHECKING:
@@ -106,11 +106,12 @@ def check_group_size(method: str, group_size: int, in_features: int) -> int:
 
 
 
-def set_zero_point_int4_weight(layer: Linear, q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                               group_size: int, g_idx: torch.Tensor | None = None) -> None:
-    """The int4 kernel's copy of w[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g] (q, zeros in 0..15 [N, K], [N, G];
-    g = k // group_size, or g_idx[k] for act-order: then the input channels are sorted by group, here and in every
-    product (`int4_input_perm`), as vLLM's exllama path does)."""
+def zero_point_int4_weights(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+                            g_idx: torch.Tensor | None = None) -> Int4Weights:
+    """w[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g] (q, zeros in 0..15 [N, K], [N, G]; g = k // group_size, or
+    g_idx[k] for act-order: then the input channels are sorted by group, here and in every product (`input_perm`), as
+    vLLM's exllama path does)."""
+    perm = None
     if g_idx is not None:
         g_idx = g_idx.long()
         positional = torch.arange(q.shape[1]) // group_size
@@ -119,6 +120,5 @@ def set_zero_point_int4_weight(layer: Linear, q: torch.Tensor, zeros: torch.Tens
             if not torch.equal(g_idx[perm], positional):
                 raise ValueError(f"g_idx must give every group {group_size} input channels.")
             q = q[:, perm]
-            layer.int4_input_perm = perm
     scale = scales.float()
-    set_int4_kernel_weight(layer, q, scale, -zeros * scale, group_size, scales.dtype)
+    return Int4Weights(q, scale, -zeros * scale, group_size, scales.dtype, perm)

@@ -32,7 +32,9 @@ from torch import nn
 from pagedserve.model_executor.kernels import cpu_kernels
 from pagedserve.model_executor.layers.activation import SwigluOAI, silu_and_mul
 from pagedserve.model_executor.quantization.base import QuantizationConfig
-from pagedserve.model_executor.quantization.gguf import NATIVE_TYPES, GGUFExpertsMethod
+from pagedserve.model_executor.quantization.gguf import NATIVE_TYPES, GGUFExpertsMethod, int4_gguf_rows, q4_0_as_q4_1
+from pagedserve.model_executor.quantization.fp8 import Fp8DequantLinearMethod
+from pagedserve.model_executor.quantization.int4 import Int4LinearMethod
 from pagedserve.model_executor.quantization.int8 import Int8LinearMethod, q8_0_rows, quantize_per_channel
 from pagedserve.model_executor.quantization.unquantized import UnquantizedLinearMethod
 
@@ -147,6 +149,17 @@ class _StoredStack:
         self.n = w.shape[1]
 
 
+class _ExpertProjection(nn.Module):
+    """One expert's projection as a checkpoint format stores it: a 4-bit format's tensors (GPTQ / AWQ /
+    compressed-tensors W4A16, or the float weight `--quantization int4` rounds: read as Int4Weights once loaded) or
+    FP8 weights with their scales (dequantized once loaded)."""
+
+    def __init__(self, method: Int4LinearMethod | Fp8DequantLinearMethod, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        method.create_weights(self, in_features, out_features, False)
+
+
 class FusedMoE(nn.Module):
     """The experts of one layer: parameters w13_weight, w2_weight (and w13_bias, w2_bias with `bias`) for the
     checkpoint loader; `activation` maps the [rows, 2I] gate|up product to [rows, I]."""
@@ -158,11 +171,21 @@ class FusedMoE(nn.Module):
         self.num_experts = num_experts
         self.activation = activation
         self.method = quant_config.get_linear_method(self, prefix)
-        if not isinstance(self.method, (Int8LinearMethod, UnquantizedLinearMethod, GGUFExpertsMethod)):
-            raise ValueError(f"MoE experts run float, int8 (--quantization int8) or GGUF-block weights; quantization "
+        self.float_method = quant_config.float_config.method  # where 4-bit experts end up dequantized
+        kinds = (Int8LinearMethod, UnquantizedLinearMethod, GGUFExpertsMethod, Int4LinearMethod)
+        if not isinstance(self.method, kinds) or getattr(self.method, "per_token_activations", False):
+            raise ValueError(f"MoE experts run float, FP8, int8 (--quantization int8), 4-bit (GPTQ, AWQ, "
+                             f"compressed-tensors W4A16, --quantization int4) or GGUF-block weights; quantization "
                              f"{quant_config.name!r} is not built for them.")
+        self.checkpoint_experts = None
         if isinstance(self.method, GGUFExpertsMethod):  # the file's blocks; float weights only if dequantized
             self.method.create_weights(self, num_experts, hidden, intermediate)
+            self.w13_weight = self.w2_weight = None
+        elif isinstance(self.method, (Int4LinearMethod, Fp8DequantLinearMethod)):  # each expert's, as stored
+            self.checkpoint_experts = nn.ModuleList(nn.ModuleDict({
+                "gate_proj": _ExpertProjection(self.method, hidden, intermediate),
+                "up_proj": _ExpertProjection(self.method, hidden, intermediate),
+                "down_proj": _ExpertProjection(self.method, intermediate, hidden)}) for _ in range(num_experts))
             self.w13_weight = self.w2_weight = None
         else:
             self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
@@ -174,10 +197,17 @@ class FusedMoE(nn.Module):
     def process_weights_after_loading(self) -> None:
         if isinstance(self.method, GGUFExpertsMethod):
             self._process_gguf_blocks()
-            return
-        w13, w2 = self.w13_weight.detach(), self.w2_weight.detach()
-        int8 = isinstance(self.method, Int8LinearMethod)
-        allow = self.method.allow_native if int8 else self.method.backend == "native"
+        elif isinstance(self.method, Fp8DequantLinearMethod):
+            self._process_dequantized_experts(self.method.dequantize)
+        elif self.checkpoint_experts is not None:
+            self._process_int4_experts()
+        else:
+            int8 = isinstance(self.method, Int8LinearMethod)
+            self._process_float_experts(self.w13_weight.detach(), self.w2_weight.detach(), int8,
+                                        self.method.allow_native if int8 else self.method.backend == "native")
+
+    def _process_float_experts(self, w13: torch.Tensor, w2: torch.Tensor, int8: bool, allow: bool) -> None:
+        """Float (or, int8: quantized per channel) experts packed for the native call where it runs their dtype."""
         ops = cpu_kernels() if allow and w13.device.type == "cpu" and w13.dtype in (torch.float32, torch.bfloat16) \
             else None
         stacks = self._native_stacks(ops, w13, w2, int8) if ops is not None else None
@@ -207,6 +237,50 @@ class FusedMoE(nn.Module):
             self.w2_weight = nn.Parameter(w2, requires_grad=False)
         for proj in GGUFExpertsMethod.PROJECTIONS:
             delattr(self, f"{proj}_qweight")
+
+    def _process_int4_experts(self) -> None:
+        """Each expert's 4-bit weights as GGUF Q4_0 / Q4_1 rows (quantization/gguf.py: int4_gguf_rows) for the native
+        call, like a GGUF file's experts: half a byte per weight. Where blocks cannot hold them (act-order, groups of
+        fewer than 32) or the kernels do not run, dequantized to float experts."""
+        first = self.method.int4_weights(self.checkpoint_experts[0]["gate_proj"])
+        ops = cpu_kernels() if first.q.device.type == "cpu" and first.dtype in (torch.float32, torch.bfloat16) \
+            else None
+        stacks = self._int4_block_stacks() if ops is not None and ops.native_gguf_type(NATIVE_TYPES["Q4_1"][0]) \
+            else None
+        if stacks is not None:
+            self.native13, self.native2 = stacks
+            self.checkpoint_experts = None
+        else:
+            self._process_dequantized_experts(lambda e: self.method.int4_weights(e).dequantize().to(first.dtype))
+
+    def _process_dequantized_experts(self, dequantize: Callable[[nn.Module], torch.Tensor]) -> None:
+        """The checkpoint's experts dequantized (`dequantize(projection)`: its float weight) into float experts."""
+        def stacked(proj: str) -> torch.Tensor:
+            return torch.stack([dequantize(e[proj]) for e in self.checkpoint_experts])
+
+        w13 = torch.cat([stacked("gate_proj"), stacked("up_proj")], dim=1)
+        w2 = stacked("down_proj")
+        self.checkpoint_experts = None
+        self.w13_weight = nn.Parameter(w13, requires_grad=False)
+        self.w2_weight = nn.Parameter(w2, requires_grad=False)
+        self._process_float_experts(w13, w2, False, self.float_method.backend == "native")
+
+    def _int4_block_stacks(self) -> tuple[_BlockStack, _BlockStack] | None:
+        rows: dict[str, list[tuple[torch.Tensor, str]]] = {p: [] for p in GGUFExpertsMethod.PROJECTIONS}
+        for expert in self.checkpoint_experts:
+            for proj in rows:
+                converted = int4_gguf_rows(self.method.int4_weights(expert[proj]))
+                if converted is None:
+                    return None
+                rows[proj].append(converted)
+        parts = {}
+        for proj, converted in rows.items():  # one type per projection: Q4_1 if any expert's is
+            type_name = "Q4_1" if any(t == "Q4_1" for _, t in converted) else "Q4_0"
+            blocks = [q4_0_as_q4_1(r) if t != type_name else r for r, t in converted]
+            parts[proj] = (torch.stack(blocks), NATIVE_TYPES[type_name][0])
+        down = self.checkpoint_experts[0]["down_proj"]
+        return (_BlockStack.from_blocks([parts["gate_proj"], parts["up_proj"]], down.out_features),
+                _BlockStack.from_blocks([parts["down_proj"]], down.in_features))
 
     @staticmethod
     def _native_stacks(ops, w13: torch.Tensor, w2: torch.Tensor, int8: bool) -> tuple | None:

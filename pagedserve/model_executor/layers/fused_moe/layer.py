@@ -55,8 +55,9 @@ class SparseMoeBlock(nn.Module):
         self.gate = Linear(hidden, num_experts, False, quant_config.float_config, f"{prefix}.gate")
         self.experts = FusedMoE(num_experts, hidden, local_intermediate(intermediate, parallel, "moe_intermediate_size"),
                                 quant_config, f"{prefix}.experts")
-        if parallel.tp_size > 1 and isinstance(self.experts.method, GGUFExpertsMethod):
-            raise ValueError("A GGUF file's MoE experts kept in their blocks run with tensor_parallel_size=1.")
+        if parallel.tp_size > 1 and (isinstance(self.experts.method, GGUFExpertsMethod)
+                                     or self.experts.checkpoint_experts is not None):
+            raise ValueError("4-bit and GGUF MoE experts run with tensor_parallel_size=1.")
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate:
             shared = local_intermediate(shared_intermediate, parallel, "shared_expert_intermediate_size")
