@@ -587,6 +587,18 @@ void rows_in_passes(const Blocks& blocks, const ActQ& a, int64_t m_rows, bool fi
   }
 }
 
+// Up to 4 rows a product streams its weights from memory once (a decode step's are in no cache). A K-quant's blocks
+// (TileBlocks) and Q8_0's three tiles (TilesBlocks) ask for their share of the unit kPrefetchUnits ahead (past a tile's
+// end, the next tile's: tiles lie one after another): streaming from DRAM on a 2-vCPU Zen 5 that took a Q4_K product
+// from 28 to 44 GB/s at one row and the Q6_K LM head from 25 to 40, Q8_0 1.0-1.14x, where the 32-k 4-bit types,
+// already at ~40 GB/s, gained nothing (BENCHMARKS.md section 49); products in cache lose some, as a decode step's
+// are not.
+constexpr int kPrefetchUnits = 2;
+
+[[gnu::always_inline]] inline void prefetch_slice(const uint8_t* unit_ahead, int slice_bytes, int slice) {
+  for (int line = 0; line < slice_bytes; line += 64) __builtin_prefetch(unit_ahead + slice * slice_bytes + line, 0, 3);
+}
+
 // The tile's blocks decoded from it as a pass of rows reaches them: unit by unit, NH vectors at a time, and in a
 // K-quant unit the 8 blocks of those vectors in turn (they share its d and dmin).
 template <int TYPE, int NH>
@@ -605,6 +617,7 @@ struct TileBlocks {
       PS_UNROLL_TILE
       for (int h = 0; h < H; h += NH)
         for (int j = 0; j < per_unit; ++j) {
+          if (per_unit > 1 && h == 0) prefetch_slice(p + kPrefetchUnits * unit_bytes, unit_bytes / per_unit, j);
           BlockScales s[NH];
           for (int v = 0; v < NH; ++v) unpack_scales<TYPE>(p, j, h + v, s[v]);
           use(u * per_unit + j, h,
@@ -629,6 +642,7 @@ struct TilesBlocks {
       BlockScales s[H];
       for (int h = 0; h < H; ++h) {
         p[h] = tile + h / HT * tile_bytes + u * unit_bytes;
+        if (h % HT == 0) prefetch_slice(p[h] + kPrefetchUnits * unit_bytes, unit_bytes, 0);
         unpack_scales<TYPE>(p[h], 0, h % HT, s[h]);
       }
       use(u, 0, [&](int h, int g) __attribute__((always_inline)) { return group_values<TYPE>(p[h], 0, h % HT, g); },
