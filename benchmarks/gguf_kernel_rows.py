@@ -14,11 +14,16 @@ Prints microseconds per call (median over rounds) and GMAC/s (multiply-adds of t
 builds, each build's speed relative to the first's (first's time / its time) in parentheses. `--cpu-time` (one
 thread) times the calling thread's CPU time and takes the minimum over rounds instead: other processes on a shared
 machine then add only their cache and frequency effects, never their run time, so small kernel differences show.
+`--cold-mb MB` streams the weights from memory, as a decode step does (its weights are in no cache): each product
+cycles through copies of its packed weight totalling at least MB (more than the last-level cache), and each build's
+weight GB/s is printed in braces (no int8 / float32 peers then).
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
+import math
 import statistics
 import time
 import warnings
@@ -97,6 +102,8 @@ def main(argv=None) -> int:
     p.add_argument("--min-seconds", type=float, default=0.3, help="per product, row count, build and round")
     p.add_argument("--no-head", action="store_true")
     p.add_argument("--no-peers", action="store_true", help="skip int8 and float32")
+    p.add_argument("--cold-mb", type=float, default=0.0, help="cycle each product through copies of its packed "
+                   "weight totalling at least this many MB, so that every call reads it from memory")
     p.add_argument("--build", action="append", default=[], metavar="LABEL=SO")
     p.add_argument("--cpu-time", action="store_true", help="the calling thread's CPU time, minimum over rounds "
                    "(--threads 1 only: the other threads' time is not counted)")
@@ -113,7 +120,7 @@ def main(argv=None) -> int:
     products = file_products(args.gguf, args.layer, not args.no_head)
     rows = [int(r) for r in args.rows.split(",")]
     fns: dict[tuple[str, str], object] = {}  # (engine, product) -> x -> y
-    shapes = {}
+    shapes, weight_bytes = {}, {}
     for product, parts in products.items():
         k = parts[0][2]
         n = sum(raw.shape[0] for raw, _, _ in parts)
@@ -121,9 +128,12 @@ def main(argv=None) -> int:
         for label, ops in builds.items():
             packed = torch.cat([ops.gguf_repack(torch.from_numpy(raw), t, raw.shape[0], k) for raw, t, _ in parts])
             layout = torch.tensor([[t, raw.shape[0]] for raw, t, _ in parts], dtype=torch.int64)
-            fns[(label, product)] = lambda x, ops=ops, packed=packed, layout=layout: ops.gguf_gemm(x, packed, layout,
-                                                                                                   None)
-        if not args.no_peers:
+            weight_bytes[product] = packed.numel()
+            copies = itertools.cycle([packed] + [packed.clone() for _ in range(
+                math.ceil(args.cold_mb * 1e6 / packed.numel()) - 1)])
+            fns[(label, product)] = lambda x, ops=ops, copies=copies, layout=layout: ops.gguf_gemm(
+                x, next(copies), layout, None)
+        if not args.no_peers and not args.cold_mb:
             fns[("int8", product)] = int8_product(next(iter(builds.values())), n, k)
             w = torch.randn(n, k)
             fns[("fp32", product)] = lambda x, w=w: F.linear(x, w)
@@ -146,7 +156,8 @@ def main(argv=None) -> int:
             for engine in engines:
                 t = summary(times[(engine, product)])
                 ratio = f" ({first / t:.3f})" if engine in builds and len(builds) > 1 else ""
-                cells.append(f"{engine} {t * 1e6:9.1f} [{m * n * k / t / 1e9:5.1f}]{ratio}")
+                stream = f" {{{weight_bytes[product] / t / 1e9:4.1f} GB/s}}" if args.cold_mb and engine in builds else ""
+                cells.append(f"{engine} {t * 1e6:9.1f} [{m * n * k / t / 1e9:5.1f}]{stream}{ratio}")
             print(f"rows {m:4d} {product:8s} {n:6d}x{k:<5d} {types:10s} " + "  ".join(cells), flush=True)
     return 0
 

@@ -30,6 +30,11 @@ def test_products_and_rows(tmp_path, monkeypatch, capsys):
     assert len(lines) == 2 * 5  # row counts x products
     assert all(" tree " in line and " int8 " in line and " fp32 " in line for line in lines)
     assert "Q4_K+Q6_K" in lines[0]
+    # streaming from memory: each product cycles through copies of its weight, the weight GB/s printed, no peers
+    assert gguf_kernel_rows.main(["--gguf", str(path), "--rows", "1", "--rounds", "1", "--min-seconds", "0.003",
+                                  "--cold-mb", "2"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rows")]
+    assert len(lines) == 5 and all(" GB/s}" in line and " int8 " not in line for line in lines)
 
 
 def test_refuses_two_builds_of_one_module_name(tmp_path, monkeypatch):
