@@ -62,15 +62,16 @@ def make_tiny_gguf(arch: str, tensor_type: str, out_dir, *, seed: int = 0, quant
 
     out_dir = Path(out_dir)
     layer_types = layer_types or {}
-    if arch == "qwen3-moe":  # llama.cpp's qwen3moe has experts in every layer (no mlp_only_layers)
-        overrides.setdefault("mlp_only_layers", [])
-    if arch == "qwen2-moe":  # the shared expert's down projection in whole blocks of 32 (the tiny model's is 48)
-        overrides.setdefault("shared_expert_intermediate_size", 64)
     k_quant = {tensor_type, *layer_types.values()} & set(K_QUANTS)
     widen = dict(hidden_size=256, intermediate_size=512, head_dim=64) if k_quant else {}
     if k_quant and arch in _GGUF_ARCH:  # the experts' down projection reads rows of moe_intermediate_size
         widen.update(moe_intermediate_size=256, shared_expert_intermediate_size=256 if arch == "qwen2-moe" else 0)
-    ckpt = make_tiny_checkpoint(arch, out_dir / "hf", seed=seed, **widen, **overrides)
+    overrides = {**widen, **overrides}
+    if arch == "qwen3-moe":  # llama.cpp's qwen3moe has experts in every layer (no mlp_only_layers)
+        overrides.setdefault("mlp_only_layers", [])
+    if arch == "qwen2-moe":  # the shared expert's down projection in whole blocks of 32 (the tiny model's is 48)
+        overrides.setdefault("shared_expert_intermediate_size", 64)
+    ckpt = make_tiny_checkpoint(arch, out_dir / "hf", seed=seed, **overrides)
     cfg = json.loads((ckpt / "config.json").read_text())
     weights = load_file(str(ckpt / "model.safetensors"))
     tok = json.loads((ckpt / "tokenizer.json").read_text())

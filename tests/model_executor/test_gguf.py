@@ -144,7 +144,8 @@ def _converted_names(llm) -> set[str]:
 # activations of every GGUF linear its random routers flip experts past near ties, attention's alone did: 19 of 72
 # tokens before the first divergence with the experts in float)
 @pytest.mark.parametrize("arch,tensor_type,layer_types", [
-    ("qwen2-moe", "Q8_0", None), ("qwen2-moe", "Q4_0", None), ("qwen3-moe", "Q4_K", {"ffn_down_exps": "Q6_K"})])
+    ("qwen2-moe", "Q8_0", None), ("qwen2-moe", "Q4_0", None), ("qwen3-moe", "Q4_K", {"ffn_down_exps": "Q6_K"}),
+    ("qwen2-moe", "Q4_K", {"ffn_down_exps": "Q6_K"})])
 def test_gguf_moe_experts_in_blocks_match_hf(tmp_path, arch, tensor_type, layer_types):
     """An MoE file's stacked experts (llama.cpp's ffn_{gate,up,down}_exps) stay in their blocks from the file to the
     native experts call: the converted checkpoint holds them as stored, never as float weights, each expert's gate|up
