@@ -6,6 +6,9 @@
 
 #include <torch/csrc/utils/pybind.h>
 
+// The products and attention release the GIL while they run: the server's event loop (streaming the tokens) shares
+// the process with the engine thread, and an MoE model's decode step is Python layers calling these (a GGUF LM head
+// alone holds a CPU for ~5 ms).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, py::call_guard<py::gil_scoped_release>(),
         "decode attention over a paged KV cache (CPU)",
@@ -22,14 +25,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row ([rows, n] or [T, heads, n]); with residual: residual += x in "
         "place, then its RMSNorm; with out (may be x): written there (float32 or bfloat16)", py::arg("x"),
         py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("out") = py::none());
-  m.def("fused_moe_experts", &fused_moe_experts, "an MoE layer's experts on packed stacks: the (token, slot) pairs "
+  m.def("fused_moe_experts", &fused_moe_experts, py::call_guard<py::gil_scoped_release>(), "an MoE layer's experts on packed stacks: the (token, slot) pairs "
         "sorted by expert (pair_tokens, pair_weights; counts per expert), each expert act(x[rows] W13^T + b13) W2^T + "
         "b2, and per token the sum of its pairs' rows times their weights; int8 with scales and shifts, GGUF blocks "
         "with their parts' layouts; activation 0 "
         "silu, 1 gpt-oss's clamped SwiGLU");
   m.def("native_bf16_weight_gemm", &native_bf16_weight_gemm, "whether bf16_weight_gemm runs in this build (AVX2) for "
         "this K (a multiple of 8)");
-  m.def("bf16_weight_gemm", &bf16_weight_gemm, "x W^T (+ b) for a bfloat16 weight [N, K] as stored, in float32 "
+  m.def("bf16_weight_gemm", &bf16_weight_gemm, py::call_guard<py::gil_scoped_release>(), "x W^T (+ b) for a bfloat16 weight [N, K] as stored, in float32 "
         "arithmetic (CPUs without bfloat16 instructions); x float32 or bfloat16, y in x's dtype", py::arg("x"),
         py::arg("weight"), py::arg("bias") = py::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] projection (float32 or bfloat16)");
@@ -78,7 +81,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Q5_1, Q4_K, Q5_K, Q6_K)");
   m.def("gguf_repack", &gguf_repack, "a GGUF tensor's blocks ([N, row bytes] uint8 as stored) repacked for gguf_gemm",
         py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"));
-  m.def("gguf_gemm", &gguf_gemm, "x W^T (+ b) on GGUF block-quantized weights: `packed` the repacked parts (side "
+  m.def("gguf_gemm", &gguf_gemm, py::call_guard<py::gil_scoped_release>(), "x W^T (+ b) on GGUF block-quantized weights: `packed` the repacked parts (side "
         "by side along N, e.g. a fused layer's shards) one after another, `layout` [parts, 2] int64 their (type, "
         "width); x quantized to int8 on the fly per block of 32 (or, per_row_activations, with one scale per row); "
         "col_scale [N] multiplies each output column (before the bias)", py::arg("x"), py::arg("packed"),
