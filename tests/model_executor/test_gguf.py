@@ -198,3 +198,20 @@ def test_gguf_bad_file_is_value_error(tmp_path):
     bad.write_bytes(b"not a gguf file")
     with pytest.raises(ValueError, match="GGUF"):
         LLM(str(bad), num_threads=1)
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "gptq"])
+def test_block_held_moe_experts_refuse_tensor_parallelism(fmt):
+    """GGUF-block experts and a 4-bit format's per-expert tensors are not sliced for tensor parallelism: a clear
+    ValueError, not a wrong load."""
+    from pagedserve.model_executor.layers.fused_moe import SparseMoeBlock
+    from pagedserve.model_executor.parallel_state import ParallelLayout, ParallelState
+    from pagedserve.model_executor.quantization.gguf import GGUFConfig
+    from pagedserve.model_executor.quantization.gptq import GPTQConfig
+
+    prefix = "layers.0.mlp.experts"
+    config = GGUFConfig(checkpoint_config={"linear_types": {f"model.{prefix}.{p}": "Q8_0"
+                                                            for p in ("gate_proj", "up_proj", "down_proj")}}) \
+        if fmt == "gguf" else GPTQConfig(checkpoint_config={"bits": 4, "group_size": 32})
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        SparseMoeBlock(64, 4, 2, 64, True, 0, ParallelState(ParallelLayout(tp_size=2)), config, "layers.0.mlp")
