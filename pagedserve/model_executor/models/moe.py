@@ -66,8 +66,8 @@ class _MoeForCausalLM(DecoderForCausalLM):
 
     def load_extra_weight(self, name: str, tensor: torch.Tensor, params: dict) -> str | None:
         m = _EXPERT.match(name)
-        if m is not None and f"{m[1]}.experts.checkpoint_experts.{m[2]}.{m[3]}.{m[4]}" in params:
-            key = f"{m[1]}.experts.checkpoint_experts.{m[2]}.{m[3]}.{m[4]}"  # a 4-bit format's tensor, as stored
+        key = None if m is None else f"{m[1]}.experts.checkpoint_experts.{m[2]}.{m[3]}.{m[4]}"  # a format's, as stored
+        if key in params:
             params[key].data.copy_(tensor)
             return key
         if m is not None and m[4] == "weight" and f"{m[1]}.experts.w13_weight" in params:

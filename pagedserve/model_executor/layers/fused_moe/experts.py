@@ -232,9 +232,7 @@ class FusedMoE(nn.Module):
             self.native13 = _BlockStack.from_blocks(gate_up, self.down_proj_qweight.shape[1])
             self.native2 = _BlockStack.from_blocks(down, self.gate_proj_qweight.shape[1])
         else:
-            w13, w2 = self.method.dequantized(self)
-            self.w13_weight = nn.Parameter(w13, requires_grad=False)
-            self.w2_weight = nn.Parameter(w2, requires_grad=False)
+            self._use_float_experts(*self.method.dequantized(self))
         for proj in GGUFExpertsMethod.PROJECTIONS:
             delattr(self, f"{proj}_qweight")
 
@@ -242,34 +240,44 @@ class FusedMoE(nn.Module):
         """Each expert's 4-bit weights as GGUF Q4_0 / Q4_1 rows (quantization/gguf.py: int4_gguf_rows) for the native
         call, like a GGUF file's experts: half a byte per weight. Where blocks cannot hold them (act-order, groups of
         fewer than 32) or the kernels do not run, dequantized to float experts."""
-        first = self.method.int4_weights(self.checkpoint_experts[0]["gate_proj"])
-        ops = cpu_kernels() if first.q.device.type == "cpu" and first.dtype in (torch.float32, torch.bfloat16) \
-            else None
-        stacks = self._int4_block_stacks() if ops is not None and ops.native_gguf_type(NATIVE_TYPES["Q4_1"][0]) \
-            else None
+        stacks = self._int4_block_stacks()
         if stacks is not None:
             self.native13, self.native2 = stacks
             self.checkpoint_experts = None
         else:
-            self._process_dequantized_experts(lambda e: self.method.int4_weights(e).dequantize().to(first.dtype))
+            def dequantize(projection: nn.Module) -> torch.Tensor:
+                weights = self.method.int4_weights(projection)
+                return weights.dequantize().to(weights.dtype)
+            self._process_dequantized_experts(dequantize)
 
     def _process_dequantized_experts(self, dequantize: Callable[[nn.Module], torch.Tensor]) -> None:
         """The checkpoint's experts dequantized (`dequantize(projection)`: its float weight) into float experts."""
         def stacked(proj: str) -> torch.Tensor:
             return torch.stack([dequantize(e[proj]) for e in self.checkpoint_experts])
 
-        w13 = torch.cat([stacked("gate_proj"), stacked("up_proj")], dim=1)
-        w2 = stacked("down_proj")
+        w13, w2 = torch.cat([stacked("gate_proj"), stacked("up_proj")], dim=1), stacked("down_proj")
         self.checkpoint_experts = None
+        self._use_float_experts(w13, w2)
+
+    def _use_float_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Dequantized experts as float ones: on the float layers' kernels (packed where they run the dtype)."""
         self.w13_weight = nn.Parameter(w13, requires_grad=False)
         self.w2_weight = nn.Parameter(w2, requires_grad=False)
         self._process_float_experts(w13, w2, False, self.float_method.backend == "native")
 
     def _int4_block_stacks(self) -> tuple[_BlockStack, _BlockStack] | None:
+        """The two block stacks, or None where the kernels do not run here (another device or dtype) or blocks cannot
+        hold an expert's weights."""
+        ops = cpu_kernels()
+        if ops is None or not ops.native_gguf_type(NATIVE_TYPES["Q4_1"][0]):
+            return None
         rows: dict[str, list[tuple[torch.Tensor, str]]] = {p: [] for p in GGUFExpertsMethod.PROJECTIONS}
         for expert in self.checkpoint_experts:
             for proj in rows:
-                converted = int4_gguf_rows(self.method.int4_weights(expert[proj]))
+                weights = self.method.int4_weights(expert[proj])
+                if weights.q.device.type != "cpu" or weights.dtype not in (torch.float32, torch.bfloat16):
+                    return None
+                converted = int4_gguf_rows(weights)
                 if converted is None:
                     return None
                 rows[proj].append(converted)
