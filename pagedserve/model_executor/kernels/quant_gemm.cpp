@@ -587,13 +587,16 @@ void rows_in_passes(const Blocks& blocks, const ActQ& a, int64_t m_rows, bool fi
   }
 }
 
-// Up to 4 rows a product streams its weights from memory once (a decode step's are in no cache). A K-quant's blocks
-// (TileBlocks) and Q8_0's three tiles (TilesBlocks) ask for their share of the unit kPrefetchUnits ahead (past a tile's
-// end, the next tile's: tiles lie one after another): streaming from DRAM on a 2-vCPU Zen 5 that took a Q4_K product
-// from 28 to 44 GB/s at one row and the Q6_K LM head from 25 to 40, Q8_0 1.0-1.14x, where the 32-k 4-bit types,
-// already at ~40 GB/s, gained nothing (BENCHMARKS.md section 49); products in cache lose some, as a decode step's
-// are not.
-constexpr int kPrefetchUnits = 2;
+// A decode step's products stream their weights from memory once (they are in no cache), at every row count: as a
+// pass of rows (TileBlocks, up to 4 rows) or the chunk decoding (more rows) reaches a block, it asks for the block
+// kPrefetchBlocks on (16 x 32 k: two K-quant units, 16 of a 32-k type; past a tile's end, the next pass's tiles':
+// tiles lie one after another), Q8_0's three tiles at once (TilesBlocks) for their unit kTilesPrefetchUnits on.
+// Streaming from DRAM on a 2-vCPU Zen 5 (BENCHMARKS.md sections 49, 51): a Q4_K product from 28 to 44 GB/s at one
+// row, the Q6_K LM head from 25 to 40, Q4_0 1.1-1.3x at one row and 1.1-1.7x at 4; at 8-32 rows, where the decoded
+// chunk had no prefetch and ran at 5-10 GB/s, half the speed of the same product in cache, Q4_K_M's products
+// 1.2-1.9x and Q4_0's 1.3-1.55x; Q8_0 unchanged by a farther distance.
+constexpr int kPrefetchBlocks = 16;
+constexpr int kTilesPrefetchUnits = 2;
 
 [[gnu::always_inline]] inline void prefetch_slice(const uint8_t* unit_ahead, int slice_bytes, int slice) {
   for (int line = 0; line < slice_bytes; line += 64) __builtin_prefetch(unit_ahead + slice * slice_bytes + line, 0, 3);
@@ -617,7 +620,7 @@ struct TileBlocks {
       PS_UNROLL_TILE
       for (int h = 0; h < H; h += NH)
         for (int j = 0; j < per_unit; ++j) {
-          if (per_unit > 1 && h == 0) prefetch_slice(p + kPrefetchUnits * unit_bytes, unit_bytes / per_unit, j);
+          if (h == 0) prefetch_slice(p + kPrefetchBlocks / per_unit * unit_bytes, unit_bytes / per_unit, j);
           BlockScales s[NH];
           for (int v = 0; v < NH; ++v) unpack_scales<TYPE>(p, j, h + v, s[v]);
           use(u * per_unit + j, h,
@@ -642,7 +645,7 @@ struct TilesBlocks {
       BlockScales s[H];
       for (int h = 0; h < H; ++h) {
         p[h] = tile + h / HT * tile_bytes + u * unit_bytes;
-        if (h % HT == 0) prefetch_slice(p[h] + kPrefetchUnits * unit_bytes, unit_bytes, 0);
+        if (h % HT == 0) prefetch_slice(p[h] + kTilesPrefetchUnits * unit_bytes, unit_bytes, 0);
         unpack_scales<TYPE>(p[h], 0, h % HT, s[h]);
       }
       use(u, 0, [&](int h, int g) __attribute__((always_inline)) { return group_values<TYPE>(p[h], 0, h % HT, g); },
@@ -748,11 +751,18 @@ void tile_all_rows(const uint8_t* tile, int64_t tile_bytes, int64_t units, int u
   using Chunk = DecodedChunk<NT>;
   Chunk chunk;
   const int64_t blocks = units * per_unit;
+  // the unit kPrefetchBlocks past block bi's in tile nt: past the tile's end, the same tile of the next pass (NT
+  // tiles on)
+  const auto unit_ahead = [&](int64_t bi, int nt) __attribute__((always_inline)) {
+    const int64_t u = (bi + kPrefetchBlocks) / per_unit;
+    return tile + (u < units ? nt * tile_bytes + u * unit_bytes : (NT + nt) * tile_bytes + (u - units) * unit_bytes);
+  };
   for (int64_t b0 = 0; b0 < blocks; b0 += Chunk::kBlocks) {
     const int64_t b1 = std::min<int64_t>(blocks, b0 + Chunk::kBlocks);
     for (int64_t bi = b0; bi < b1; ++bi)
       for (int h = 0; h < Chunk::H; ++h) {
         const uint8_t* p = tile + h / HT * tile_bytes + bi / per_unit * unit_bytes;
+        if (h % HT == 0) prefetch_slice(unit_ahead(bi, h / HT), unit_bytes / per_unit, bi % per_unit);
         for (int g = 0; g < 8; ++g) chunk.w[bi - b0][h][g] = group_values<TYPE>(p, bi % per_unit, h % HT, g);
         unpack_scales<TYPE>(p, bi % per_unit, h % HT, chunk.s[bi - b0][h]);
       }
