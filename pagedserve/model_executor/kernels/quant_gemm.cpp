@@ -722,10 +722,14 @@ void q8_0_rows(const uint8_t* tile, int64_t units, int unit_bytes, const ActQ& a
 // tile, one broadcast per VPDPBUSD held the many-row product at about 200 GMAC/s a core on a Zen 4, where our int8
 // small GEMM reaches 320-430; three tiles: 1.2-1.6x, BENCHMARKS section 45). Q8_0's values need no decoding with
 // VNNI (stored as the unsigned operand): its passes read the three tiles themselves (TilesBlocks), which on a Zen 5
-// was 1.1-1.27x the decoded chunk at 16 rows and 1.0-1.13x at 64 (the chunk's stores and reloads of every value
-// gone), over the whole K (in stretches of 8 blocks, as the chunk, 0.91-0.96x at 64 rows); a 4-bit type's passes
-// decoding its nibbles themselves ran 0.76-0.94x the chunk. Q8_0 takes this path at 1-4 rows too (gguf_gemm). (Q8_0
-// at 2-4 rows on AVX2: q8_0_rows, both vectors at once.)
+// was 1.1-1.27x the decoded chunk at 16 rows and 1.0-1.13x at 64 on one thread (the chunk's stores and reloads of
+// every value gone), over the whole K (in stretches of 8 blocks, as the chunk, 0.91-0.96x at 64 rows); a 4-bit type's
+// passes decoding its nibbles themselves ran 0.76-0.94x the chunk. Up to kQ8TilesMaxRows only: on two threads, the
+// engine's, the chunk ran 1.2-1.46x these passes at 64 and 256 rows (their three tiles over the whole K, 52-156 KB,
+// re-read for every 4 rows; BENCHMARKS.md section 51). Q8_0 takes this path at 1-4 rows too (gguf_gemm). (Q8_0 at
+// 2-4 rows on AVX2: q8_0_rows, both vectors at once.)
+constexpr int64_t kQ8TilesMaxRows = 16;
+
 template <int TYPE, int NT>
 void tile_all_rows(const uint8_t* tile, int64_t tile_bytes, int64_t units, int unit_bytes, const ActQ& a,
                    int64_t m_rows, float* out /* [m_rows][NT x 16] */) {
@@ -745,8 +749,9 @@ void tile_all_rows(const uint8_t* tile, int64_t tile_bytes, int64_t units, int u
       return rows_in_passes<TYPE, 1, kTile>(TileBlocks<TYPE, 1>{tile, units, unit_bytes}, a, m_rows, true, out);
   }
   if constexpr (TYPE == kQ8_0 && NT > 1) {
-    return rows_in_passes<TYPE, NT * HT, NT * kTile>(TilesBlocks<TYPE, NT>{tile, tile_bytes, units, unit_bytes}, a,
-                                                     m_rows, true, out);
+    if (m_rows <= kQ8TilesMaxRows)
+      return rows_in_passes<TYPE, NT * HT, NT * kTile>(TilesBlocks<TYPE, NT>{tile, tile_bytes, units, unit_bytes}, a,
+                                                       m_rows, true, out);
   }
   using Chunk = DecodedChunk<NT>;
   Chunk chunk;
