@@ -69,11 +69,11 @@ def test_freed_activations_are_reused_not_faulted_in_again():
 
 @pytest.mark.slow
 @glibc
-@pytest.mark.parametrize("thread, at_least", [(False, 10), (True, 2)])
+@pytest.mark.parametrize("thread, at_least", [(False, 4), (True, 2)])
 def test_a_prefills_activations_past_the_mmap_threshold_are_reused(thread, at_least):
-    # 3 rounds x 128 MiB is 98,304 pages, all faulted again under glibc's defaults; kept: measured ~2,000 on the main
-    # thread, ~29,000 on another (a thread's arena keeps fewer of its 64 MiB heaps), against ~80,000 with the mmap
-    # threshold alone
+    # 3 rounds x 128 MiB is 98,304 pages, all faulted again under glibc's defaults (measured 71,000-98,000); kept:
+    # 2,000-10,000 on the main thread, ~29,000 on another (a thread's arena keeps fewer of its 64 MiB heaps), against
+    # ~80,000 with the mmap threshold alone
     kept, applied = faults_of_three_steps("1", prefill=True, thread=thread)
     default, not_applied = faults_of_three_steps("0", prefill=True, thread=thread)
     assert (applied, not_applied) == ("True", "False")
