@@ -27,7 +27,7 @@ M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
 M_TOP_PAD = -2
 M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
-HEAP_PAD = 64 << 20  # a thread arena's heap size: freed, such a heap stays (glibc deletes heaps within top_pad)
+HEAP_PAD = 64 << 20  # a thread arena's heap size: glibc deletes an emptied heap only when that frees more than this
 MAX_MMAP_THRESHOLD = 32 << 20  # glibc's upper limit on 64-bit systems
 NEVER_TRIM = 2**31 - 1  # the largest value mallopt's int takes
 
